@@ -1,0 +1,97 @@
+"""The mpi4py peer of `xpod bench p2p`, run under mpirun by `bench.peers.run_peer("mpi4py", ...)`:
+
+    mpirun -np 2 --oversubscribe --bind-to core [--allow-run-as-root] \\
+        python -m bench.mpi_peer p2p --sizes 8,4096,8388608 --iters-scale 1.0
+
+Rank 0 pings (comm.Send then comm.Recv of numpy uint8 buffers) and times every round trip, rank 1
+answers. Same iteration counts and warm-up as the other peers (`bench.peers.iters_for`). Rank 0
+prints one JSON row per size on stdout (`bench.common.p2p_row`, transport "mpi4py"); rank 1 sends
+it its CPU seconds so that `cpu_s_per_die` is the mean of both ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+
+import numpy as np
+
+from bench.common import p2p_row, parse_sizes
+from bench.peers import SIDE_BYTE, iters_for, warmup_for
+
+TAG_PAYLOAD = 7
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.mpi_peer", description="mpi4py peer of xpod bench p2p"
+    )
+    parser.add_argument("bench", choices=["p2p"])
+    parser.add_argument("--sizes", type=parse_sizes, required=True, help="e.g. 8,4096,8M")
+    parser.add_argument("--iters-scale", type=float, default=1.0)
+    args = parser.parse_args(argv)
+
+    from mpi4py import MPI  # initialises MPI: only once the arguments are known to be good
+
+    comm = MPI.COMM_WORLD
+    try:
+        if comm.Get_size() != 2:
+            raise RuntimeError(f"needs exactly 2 ranks, got {comm.Get_size()}: mpirun -np 2")
+        for size in args.sizes:
+            row = _pingpong(comm, MPI.BYTE, size, args.iters_scale)
+            if row is not None:
+                print(json.dumps(row), flush=True)
+    except BaseException:
+        # Without the abort the other rank would wait in Recv forever.
+        traceback.print_exc()
+        sys.stderr.flush()
+        comm.Abort(1)
+        raise
+    return 0
+
+
+def _pingpong(comm, mpi_byte, size: int, iters_scale: float) -> dict | None:
+    """Warm up, then time `iters_for(size)` round trips. Rank 0 returns the row, rank 1 None."""
+    rank = comm.Get_rank()
+    peer = 1 - rank
+    send_buf = [np.full(size, SIDE_BYTE[rank], dtype=np.uint8), mpi_byte]
+    recv_arr = np.zeros(size, dtype=np.uint8)
+    recv_buf = [recv_arr, mpi_byte]
+    iters = iters_for(size, iters_scale)
+    _rounds(comm, rank, peer, send_buf, recv_buf, warmup_for(iters), [])
+    stamps: list[int] = []
+    cpu0 = time.process_time()
+    stamps.append(time.perf_counter_ns())
+    _rounds(comm, rank, peer, send_buf, recv_buf, iters, stamps)
+    cpu_s = time.process_time() - cpu0
+    want = SIDE_BYTE[peer]
+    if recv_arr[0] != want or recv_arr[-1] != want:
+        raise RuntimeError(
+            f"rank {rank} received {recv_arr[0]:#x}..{recv_arr[-1]:#x}, expected {want:#x}"
+        )
+    peer_cpu_s = comm.sendrecv(cpu_s, dest=peer, source=peer)
+    if rank != 0:
+        return None
+    one_way_ns = np.diff(np.asarray(stamps, dtype=np.int64)) / 2
+    return p2p_row("mpi4py", "", 1, size, one_way_ns, (cpu_s + peer_cpu_s) / 2)
+
+
+def _rounds(comm, rank: int, peer: int, send_buf, recv_buf, n: int, stamps: list) -> None:
+    """n round trips; rank 0 appends perf_counter_ns() after each."""
+    send, recv, now = comm.Send, comm.Recv, time.perf_counter_ns
+    if rank == 0:
+        for _ in range(n):
+            send(send_buf, peer, TAG_PAYLOAD)
+            recv(recv_buf, peer, TAG_PAYLOAD)
+            stamps.append(now())
+    else:
+        for _ in range(n):
+            recv(recv_buf, peer, TAG_PAYLOAD)
+            send(send_buf, peer, TAG_PAYLOAD)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""The data plane: XCCL point-to-point send / recv, the wait policy, the trace.
+
+Every function takes the calling die first (`runtime.Die`, a `comm.Endpoint`):
+
+    comm.send(die, buf, dst, event_id, cores=1, variant="mte")
+    comm.recv(die, buf, src, event_id, cores=1, variant="mte")
+    req = comm.isend(...); req.test(); req.wait()
+    comm.barrier(die)
+"""
+
+from comm.endpoint import Endpoint, barrier
+from comm.p2p import VARIANTS, Request, irecv, isend, recv, send
+from comm.trace import Trace, steps_of, to_chrome, write_chrome
+from comm.wait import WaitContext, WaitPolicy, wait_ge
+from memory.errors import ConfigError, PeerTimeout, PodAborted, PodError, ProtocolError
+
+__all__ = [
+    "VARIANTS",
+    "ConfigError",
+    "Endpoint",
+    "PeerTimeout",
+    "PodAborted",
+    "PodError",
+    "ProtocolError",
+    "Request",
+    "Trace",
+    "WaitContext",
+    "WaitPolicy",
+    "barrier",
+    "irecv",
+    "isend",
+    "recv",
+    "send",
+    "steps_of",
+    "to_chrome",
+    "wait_ge",
+    "write_chrome",
+]

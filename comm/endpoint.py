@@ -1,0 +1,140 @@
+"""A die's view of the pod for `comm/`: every region mapped, hot-path indices precomputed.
+
+`runtime.Die` extends this class, so every `comm` function takes a die as its first argument
+(`comm.send(die, buf, dst, event_id)`). The only Python-side state kept here is what the die
+alone writes and would otherwise re-read from shared memory: per-peer message counters.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from comm.dma import DmaEngine
+from comm.trace import Trace
+from comm.wait import WaitContext, WaitPolicy, wait_ge
+from memory import layout as L
+from memory.region import Region
+
+
+class Endpoint:
+    """Per-die communication state.
+
+    Arguments:
+        die_id: this die.
+        regions: every die's Region, indexed by die id (this die's own included).
+        policy: the wait policy for every poll of this die.
+        ub_bytes: unified-buffer bytes per lane (ping-pong halves of ub_bytes // 2).
+        trace: the die's trace buffer.
+        abort: optional (words, index, value): waits raise PodAborted once words[index] != value.
+    """
+
+    def __init__(
+        self,
+        die_id: int,
+        regions: list[Region],
+        policy: WaitPolicy,
+        ub_bytes: int = 192 * 1024,
+        trace: Trace | None = None,
+        abort: tuple | None = None,
+    ):
+        self.die_id = die_id
+        self.regions = regions
+        self.num_dies = len(regions)
+        self.local = regions[die_id]
+        self.layout: L.RegionLayout = self.local.layout
+        self.lanes = self.layout.lanes
+        self.policy = policy
+        self.ctx = WaitContext(die_id, abort)
+        self.trace = trace if trace is not None else Trace(die_id)
+        self.words = [r.words for r in regions]
+        self.bytes = [r.bytes for r in regions]
+        self.ub_bytes = ub_bytes
+        self._ub: list[tuple[memoryview, memoryview]] = []
+        self._dma: DmaEngine | None = None
+        n, lanes = self.num_dies, self.lanes
+        # Messages this die has sent to (dst, lane); the receiver echoes it into ack.done.
+        self.tx_seq = [[0] * lanes for _ in range(n)]
+        # Zero-copy rendezvous: posted by this die as receiver / consumed by this die as sender.
+        self.rdv_posted = [[0] * lanes for _ in range(n)]
+        self.rdv_used = [[0] * lanes for _ in range(n)]
+        # Outstanding async requests per peer, in issue order (a pair carries one message at once).
+        self.tx_queue: list[list] = [[] for _ in range(n)]
+        self.rx_queue: list[list] = [[] for _ in range(n)]
+        self.sync_count = 0
+        self.tables = _Tables(self.layout)
+        # The small-message fast path sends one chunk through half of lane 0's UB.
+        self.ub0 = self.ub(0)[0]
+        self.small_bytes = min(self.layout.slot_bytes, len(self.ub0))
+
+    # -- resources ------------------------------------------------------------------------------
+
+    def ub(self, lane: int) -> tuple[memoryview, memoryview]:
+        """The ping-pong halves of `lane`'s unified buffer (private memory, never shared)."""
+        while len(self._ub) <= lane:
+            half = self.ub_bytes // 2
+            buf = memoryview(bytearray(2 * half))
+            self._ub.append((buf[:half], buf[half:]))
+        return self._ub[lane]
+
+    @property
+    def dma(self) -> DmaEngine:
+        if self._dma is None:
+            self._dma = DmaEngine(self.die_id)
+        return self._dma
+
+    def close(self) -> None:
+        if self._dma is not None:
+            self._dma.close()
+            self._dma = None
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def check_peer(self, peer: int, what: str) -> None:
+        if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.num_dies:
+            raise ValueError(
+                f"die {self.die_id}: {what} {peer!r} is out of range [0, {self.num_dies - 1}]"
+            )
+        if peer == self.die_id:
+            raise ValueError(f"die {self.die_id}: {what} {peer} is this die itself")
+
+    def check_cores(self, cores: int) -> None:
+        if not isinstance(cores, int) or not 1 <= cores <= self.lanes:
+            raise ValueError(
+                f"die {self.die_id}: cores {cores!r} is out of range [1, {self.lanes}]"
+                " (PodConfig.lanes)"
+            )
+
+    # -- waiting --------------------------------------------------------------------------------
+
+    def wait_ge(self, words: memoryview, idx: int, target: int, peer: int, field: str) -> int:
+        return wait_ge(words, idx, target, self.policy, self.ctx, peer, field)
+
+
+class _Tables:
+    """Word indices of lane 0's fields and ring offsets, per peer (the fast path's lookups)."""
+
+    __slots__ = ("desc0", "ack0", "ring0", "slots", "slot_bytes", "info_mte1")
+
+    def __init__(self, lo: L.RegionLayout):
+        n = lo.num_dies
+        self.desc0 = [lo.field_word("desc", p, 0) for p in range(n)]
+        self.ack0 = [lo.field_word("ack", p, 0) for p in range(n)]
+        self.ring0 = [lo.ring_off(p, 0) for p in range(n)]
+        self.slots = lo.ring_slots
+        self.slot_bytes = lo.slot_bytes
+        self.info_mte1 = 1 << 40 | 1 << 56  # msg_info bits of a 1-lane mte message
+
+
+def barrier(ep: Endpoint) -> None:
+    """Wait until every die of the pod has entered the same number of barriers.
+
+    Each die bumps its own `sync.count` (single writer) and polls every peer's. O(num_dies) reads
+    per die; cheap next to anything a barrier separates.
+    """
+    ep.sync_count += 1
+    n = ep.sync_count
+    idx = ep.layout.sync_off // L.WORD + L.SYNC_COUNT
+    ep.words[ep.die_id][idx] = n
+    for peer in range(ep.num_dies):
+        if peer != ep.die_id:
+            ep.wait_ge(ep.words[peer], idx, n, peer, "sync.count")

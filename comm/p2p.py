@@ -1,0 +1,824 @@
+"""XCCL point-to-point send / recv over the dies' shared regions (PROTOCOLS.md §4, 001 §3.1).
+
+Per (sender s, receiver r, lane l) there is one inbound descriptor `desc[s][l]` in r's meta area
+(written by s), one ack `ack[r][l]` in s's meta area (written by r), one zero-copy rendezvous
+`rdv[r][l]` in s's meta area (written by r) and one ring in r's managed area (written by s).
+
+Steps (the trace records each by number, see `comm.trace.STEP_NAMES`):
+
+```
+ sender s                                         receiver r
+ 1 MTE2: stripe chunk app -> UB half (ping-pong)
+ 2 MTE3: UB -> ring slot tail % slots in r        5 poll desc[s][l].tail_ptr > head_ptr
+   (wait for credit: tail - head < slots)
+ 3 publish desc: event_id, chunk_id, msg_info,    6 ring slot -> UB -> app; publish
+   then tail_ptr LAST                               ack.head_ptr (the credit)
+ 4 poll own ack[r][l].done >= seq                 7 after the last chunk: ack.event_id,
+ 8 done on every lane: check ack.status             ack.status, then ack.done = seq LAST
+```
+
+Variants:
+- `mte`: as drawn, staged through the lane's UB (two private copies around the ring).
+- `dma`: the die's DMA engine thread runs the lane loop: app <-> ring directly, as many contiguous
+  free slots per copy as credits allow, while the caller blocks without CPU (`comm.dma`).
+- `zero-copy`: the receiver first publishes (step 0) `rdv`: event_id, region offset and size of its
+  destination stripe in its app area, then seq LAST; the sender writes straight into it; steps 3,
+  4, 7, 8 as above (one virtual chunk per lane, no ring slot).
+- async: `isend` / `irecv` return a `Request`; `test()` advances without blocking, `wait()` blocks.
+
+`msg_info` (descriptor word 3) = nbytes | lanes << 40 | dtype.num << 48 | variant << 56, so the
+receiver checks size, lane count, dtype and variant of every message. `chunk_id` = seq << 24 |
+chunk index, where seq counts messages per (sender, receiver, lane) and is what the receiver
+echoes into `ack.done` (a monotonic word; caller event ids may repeat).
+
+A mismatch found by the receiver (event id, size, lanes, dtype, variant) is answered by draining
+the sender's message and acking it with a non-zero `status`: both sides raise ProtocolError and
+the pair's counters stay consistent, so the pod stays usable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from comm.endpoint import Endpoint
+from comm.trace import now_ns
+from memory import layout as L
+from memory.errors import ProtocolError
+
+MTE, DMA, ZC = 1, 2, 3
+VARIANTS = {"mte": MTE, "dma": DMA, "zero-copy": ZC}
+VARIANT_NAMES = {v: k for k, v in VARIANTS.items()}
+
+OK, BAD_EVENT, BAD_SIZE, BAD_LANES, BAD_DTYPE, BAD_VARIANT = 0, 1, 2, 3, 4, 5
+STATUS_TEXT = {
+    BAD_EVENT: "event id mismatch",
+    BAD_SIZE: "size mismatch",
+    BAD_LANES: "lane-count (cores) mismatch",
+    BAD_DTYPE: "dtype mismatch",
+    BAD_VARIANT: "variant mismatch (zero-copy on one side only)",
+}
+RDV_CANCELLED = -(1 << 62)  # rdv.event_id of a rendezvous the receiver withdrew
+
+SEQ_SHIFT = 24
+NBYTES_MASK = (1 << 40) - 1
+BIG_COPY = 1 << 20  # from here numpy copies beat memoryview (20 vs 11 GB/s at 8 MiB here)
+_INT = (int, np.integer)
+EVENT_LIMIT = 1 << 62
+
+
+def pack_info(nbytes: int, lanes: int, dtype_num: int, variant: int) -> int:
+    return nbytes | lanes << 40 | dtype_num << 48 | variant << 56
+
+
+def unpack_info(info: int) -> tuple[int, int, int, int]:
+    """msg_info -> (nbytes, lanes, dtype.num, variant)."""
+    return info & NBYTES_MASK, (info >> 40) & 0xFF, (info >> 48) & 0xFF, (info >> 56) & 0x7F
+
+
+def stripes(nbytes: int, lanes: int) -> list[tuple[int, int]]:
+    """Byte range [lo, hi) of each lane: equal 64-byte-aligned stripes, the last one shorter."""
+    per = -(-nbytes // lanes)
+    per = -(-per // 64) * 64
+    return [(min(nbytes, i * per), min(nbytes, (i + 1) * per)) for i in range(lanes)]
+
+
+def _copy(dst: memoryview, src: memoryview) -> None:
+    if len(src) >= BIG_COPY:
+        np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
+    else:
+        dst[:] = src
+
+
+def byte_view(buf: np.ndarray, what: str, writable: bool) -> memoryview:
+    """Flat uint8 memoryview of a C-contiguous numpy array; clear errors otherwise.
+
+    The common case is one `memoryview(buf).cast("B")` (~0.25 us); the checks that explain a
+    refusal run only when that fails.
+    """
+    if type(buf) is np.ndarray:
+        try:
+            m = memoryview(buf)
+            if m.format != "O" and (not writable or not m.readonly):
+                return m.cast("B")
+        except (TypeError, ValueError):
+            pass  # not C-contiguous, or a dtype without a buffer format: explained below
+    if not isinstance(buf, np.ndarray):
+        raise TypeError(f"{what} must be a numpy array, got {type(buf).__name__}")
+    if buf.dtype.hasobject:
+        raise TypeError(f"{what} has dtype {buf.dtype}, which holds Python objects")
+    if not buf.flags.c_contiguous:
+        raise ValueError(
+            f"{what} is not C-contiguous (strides {buf.strides}); pass np.ascontiguousarray(...)"
+        )
+    if writable and not buf.flags.writeable:
+        raise ValueError(f"{what} is read-only")
+    return memoryview(buf.reshape(-1).view(np.uint8))
+
+
+# ------------------------------------------------------------------------------------------------
+# Lane state machines. pump() moves as far as possible without blocking and says if it moved;
+# blocked() names the one word the lane waits for; finished() is true once the lane is complete.
+# ------------------------------------------------------------------------------------------------
+
+
+class _TxRing:
+    """Sender lane of the ring variants (mte, dma)."""
+
+    __slots__ = (
+        "ep", "dst", "lane", "src", "lo", "hi", "k", "nchunks", "seq", "event_id", "info",
+        "dw", "desc", "aw", "ack", "ring", "ring_off", "tail", "dma", "op",
+    )  # fmt: skip
+
+    def __init__(self, ep, dst, lane, src, lo, hi, event_id, info, dma):
+        lo_ = ep.layout
+        self.ep, self.dst, self.lane, self.src, self.lo, self.hi = ep, dst, lane, src, lo, hi
+        self.k = 0
+        self.nchunks = max(1, -(-(hi - lo) // lo_.slot_bytes))
+        self.seq = ep.tx_seq[dst][lane] = ep.tx_seq[dst][lane] + 1
+        self.event_id, self.info, self.dma = event_id, info, dma
+        self.op = "dma_send" if dma else "send"
+        self.dw = ep.words[dst]
+        self.desc = lo_.field_word("desc", ep.die_id, lane)
+        self.aw = ep.words[ep.die_id]
+        self.ack = lo_.field_word("ack", dst, lane)
+        self.ring = ep.bytes[dst]
+        self.ring_off = lo_.ring_off(ep.die_id, lane)
+        self.tail = self.dw[self.desc + L.DESC_TAIL]
+
+    def pump(self) -> bool:
+        k, nch = self.k, self.nchunks
+        if k == nch:
+            return False
+        ep = self.ep
+        lo_ = ep.layout
+        slots, C = lo_.ring_slots, lo_.slot_bytes
+        aw, ack, dw, desc = self.aw, self.ack, self.dw, self.desc
+        tr = ep.trace if ep.trace.enabled else None
+        tail = self.tail
+        head = aw[ack + L.ACK_HEAD]
+        moved = False
+        while k < nch and tail - head < slots:
+            # DMA moves every contiguous free slot in one copy; MTE one slot through the UB.
+            run = min(nch - k, slots - (tail - head), slots - tail % slots) if self.dma else 1
+            a = self.lo + k * C
+            b = min(self.hi, a + run * C)
+            off = self.ring_off + (tail % slots) * C
+            if self.dma:
+                t0 = now_ns()
+                _copy(self.ring[off : off + b - a], self.src[a:b])
+                if tr:
+                    tr.rec(
+                        t0, now_ns() - t0, "dma_send", 2, self.dst, self.lane, self.event_id, b - a
+                    )
+            else:
+                self._mte(a, b, off, k, tr)
+            # Payload first, descriptor next, tail_ptr LAST: the receiver reads the slot and the
+            # descriptor only after it sees tail_ptr move (x86-64 TSO keeps store order).
+            dw[desc + L.DESC_EVENT] = self.event_id
+            dw[desc + L.DESC_CHUNK] = self.seq << SEQ_SHIFT | (k + run - 1)
+            dw[desc + L.DESC_INFO] = self.info
+            tail += run
+            dw[desc + L.DESC_TAIL] = tail
+            if tr:
+                tr.rec(now_ns(), 0, self.op, 3, self.dst, self.lane, self.event_id, b - a)
+            k += run
+            moved = True
+            head = aw[ack + L.ACK_HEAD]
+        self.k, self.tail = k, tail
+        return moved
+
+    def _mte(self, a, b, off, k, tr):
+        ub = self.ep.ub(self.lane)
+        half = len(ub[0])
+        ring, src = self.ring, self.src
+        for p in range(a, max(b, a + 1), half):
+            q = min(b, p + half)
+            h = ub[k & 1]  # ping-pong halves
+            t0 = now_ns()
+            h[: q - p] = src[p:q]  # step 1, MTE2
+            t1 = now_ns()
+            o = off + p - a
+            ring[o : o + q - p] = h[: q - p]  # step 2, MTE3
+            if tr:
+                t2 = now_ns()
+                tr.rec(t0, t1 - t0, "send", 1, self.dst, self.lane, self.event_id, q - p)
+                tr.rec(t1, t2 - t1, "send", 2, self.dst, self.lane, self.event_id, q - p)
+            k += 1
+
+    def blocked(self):
+        if self.k < self.nchunks:
+            slots = self.ep.layout.ring_slots
+            return self.aw, self.ack + L.ACK_HEAD, self.tail - slots + 1, self.dst, "ack.head_ptr"
+        return self.aw, self.ack + L.ACK_DONE, self.seq, self.dst, "ack.done"
+
+    def finished(self) -> bool:
+        if self.k < self.nchunks or self.aw[self.ack + L.ACK_DONE] < self.seq:
+            return False
+        _check_ack(self.ep, self.aw, self.ack, self.dst, self.event_id)
+        return True
+
+
+class _TxZeroCopy:
+    """Sender lane of zero-copy: wait for the receiver's rendezvous, write into its app area."""
+
+    __slots__ = (
+        "ep", "dst", "lane", "src", "lo", "hi", "seq", "event_id", "info", "dw", "desc",
+        "aw", "ack", "rdv", "sent", "t_wait",
+    )  # fmt: skip
+
+    def __init__(self, ep, dst, lane, src, lo, hi, event_id, info):
+        lo_ = ep.layout
+        self.ep, self.dst, self.lane, self.src, self.lo, self.hi = ep, dst, lane, src, lo, hi
+        self.seq = ep.tx_seq[dst][lane] = ep.tx_seq[dst][lane] + 1
+        self.event_id, self.info = event_id, info
+        self.dw = ep.words[dst]
+        self.desc = lo_.field_word("desc", ep.die_id, lane)
+        self.aw = ep.words[ep.die_id]
+        self.ack = lo_.field_word("ack", dst, lane)
+        self.rdv = lo_.field_word("rdv", dst, lane)
+        self.sent = False
+        self.t_wait = now_ns()
+
+    def pump(self) -> bool:
+        if self.sent:
+            return False
+        ep, aw, rdv = self.ep, self.aw, self.rdv
+        seq = aw[rdv + L.RDV_SEQ]
+        used = ep.rdv_used[self.dst][self.lane]
+        if seq <= used:
+            return False
+        ep.rdv_used[self.dst][self.lane] = seq
+        if aw[rdv + L.RDV_EVENT] == RDV_CANCELLED:
+            return True  # a withdrawn rendezvous: consume it and wait for the next one
+        tr = ep.trace if ep.trace.enabled else None
+        if tr:
+            tr.rec(self.t_wait, now_ns() - self.t_wait, "zc_send", 0, self.dst, self.lane,
+                   self.event_id, 0)  # fmt: skip
+        off, nbytes = aw[rdv + L.RDV_OFF], aw[rdv + L.RDV_NBYTES]
+        n = self.hi - self.lo
+        lo_ = ep.layout
+        in_app = lo_.app_off <= off and off + n <= lo_.app_off + lo_.app_bytes
+        if aw[rdv + L.RDV_EVENT] == self.event_id and nbytes == n and in_app:
+            t0 = now_ns()
+            _copy(ep.bytes[self.dst][off : off + n], self.src[self.lo : self.hi])
+            if tr:
+                tr.rec(t0, now_ns() - t0, "zc_send", 2, self.dst, self.lane, self.event_id, n)
+        # else: no copy; the receiver finds the mismatch in the descriptor and nacks it.
+        dw, desc = self.dw, self.desc
+        dw[desc + L.DESC_EVENT] = self.event_id
+        dw[desc + L.DESC_CHUNK] = self.seq << SEQ_SHIFT
+        dw[desc + L.DESC_INFO] = self.info
+        dw[desc + L.DESC_TAIL] = dw[desc + L.DESC_TAIL] + 1  # LAST
+        if tr:
+            tr.rec(now_ns(), 0, "zc_send", 3, self.dst, self.lane, self.event_id, n)
+        self.sent = True
+        return True
+
+    def blocked(self):
+        if not self.sent:
+            used = self.ep.rdv_used[self.dst][self.lane]
+            return self.aw, self.rdv + L.RDV_SEQ, used + 1, self.dst, "rdv.seq"
+        return self.aw, self.ack + L.ACK_DONE, self.seq, self.dst, "ack.done"
+
+    def finished(self) -> bool:
+        if not self.sent or self.aw[self.ack + L.ACK_DONE] < self.seq:
+            return False
+        _check_ack(self.ep, self.aw, self.ack, self.dst, self.event_id)
+        return True
+
+
+def _check_ack(ep: Endpoint, aw, ack: int, dst: int, event_id: int) -> None:
+    """Step 8: the receiver acked; raise if it rejected the message."""
+    status = aw[ack + L.ACK_STATUS]
+    if status:
+        raise ProtocolError(
+            f"die {ep.die_id} send to die {dst} (event_id {event_id}): the receiver rejected it:"
+            f" {STATUS_TEXT.get(status, status)} (receiver expected event_id"
+            f" {aw[ack + L.ACK_EVENT]}); message discarded"
+        )
+
+
+class _Rx:
+    """Receiver lane: consume ring chunks (mte via UB, dma direct, or drain) or zero-copy."""
+
+    __slots__ = (
+        "ep", "src", "lane", "dst", "lo", "hi", "k", "nchunks", "event_id", "mode", "status",
+        "lw", "desc", "rw", "ack", "ring", "ring_off", "head", "acked", "t_wait", "op",
+    )  # fmt: skip
+
+    def __init__(self, ep, src, lane, dst, lo, hi, nchunks, event_id, mode, status=OK):
+        lo_ = ep.layout
+        self.ep, self.src, self.lane, self.dst, self.lo, self.hi = ep, src, lane, dst, lo, hi
+        self.k, self.nchunks, self.event_id = 0, nchunks, event_id
+        self.mode, self.status = mode, status  # mode: MTE, DMA, ZC, or 0 = drain
+        self.op = {DMA: "dma_recv", ZC: "zc_recv"}.get(mode, "recv")
+        self.lw = ep.words[ep.die_id]
+        self.desc = lo_.field_word("desc", src, lane)
+        self.rw = ep.words[src]
+        self.ack = lo_.field_word("ack", ep.die_id, lane)
+        self.ring = ep.bytes[ep.die_id]
+        self.ring_off = lo_.ring_off(src, lane)
+        self.head = self.rw[self.ack + L.ACK_HEAD]
+        self.acked = False
+        self.t_wait = now_ns()
+
+    def pump(self) -> bool:
+        if self.acked:
+            return False
+        ep = self.ep
+        tail = self.lw[self.desc + L.DESC_TAIL]
+        head, k, nch = self.head, self.k, self.nchunks
+        if head >= tail:
+            return False
+        tr = ep.trace if ep.trace.enabled else None
+        if tr and k == 0:
+            tr.rec(self.t_wait, now_ns() - self.t_wait, self.op, 5, self.src, self.lane,
+                   self.event_id, 0)  # fmt: skip
+        lo_ = ep.layout
+        slots, C = lo_.ring_slots, lo_.slot_bytes
+        rw, ack, mode = self.rw, self.ack, self.mode
+        while head < tail and k < nch:
+            run = min(tail - head, nch - k, slots - head % slots) if mode == DMA else 1
+            if mode in (MTE, DMA):
+                a = self.lo + k * C
+                b = min(self.hi, a + run * C)
+                off = self.ring_off + (head % slots) * C
+                t0 = now_ns()
+                if mode == DMA:
+                    _copy(self.dst[a:b], self.ring[off : off + b - a])
+                else:
+                    self._mte(a, b, off, k)
+                if tr:
+                    tr.rec(t0, now_ns() - t0, self.op, 6, self.src, self.lane, self.event_id, b - a)
+            head += run
+            k += run
+            rw[ack + L.ACK_HEAD] = head  # the credit: frees `run` slots for the sender
+        self.head, self.k = head, k
+        if k == nch:
+            self._ack(tr)
+        return True
+
+    def _mte(self, a, b, off, k):
+        ub = self.ep.ub(self.lane)
+        half = len(ub[0])
+        ring, dst = self.ring, self.dst
+        for p in range(a, b, half):
+            q = min(b, p + half)
+            h = ub[k & 1]
+            o = off + p - a
+            h[: q - p] = ring[o : o + q - p]  # MTE2: ring -> UB
+            dst[p:q] = h[: q - p]  # MTE3: UB -> app
+            k += 1
+
+    def _ack(self, tr) -> None:
+        # Step 7: event id and status first, done (the word the sender polls) LAST.
+        seq = self.lw[self.desc + L.DESC_CHUNK] >> SEQ_SHIFT
+        rw, ack = self.rw, self.ack
+        rw[ack + L.ACK_EVENT] = self.event_id
+        rw[ack + L.ACK_STATUS] = self.status
+        rw[ack + L.ACK_DONE] = seq
+        self.acked = True
+        if tr:
+            tr.rec(now_ns(), 0, self.op, 7, self.src, self.lane, self.event_id, self.hi - self.lo)
+
+    def blocked(self):
+        return self.lw, self.desc + L.DESC_TAIL, self.head + 1, self.src, "desc.tail_ptr"
+
+    def finished(self) -> bool:
+        return self.acked
+
+
+# ------------------------------------------------------------------------------------------------
+# Requests: one message between this die and one peer, over `cores` lanes.
+# ------------------------------------------------------------------------------------------------
+
+
+class Request:
+    """An outstanding send or receive (returned by `isend` / `irecv`).
+
+    `test()` advances the transfer as far as it can without blocking and returns True once it is
+    complete; `wait()` blocks (with the pod's wait policy) until then. Both raise the transfer's
+    error (ProtocolError, PeerTimeout) if it failed. Requests to or from the same peer complete in
+    issue order; a pair carries one message at a time, as in XCCL.
+    """
+
+    __slots__ = ("ep", "peer", "is_send", "event_id", "_start", "_lanes", "_job", "_queue", "done")
+
+    def __init__(self, ep: Endpoint, peer: int, is_send: bool, event_id: int, start):
+        self.ep, self.peer, self.is_send, self.event_id = ep, peer, is_send, event_id
+        self._start = start  # () -> list of lanes, or None while it cannot start yet
+        self._lanes: list | None = None
+        self._job = None
+        self._queue = (ep.tx_queue if is_send else ep.rx_queue)[peer]
+        self._queue.append(self)
+        self.done = False
+
+    def test(self) -> bool:
+        if self.done:
+            return True
+        q = self._queue
+        while q[0] is not self:
+            if not q[0].test():
+                return False
+        if self._lanes is None:
+            try:
+                self._lanes = self._start()
+            except BaseException:
+                self._complete()
+                raise
+            if self._lanes is None:
+                return False
+        if self._job is not None:
+            return self._test_job()
+        lanes = self._lanes
+        for ln in lanes:
+            ln.pump()
+        try:
+            if all(ln.finished() for ln in lanes):
+                self._complete()
+                return True
+        except ProtocolError:
+            self._complete()
+            raise
+        return False
+
+    def _test_job(self) -> bool:
+        if not self._job.done.is_set():
+            return False
+        self._complete()
+        if self._job.error is not None:
+            raise self._job.error
+        return True
+
+    def _complete(self) -> None:
+        self.done = True
+        self._queue.remove(self)
+
+    def wait(self) -> None:
+        """Block until complete."""
+        while not self.test():
+            if self._job is not None:
+                self._job.wait(self.ep.policy.timeout_s + 1.0)
+                continue
+            if self._lanes is None:
+                head = self._queue[0]
+                if head is not self:
+                    head.wait()
+                    continue
+                self._wait_start()
+                continue
+            for ln in self._lanes:
+                if not ln.finished():
+                    words, idx, target, peer, field = ln.blocked()
+                    self.ep.wait_ge(words, idx, target, peer, field)
+                    break
+
+    def _wait_start(self) -> None:
+        """A receive starts once lane 0 shows the first chunk (its msg_info is checked first)."""
+        ep = self.ep
+        lo_ = ep.layout
+        lw = ep.words[ep.die_id]
+        desc = lo_.field_word("desc", self.peer, 0)
+        head = ep.words[self.peer][lo_.field_word("ack", ep.die_id, 0) + L.ACK_HEAD]
+        ep.wait_ge(lw, desc + L.DESC_TAIL, head + 1, self.peer, "desc.tail_ptr")
+
+
+def _run_lanes(lanes: Sequence, ep: Endpoint) -> None:
+    """Drive lanes to completion (the DMA engine's loop, and the drain of a bad message)."""
+    while True:
+        for ln in lanes:
+            ln.pump()
+        pending = [ln for ln in lanes if not ln.finished()]
+        if not pending:
+            return
+        words, idx, target, peer, field = pending[0].blocked()
+        ep.wait_ge(words, idx, target, peer, field)
+
+
+# ------------------------------------------------------------------------------------------------
+# Public API
+# ------------------------------------------------------------------------------------------------
+
+
+def _args(ep: Endpoint, buf, peer: int, event_id: int, cores: int, variant: str, send: bool):
+    ep.check_peer(peer, "destination" if send else "source")
+    ep.check_cores(cores)
+    if variant not in VARIANTS:
+        raise ValueError(f"variant {variant!r}: choose one of {', '.join(VARIANTS)}")
+    if not isinstance(event_id, _INT) or not 0 <= event_id < (1 << 62):
+        raise ValueError(f"event_id {event_id!r} must be an int in [0, 2**62)")
+    mv = byte_view(buf, "send buffer" if send else "recv buffer", writable=not send)
+    if len(mv) > NBYTES_MASK:
+        raise ValueError(f"message of {len(mv)} bytes exceeds the 1 TiB limit of msg_info")
+    return mv, VARIANTS[variant]
+
+
+def isend(
+    ep: Endpoint, buf: np.ndarray, dst: int, event_id: int, cores: int = 1, variant: str = "mte"
+) -> Request:
+    """Start sending `buf` to die `dst`; returns a Request (see `send` for the arguments).
+
+    `variant="dma"` hands the whole transfer to the die's DMA engine, so the caller is free (no
+    CPU spent) until `wait()`; mte and zero-copy advance whenever `test()` / `wait()` is called.
+    """
+    mv, var = _args(ep, buf, dst, event_id, cores, variant, send=True)
+    info = pack_info(len(mv), cores, buf.dtype.num, var)
+    event_id = int(event_id)
+
+    def start():
+        spans = stripes(len(mv), cores)
+        if var == ZC:
+            return [
+                _TxZeroCopy(ep, dst, i, mv, a, b, event_id, info) for i, (a, b) in enumerate(spans)
+            ]
+        lanes = [
+            _TxRing(ep, dst, i, mv, a, b, event_id, info, var == DMA)
+            for i, (a, b) in enumerate(spans)
+        ]
+        if var == DMA:
+            req._job = ep.dma.submit(lambda: _run_lanes(lanes, ep))
+        return lanes
+
+    req = Request(ep, dst, True, event_id, start)
+    req.test()
+    return req
+
+
+def irecv(
+    ep: Endpoint, buf: np.ndarray, src: int, event_id: int, cores: int = 1, variant: str = "mte"
+) -> Request:
+    """Start receiving into `buf` from die `src`; returns a Request (see `recv`)."""
+    mv, var = _args(ep, buf, src, event_id, cores, variant, send=False)
+    event_id = int(event_id)
+    expect = pack_info(len(mv), cores, buf.dtype.num, var)
+    posted = [False]
+
+    def start():
+        if var == ZC and not posted[0]:
+            _post_rendezvous(ep, buf, mv, src, event_id, cores)
+            posted[0] = True
+        lo_ = ep.layout
+        desc = lo_.field_word("desc", src, 0)
+        lw = ep.words[ep.die_id]
+        head = ep.words[src][lo_.field_word("ack", ep.die_id, 0) + L.ACK_HEAD]
+        if lw[desc + L.DESC_TAIL] <= head:
+            return None  # step 5: nothing on lane 0 yet
+        got = lw[desc + L.DESC_INFO]
+        status = _verdict(expect, got, event_id, lw[desc + L.DESC_EVENT])
+        if status:
+            if var == ZC:
+                _cancel_rendezvous(ep, src, cores)
+            _drain(ep, src, got, event_id, status)
+            raise _rx_error(ep, src, event_id, expect, got, lw[desc + L.DESC_EVENT], status)
+        spans = stripes(len(mv), cores)
+        slot = lo_.slot_bytes
+        lanes = [
+            _Rx(
+                ep, src, i, mv, a, b, 1 if var == ZC else max(1, -(-(b - a) // slot)), event_id, var
+            )
+            for i, (a, b) in enumerate(spans)
+        ]
+        if var == DMA:
+            req._job = ep.dma.submit(lambda: _run_lanes(lanes, ep))
+        return lanes
+
+    req = Request(ep, src, False, event_id, start)
+    req.test()
+    return req
+
+
+def send(
+    ep: Endpoint, buf: np.ndarray, dst: int, event_id: int, cores: int = 1, variant: str = "mte"
+) -> None:
+    """Send `buf` to die `dst` and return once the receiver has acknowledged it (steps 1-8).
+
+    Arguments:
+        ep: the sending die (a `runtime.Die` or `comm.Endpoint`).
+        buf: C-contiguous numpy array of any non-object dtype and shape; `nbytes` may exceed the
+            ring (it streams through it under credit flow control).
+        dst: receiving die id, in [0, num_dies), not this die.
+        event_id: int in [0, 2**62) naming this transfer; the matching `recv` must pass the same.
+        cores: lanes (emulated AIV cores) to stripe the message over, 1..PodConfig.lanes; the
+            receiver must use the same number.
+        variant: "mte" (UB-staged, default), "dma" (DMA engine, both copies), or "zero-copy"
+            (the receiver's buffer must be in its app area, and its recv must say zero-copy too).
+    Raises:
+        TypeError / ValueError for bad arguments (before anything is written), ProtocolError if
+        the receiver rejected the message (mismatched event id, size, dtype, cores or variant),
+        PeerTimeout if the receiver did not answer within the wait policy's deadline.
+    """
+    if (
+        variant == "mte"
+        and cores == 1
+        and type(dst) is int
+        and 0 <= dst < ep.num_dies
+        and not ep.tx_queue[dst]
+        and type(buf) is np.ndarray
+        and buf.nbytes <= ep.small_bytes
+    ):
+        return _send_small(ep, buf, dst, event_id)
+    isend(ep, buf, dst, event_id, cores, variant).wait()
+
+
+def recv(
+    ep: Endpoint, buf: np.ndarray, src: int, event_id: int, cores: int = 1, variant: str = "mte"
+) -> np.ndarray:
+    """Receive the message `src` sends with `event_id` into `buf` (steps 5-7); returns `buf`.
+
+    Arguments are those of `send`, seen from the receiver: `buf` must be writable, C-contiguous
+    and of the sender's dtype and byte size. Raises ProtocolError on any mismatch with the sender
+    (after draining the sender's message, so both sides fail cleanly and the pair stays usable).
+    """
+    if (
+        variant == "mte"
+        and cores == 1
+        and type(src) is int
+        and 0 <= src < ep.num_dies
+        and not ep.rx_queue[src]
+        and type(buf) is np.ndarray
+        and buf.nbytes <= ep.small_bytes
+    ):
+        return _recv_small(ep, buf, src, event_id)
+    irecv(ep, buf, src, event_id, cores, variant).wait()
+    return buf
+
+
+def _verdict(expect: int, got: int, event_id: int, got_event: int) -> int:
+    """Compare a receiver's expectation with a descriptor; return OK or a status code."""
+    e_n, e_lanes, e_dt, e_var = unpack_info(expect)
+    g_n, g_lanes, g_dt, g_var = unpack_info(got)
+    if got_event != event_id:
+        return BAD_EVENT
+    if g_n != e_n:
+        return BAD_SIZE
+    if g_lanes != e_lanes:
+        return BAD_LANES
+    if g_dt != e_dt:
+        return BAD_DTYPE
+    if (g_var == ZC) != (e_var == ZC):
+        return BAD_VARIANT
+    return OK
+
+
+def _rx_error(ep, src, event_id, expect, got, got_event, status) -> ProtocolError:
+    e, g = unpack_info(expect), unpack_info(got)
+    return ProtocolError(
+        f"die {ep.die_id} recv from die {src}: {STATUS_TEXT[status]}: expected event_id"
+        f" {event_id}, {e[0]} B, cores {e[1]}, dtype {_dtype_of(e[2])},"
+        f" {VARIANT_NAMES.get(e[3])}; the sender's message carries event_id {got_event},"
+        f" {g[0]} B, cores {g[1]}, dtype {_dtype_of(g[2])},"
+        f" {VARIANT_NAMES.get(g[3])} (send/recv mis-paired); message discarded"
+    )
+
+
+def _dtype_of(num: int) -> str:
+    for code in np.typecodes["All"]:
+        try:
+            dt = np.dtype(code)
+        except TypeError:
+            continue
+        if dt.num == num:
+            return str(dt)
+    return f"dtype#{num}"
+
+
+def _drain(ep: Endpoint, src: int, got: int, event_id: int, status: int) -> None:
+    """Consume and discard the sender's whole message (all its lanes), acking with `status`."""
+    n, lanes, _, var = unpack_info(got)
+    slot = ep.layout.slot_bytes
+    rx = []
+    for i, (a, b) in enumerate(stripes(n, lanes)):
+        nch = 1 if var == ZC else max(1, -(-(b - a) // slot))
+        rx.append(_Rx(ep, src, i, None, a, b, nch, event_id, 0, status))
+    _run_lanes(rx, ep)
+
+
+def _post_rendezvous(ep, buf, mv, src, event_id, cores) -> None:
+    """Zero-copy step 0: tell the sender where each lane's stripe of `buf` lives."""
+    lo_ = ep.layout
+    try:
+        base = ep.local.offset_of(buf)
+    except ValueError:
+        base = -1
+    if base < lo_.app_off or base + len(mv) > lo_.app_off + lo_.app_bytes:
+        raise ValueError(
+            f"die {ep.die_id}: a zero-copy recv buffer must live in this die's app area"
+            " (allocate it with die.alloc(...))"
+        )
+    sw = ep.words[src]
+    tr = ep.trace if ep.trace.enabled else None
+    for i, (a, b) in enumerate(stripes(len(mv), cores)):
+        f = lo_.field_word("rdv", ep.die_id, i)
+        sw[f + L.RDV_EVENT] = event_id
+        sw[f + L.RDV_OFF] = base + a
+        sw[f + L.RDV_NBYTES] = b - a
+        ep.rdv_posted[src][i] += 1
+        sw[f + L.RDV_SEQ] = ep.rdv_posted[src][i]  # LAST
+        if tr:
+            tr.rec(now_ns(), 0, "zc_recv", 0, src, i, event_id, b - a)
+
+
+def _cancel_rendezvous(ep, src, cores) -> None:
+    sw = ep.words[src]
+    for i in range(cores):
+        f = ep.layout.field_word("rdv", ep.die_id, i)
+        sw[f + L.RDV_EVENT] = RDV_CANCELLED
+        ep.rdv_posted[src][i] += 1
+        sw[f + L.RDV_SEQ] = ep.rdv_posted[src][i]
+
+
+# ------------------------------------------------------------------------------------------------
+# Small-message fast path: one lane, one chunk, mte. The same steps and fields as the general
+# path, without the Request and lane objects (whose set-up costs more than an 8-byte transfer).
+# ------------------------------------------------------------------------------------------------
+
+
+def _send_small(ep: Endpoint, buf: np.ndarray, dst: int, event_id: int) -> None:
+    if type(event_id) is not int or not 0 <= event_id < EVENT_LIMIT:
+        _args(ep, buf, dst, event_id, 1, "mte", send=True)  # raises the precise error
+    if dst == ep.die_id:
+        ep.check_peer(dst, "destination")
+    mv = byte_view(buf, "send buffer", False)
+    n = len(mv)
+    t = ep.tables
+    me = ep.die_id
+    seq = ep.tx_seq[dst][0] + 1
+    ep.tx_seq[dst][0] = seq
+    dw = ep.words[dst]
+    aw = ep.words[me]
+    desc = t.desc0[me]
+    ack = t.ack0[dst]
+    tail = dw[desc + 2]
+    tr = ep.trace if ep.trace.enabled else None
+    if tail - aw[ack + 1] >= t.slots:
+        ep.wait_ge(aw, ack + 1, tail - t.slots + 1, dst, "ack.head_ptr")
+    h = ep.ub0
+    t0 = now_ns() if tr else 0
+    h[:n] = mv  # step 1, MTE2: app -> UB
+    t1 = now_ns() if tr else 0
+    off = t.ring0[me] + (tail % t.slots) * t.slot_bytes
+    ep.bytes[dst][off : off + n] = h[:n]  # step 2, MTE3: UB -> ring slot
+    dw[desc] = event_id  # step 3: descriptor words, tail_ptr LAST
+    dw[desc + 1] = seq << SEQ_SHIFT
+    dw[desc + 3] = n | t.info_mte1 | buf.dtype.num << 48
+    dw[desc + 2] = tail + 1
+    if tr:
+        t2 = now_ns()
+        tr.rec(t0, t1 - t0, "send", 1, dst, 0, event_id, n)
+        tr.rec(t1, t2 - t1, "send", 2, dst, 0, event_id, n)
+        tr.rec(t2, 0, "send", 3, dst, 0, event_id, n)
+    if aw[ack + 2] < seq:  # step 4: poll own ack
+        ep.wait_ge(aw, ack + 2, seq, dst, "ack.done")
+    if tr:
+        t3 = now_ns()
+        tr.rec(t2, t3 - t2, "send", 4, dst, 0, event_id, n)
+        tr.rec(t3, 0, "send", 8, dst, 0, event_id, n)
+    if aw[ack + 3]:  # step 8: a non-zero status is a rejection
+        _check_ack(ep, aw, ack, dst, event_id)
+
+
+def _recv_small(ep: Endpoint, buf: np.ndarray, src: int, event_id: int) -> np.ndarray:
+    if type(event_id) is not int or not 0 <= event_id < EVENT_LIMIT:
+        _args(ep, buf, src, event_id, 1, "mte", send=False)  # raises the precise error
+    if src == ep.die_id:
+        ep.check_peer(src, "source")
+    mv = byte_view(buf, "recv buffer", True)
+    n = len(mv)
+    t = ep.tables
+    me = ep.die_id
+    lw = ep.words[me]
+    rw = ep.words[src]
+    desc = t.desc0[src]
+    ack = t.ack0[me]
+    head = rw[ack + 1]
+    tr = ep.trace if ep.trace.enabled else None
+    t0 = now_ns() if tr else 0
+    if lw[desc + 2] <= head:  # step 5: poll the inbound descriptor
+        ep.wait_ge(lw, desc + 2, head + 1, src, "desc.tail_ptr")
+    expect = n | t.info_mte1 | buf.dtype.num << 48
+    if lw[desc + 3] != expect or lw[desc] != event_id:
+        got = lw[desc + 3]
+        status = _verdict(expect, got, event_id, lw[desc])
+        if status:
+            _drain(ep, src, got, event_id, status)
+            raise _rx_error(ep, src, event_id, expect, got, lw[desc], status)
+        # compatible but not the fast shape (a dma sender): take the general path
+        irecv(ep, buf, src, event_id).wait()
+        return buf
+    t1 = now_ns() if tr else 0
+    off = t.ring0[src] + (head % t.slots) * t.slot_bytes
+    h = ep.ub0
+    h[:n] = ep.bytes[me][off : off + n]  # step 6: ring -> UB -> app, then the credit
+    mv[:] = h[:n]
+    rw[ack + 1] = head + 1
+    rw[ack] = event_id  # step 7: event id, status, done LAST
+    rw[ack + 3] = 0
+    rw[ack + 2] = lw[desc + 1] >> SEQ_SHIFT
+    if tr:
+        t2 = now_ns()
+        tr.rec(t0, t1 - t0, "recv", 5, src, 0, event_id, 0)
+        tr.rec(t1, t2 - t1, "recv", 6, src, 0, event_id, n)
+        tr.rec(t2, 0, "recv", 7, src, 0, event_id, n)
+    return buf

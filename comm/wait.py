@@ -1,0 +1,152 @@
+"""The one wait policy of xpod: spin, then yield, then back off; always a deadline.
+
+Every poll loop of every package waits through `wait_ge` (or `WaitPolicy.wait`). Why three phases,
+with numbers from PERF-FACTS.md (2 cores):
+
+- spin: a Python poll of a memoryview word costs ~0.1 us, so a partner on another core is seen
+  within a fraction of a microsecond. Only worth it when every die has a core to itself
+  (`num_dies <= cores`); otherwise the spinner burns the slice its partner needs (a pure-spin token
+  ring of 8 processes on 2 cores takes ~6.6 ms per hop).
+- yield: `os.sched_yield()` (~0.5 us, releases the GIL too) hands the core to whoever is runnable.
+  With more dies than cores we yield on every poll: 4.5 us per hop at 8 processes, 13 at 16.
+- back off: after `backoff_after_s` of fruitless waiting, sleep `sleep_s` per poll, so idle dies
+  of a large pod stop competing with the ones doing work. A sleep wake-up costs tens of us, which
+  is noise once a wait has already lasted milliseconds.
+
+The deadline and the pod's abort word are checked every `check_every` polls, never per poll.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, replace
+
+from memory.errors import ConfigError, PeerTimeout, PodAborted
+
+_yield = os.sched_yield
+_now = time.monotonic_ns
+
+
+@dataclass(frozen=True)
+class WaitPolicy:
+    """Knobs of the wait loop.
+
+    Attributes:
+        spin_polls: polls before the first yield (0 = yield from the start).
+        yield_every: polls between yields once spinning is over (1 = every poll).
+        backoff_after_s: seconds of waiting before sleeping between polls.
+        sleep_s: sleep per poll in the back-off phase.
+        timeout_s: deadline of one wait; PeerTimeout after it.
+        check_every: polls between deadline / abort checks.
+    """
+
+    spin_polls: int = 0
+    yield_every: int = 1
+    backoff_after_s: float = 0.02
+    sleep_s: float = 0.0002
+    timeout_s: float = 60.0
+    check_every: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("spin_polls", "yield_every", "check_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < (0 if name == "spin_polls" else 1):
+                raise ConfigError(f"wait policy {name}: {v!r} must be an int >= 1")
+        for name in ("backoff_after_s", "sleep_s", "timeout_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"wait policy {name}: must be >= 0")
+
+    @classmethod
+    def for_pod(cls, num_dies: int, cores: int, timeout_s: float = 60.0) -> WaitPolicy:
+        """The adaptive default: spin with a rare yield when every die has a core, else yield on
+        every poll (PERF-FACTS: 'A wait policy must adapt to num_dies / cores')."""
+        if num_dies <= cores:
+            return cls(spin_polls=20000, yield_every=64, timeout_s=timeout_s)
+        return cls(spin_polls=0, yield_every=1, timeout_s=timeout_s)
+
+    def with_timeout(self, timeout_s: float) -> WaitPolicy:
+        return replace(self, timeout_s=timeout_s)
+
+    @property
+    def name(self) -> str:
+        return "spin" if self.spin_polls else "yield"
+
+
+class WaitContext:
+    """What a wait is for, turned into a message only when the deadline passes.
+
+    die_id waits for `field` of `peer` to reach `expected`; `abort` is an optional
+    (words, index, value) triple: the wait raises PodAborted once words[index] != value.
+    """
+
+    __slots__ = ("die_id", "abort")
+
+    def __init__(self, die_id: int, abort: tuple | None = None):
+        self.die_id = die_id
+        self.abort = abort
+
+
+def wait_ge(
+    words: memoryview,
+    idx: int,
+    target: int,
+    policy: WaitPolicy,
+    ctx: WaitContext,
+    peer: int,
+    field: str,
+) -> int:
+    """Wait until `words[idx] >= target`; return the value seen.
+
+    Arguments:
+        words: int64 memoryview (a region's `words`).
+        idx: word index to poll.
+        target: value to reach (polled words only grow).
+        policy: the wait policy.
+        ctx: die id and abort word of the waiting die.
+        peer, field: named in the timeout error ("die 1 waited for die 0 ack.done ...").
+    Raises:
+        PeerTimeout after policy.timeout_s; PodAborted if the launcher aborted the pod.
+    """
+    v = words[idx]
+    if v >= target:
+        return v
+    for _ in range(policy.spin_polls):
+        v = words[idx]
+        if v >= target:
+            return v
+    return _wait_slow(words, idx, target, policy, ctx, peer, field)
+
+
+def _wait_slow(words, idx, target, policy, ctx, peer, field) -> int:
+    start = _now()
+    deadline = start + int(policy.timeout_s * 1e9)
+    backoff_at = start + int(policy.backoff_after_s * 1e9)
+    yield_every = policy.yield_every
+    check_every = policy.check_every
+    sleeping = False
+    polls = 0
+    while True:
+        v = words[idx]
+        if v >= target:
+            return v
+        polls += 1
+        if sleeping:
+            time.sleep(policy.sleep_s)
+        elif polls % yield_every == 0:
+            _yield()
+        if polls % check_every == 0:
+            now = _now()
+            if now > deadline:
+                raise PeerTimeout(
+                    f"die {ctx.die_id}: timed out after {policy.timeout_s:g} s waiting for die"
+                    f" {peer} {field} >= {target} (seen {v})"
+                )
+            if not sleeping and now > backoff_at:
+                sleeping = True
+            ab = ctx.abort
+            if ab is not None and ab[0][ab[1]] != ab[2]:
+                raise PodAborted(
+                    f"die {ctx.die_id}: aborted by the launcher while waiting for die {peer}"
+                    f" {field} >= {target} (seen {v})"
+                )

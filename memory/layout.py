@@ -1,0 +1,230 @@
+"""Layout of one die's HBM region: pure functions of a few sizes, identical on every die.
+
+Glossary (spec -> code): app data area -> app area, metadata area -> meta area, managed data area
+-> managed area, eventID -> event_id, chunkID -> chunk_id, tailPtr -> tail_ptr, headPtr -> head_ptr.
+
+```
+ offset 0      4 KiB                          meta_off                 managed_off     region_bytes
+ | header     | app area                     | meta area              | managed area           |
+ | magic, ver | user buffers, KV blocks,     | 32-byte fields, one    | p2p rings: one per     |
+ | sizes,     | weights (AppAllocator);      | writer each (below)    | (sender, lane), each   |
+ | offsets    | zero-copy recv targets       |                        | ring_slots x slot_bytes|
+```
+
+Meta area, in this order, every field 32 bytes = four little-endian int64 words:
+
+```
+ desc[peer][lane]  P2P_DESC  inbound descriptor of peer's sends to this die
+                             | event_id | chunk_id | tail_ptr | msg_info |   writer: peer (sender)
+ ack[peer][lane]   P2P_ACK   ack of peer's receives of this die's sends
+                             | event_id | head_ptr | done     | status   |   writer: peer (receiver)
+ rdv[peer][lane]   P2P_RDV   zero-copy rendezvous: where peer wants this die's send
+                             | event_id | dst_off  | nbytes   | seq      |   writer: peer (receiver)
+ sync              SYNC      barrier counter of this die
+                             | count    | spare    | spare    | spare    |   writer: this die
+```
+
+The polled word of each field is written last (tail_ptr, done, seq, count) and only grows during
+the pod's life, so a stale value can never look like a fresh one (PROTOCOLS.md §3). `done` is the
+per-(sender, lane) message sequence number that the sender put in `chunk_id` (`seq << 24 | chunk`),
+not the caller's event id: event ids are caller-chosen and may repeat, a polled word may not.
+
+Managed area: ring (sender s, lane l) of die d starts at
+`managed_off + (s * lanes + l) * ring_slots * slot_bytes`; chunk k of the ring lives in slot
+`k % ring_slots`. A slot is free for the sender while `tail_ptr - head_ptr < ring_slots`.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from memory.errors import ConfigError
+
+MAGIC = 0x314D4248444F5058  # b"XPODHBM1" little-endian
+LAYOUT_VERSION = 1
+PAGE = 4096
+HEADER_BYTES = PAGE
+FIELD_BYTES = 32
+WORD = 8
+
+P2P_DESC = np.dtype(
+    [("event_id", "<i8"), ("chunk_id", "<i8"), ("tail_ptr", "<i8"), ("msg_info", "<i8")]
+)
+P2P_ACK = np.dtype([("event_id", "<i8"), ("head_ptr", "<i8"), ("done", "<i8"), ("status", "<i8")])
+P2P_RDV = np.dtype([("event_id", "<i8"), ("dst_off", "<i8"), ("nbytes", "<i8"), ("seq", "<i8")])
+SYNC = np.dtype([("count", "<i8"), ("spare0", "<i8"), ("spare1", "<i8"), ("spare2", "<i8")])
+
+# Word index of each name inside its 32-byte field (hot paths index int64 words, not bytes).
+DESC_EVENT, DESC_CHUNK, DESC_TAIL, DESC_INFO = 0, 1, 2, 3
+ACK_EVENT, ACK_HEAD, ACK_DONE, ACK_STATUS = 0, 1, 2, 3
+RDV_EVENT, RDV_OFF, RDV_NBYTES, RDV_SEQ = 0, 1, 2, 3
+SYNC_COUNT = 0
+
+HEADER = np.dtype(
+    [
+        ("magic", "<u8"),
+        ("layout_version", "<i8"),
+        ("layout_hash", "<i8"),
+        ("die_id", "<i8"),
+        ("num_dies", "<i8"),
+        ("lanes", "<i8"),
+        ("ring_slots", "<i8"),
+        ("slot_bytes", "<i8"),
+        ("app_off", "<i8"),
+        ("app_bytes", "<i8"),
+        ("meta_off", "<i8"),
+        ("meta_bytes", "<i8"),
+        ("managed_off", "<i8"),
+        ("managed_bytes", "<i8"),
+        ("region_bytes", "<i8"),
+        ("creator_pid", "<i8"),
+    ]
+)
+
+FIELD_KINDS = {"desc": P2P_DESC, "ack": P2P_ACK, "rdv": P2P_RDV}
+
+
+def _round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+@dataclass(frozen=True)
+class RegionLayout:
+    """Offsets and sizes of every area and field of one region (the same for every die).
+
+    All offsets are bytes from the start of the region; `*_word(...)` give int64 word indices.
+    """
+
+    num_dies: int
+    lanes: int
+    ring_slots: int
+    slot_bytes: int
+    app_bytes: int
+    app_off: int
+    meta_off: int
+    meta_bytes: int
+    managed_off: int
+    managed_bytes: int
+    region_bytes: int
+    desc_off: int
+    ack_off: int
+    rdv_off: int
+    sync_off: int
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.ring_slots * self.slot_bytes
+
+    @property
+    def layout_hash(self) -> int:
+        """CRC of the parameters: attach refuses a region built for another configuration."""
+        key = f"{self.num_dies},{self.lanes},{self.ring_slots},{self.slot_bytes},{self.app_bytes}"
+        return zlib.crc32(key.encode())
+
+    def field_off(self, kind: str, peer: int, lane: int) -> int:
+        """Byte offset of field `kind` ("desc", "ack", "rdv") for (peer, lane)."""
+        base = {"desc": self.desc_off, "ack": self.ack_off, "rdv": self.rdv_off}[kind]
+        return base + (peer * self.lanes + lane) * FIELD_BYTES
+
+    def field_word(self, kind: str, peer: int, lane: int) -> int:
+        return self.field_off(kind, peer, lane) // WORD
+
+    def ring_off(self, sender: int, lane: int) -> int:
+        """Byte offset of the ring that `sender`'s `lane` writes into, in the receiver's region."""
+        return self.managed_off + (sender * self.lanes + lane) * self.ring_bytes
+
+    def areas(self) -> dict[str, tuple[int, int]]:
+        """name -> (offset, bytes) of every area, in address order."""
+        return {
+            "header": (0, HEADER_BYTES),
+            "app": (self.app_off, self.app_bytes),
+            "meta": (self.meta_off, self.meta_bytes),
+            "managed": (self.managed_off, self.managed_bytes),
+        }
+
+    def describe(self) -> str:
+        """A human-readable table of areas and field blocks, for `xpod layout` and debuggers."""
+        n = self.num_dies * self.lanes
+        lines = [f"region {self.region_bytes} bytes ({self.region_bytes / 2**20:.1f} MiB)"]
+        for name, (off, size) in self.areas().items():
+            lines.append(f"  {name:<8} off {off:>12}  bytes {size:>12}")
+        for name, off, dt in (
+            ("desc", self.desc_off, P2P_DESC),
+            ("ack", self.ack_off, P2P_ACK),
+            ("rdv", self.rdv_off, P2P_RDV),
+        ):
+            cols = ", ".join(dt.names)
+            lines.append(
+                f"  meta.{name:<5}off {off:>12}  [{self.num_dies}][{self.lanes}] x 32 B ({cols})"
+            )
+        lines.append(f"  meta.sync off {self.sync_off:>12}  1 x 32 B (count)")
+        lines.append(
+            f"  rings    [{self.num_dies} senders][{self.lanes} lanes] x {self.ring_slots} slots"
+            f" x {self.slot_bytes} B = {n * self.ring_bytes} B"
+        )
+        return "\n".join(lines)
+
+
+def compute(
+    *,
+    num_dies: int,
+    lanes: int,
+    ring_slots: int,
+    slot_bytes: int,
+    app_bytes: int,
+) -> RegionLayout:
+    """Compute the layout of one region from the pod's sizes.
+
+    Arguments:
+        num_dies: dies in the pod (every die has a desc/ack/rdv field and a ring per peer, self
+            included so indices stay simple).
+        lanes: AIV lanes per die (the largest `cores` an operation may use).
+        ring_slots: slots per (sender, lane) ring; >= 2 so that sender and receiver can overlap.
+        slot_bytes: bytes per ring slot, a multiple of 64.
+        app_bytes: size of the app area, rounded up to a page.
+    Returns:
+        RegionLayout with every offset; raises ConfigError naming the bad argument.
+    """
+    _check("num_dies", num_dies, 1, 4096)
+    _check("lanes", lanes, 1, 64)
+    _check("ring_slots", ring_slots, 2, 1 << 16)
+    _check("slot_bytes", slot_bytes, 64, 1 << 30)
+    if slot_bytes % 64:
+        raise ConfigError(f"slot_bytes: {slot_bytes} is not a multiple of 64")
+    _check("app_bytes", app_bytes, 0, 1 << 40)
+    app_bytes = _round_up(app_bytes, PAGE)
+    app_off = HEADER_BYTES
+    meta_off = app_off + app_bytes
+    block = num_dies * lanes * FIELD_BYTES
+    desc_off = meta_off
+    ack_off = desc_off + block
+    rdv_off = ack_off + block
+    sync_off = rdv_off + block
+    meta_bytes = _round_up(sync_off + FIELD_BYTES - meta_off, PAGE)
+    managed_off = meta_off + meta_bytes
+    managed_bytes = _round_up(num_dies * lanes * ring_slots * slot_bytes, PAGE)
+    return RegionLayout(
+        num_dies=num_dies,
+        lanes=lanes,
+        ring_slots=ring_slots,
+        slot_bytes=slot_bytes,
+        app_bytes=app_bytes,
+        app_off=app_off,
+        meta_off=meta_off,
+        meta_bytes=meta_bytes,
+        managed_off=managed_off,
+        managed_bytes=managed_bytes,
+        region_bytes=managed_off + managed_bytes,
+        desc_off=desc_off,
+        ack_off=ack_off,
+        rdv_off=rdv_off,
+        sync_off=sync_off,
+    )
+
+
+def _check(name: str, value: int, lo: int, hi: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise ConfigError(f"{name}: {value!r} is out of range [{lo}, {hi}]")

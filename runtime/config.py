@@ -1,0 +1,165 @@
+"""`PodConfig`: every knob of a pod in one frozen dataclass.
+
+Built once from defaults, an optional TOML file and CLI flags (`PodConfig.load(toml, **flags)`),
+validated in `__post_init__` with messages that name the field, and shipped as a plain dict to every
+die. Unknown keys are errors, never silently dropped. Derived numbers (the region layout) come from
+`memory.layout.compute(...)` and are never written back here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, fields
+
+from comm.wait import WaitPolicy
+from memory import layout as L
+from memory.errors import ConfigError
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+@dataclass(frozen=True)
+class PodConfig:
+    """Configuration of one pod.
+
+    Attributes:
+        num_dies: dies (OS processes), 1..256.
+        cores: CPU cores the pod may use (pinning, wait policy); default: the machine's.
+        lanes: AIV lanes per die: the largest `cores=` an operation may ask for.
+        ub_bytes: unified buffer per lane (MTE2/MTE3 staging), split in two ping-pong halves.
+        ring_slots, slot_bytes: geometry of each (sender, lane) ring in the managed area.
+        app_bytes: app area per die (user buffers, zero-copy targets, KV cache).
+        max_region_bytes: refuse a layout whose region would be larger than this.
+        timeout_s: deadline of every wait (PeerTimeout after it).
+        wait: "auto" (spin when num_dies <= cores, else yield every poll), "spin" or "yield".
+        pin: "auto" (pin die i to core i % cores when num_dies <= cores), "on" or "off".
+        trace: record every protocol step in every die from the start.
+        trace_capacity: records kept per die (oldest dropped).
+        start_method: how die processes start: "fork" (fast) or "spawn".
+        ready_timeout_s: how long launch waits for every die to report ready.
+    """
+
+    num_dies: int = 4
+    cores: int = 0
+    lanes: int = 4
+    ub_bytes: int = 192 * KiB
+    ring_slots: int = 8
+    slot_bytes: int = 64 * KiB
+    app_bytes: int = 32 * MiB
+    max_region_bytes: int = 4096 * MiB
+    timeout_s: float = 30.0
+    wait: str = "auto"
+    pin: str = "auto"
+    trace: bool = False
+    trace_capacity: int = 1 << 16
+    start_method: str = "fork"
+    ready_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.cores == 0:
+            object.__setattr__(self, "cores", len(os.sched_getaffinity(0)))
+        _int_in("num_dies", self.num_dies, 1, 256)
+        _int_in("cores", self.cores, 1, 4096)
+        _int_in("lanes", self.lanes, 1, 64)
+        _int_in("ub_bytes", self.ub_bytes, 128, 64 * MiB)
+        if self.ub_bytes % 128:
+            raise ConfigError(f"ub_bytes: {self.ub_bytes} must be a multiple of 128")
+        _int_in("ring_slots", self.ring_slots, 2, 1 << 16)
+        _int_in("slot_bytes", self.slot_bytes, 64, 1 << 30)
+        if self.slot_bytes % 64:
+            raise ConfigError(f"slot_bytes: {self.slot_bytes} must be a multiple of 64")
+        _int_in("app_bytes", self.app_bytes, 0, 1 << 40)
+        _int_in("max_region_bytes", self.max_region_bytes, L.PAGE, 1 << 42)
+        _int_in("trace_capacity", self.trace_capacity, 16, 1 << 26)
+        if not isinstance(self.timeout_s, int | float) or not 0 < self.timeout_s <= 86400:
+            raise ConfigError(f"timeout_s: {self.timeout_s!r} must be in (0, 86400] seconds")
+        if not isinstance(self.ready_timeout_s, int | float) or self.ready_timeout_s <= 0:
+            raise ConfigError(f"ready_timeout_s: {self.ready_timeout_s!r} must be > 0 seconds")
+        _choice("wait", self.wait, ("auto", "spin", "yield"))
+        _choice("pin", self.pin, ("auto", "on", "off"))
+        _choice("start_method", self.start_method, ("fork", "spawn"))
+        if not isinstance(self.trace, bool):
+            raise ConfigError(f"trace: {self.trace!r} must be true or false")
+        lo = self.layout()
+        if lo.region_bytes > self.max_region_bytes:
+            raise ConfigError(
+                f"app_bytes/ring_slots/slot_bytes: one region needs {lo.region_bytes} B"
+                f" ({lo.region_bytes / MiB:.1f} MiB: app {lo.app_bytes}, rings"
+                f" {lo.managed_bytes}), more than max_region_bytes {self.max_region_bytes}"
+            )
+
+    # -- derived --------------------------------------------------------------------------------
+
+    def layout(self) -> L.RegionLayout:
+        return L.compute(
+            num_dies=self.num_dies,
+            lanes=self.lanes,
+            ring_slots=self.ring_slots,
+            slot_bytes=self.slot_bytes,
+            app_bytes=self.app_bytes,
+        )
+
+    def wait_policy(self) -> WaitPolicy:
+        if self.wait == "spin":
+            return WaitPolicy(spin_polls=20000, yield_every=64, timeout_s=self.timeout_s)
+        if self.wait == "yield":
+            return WaitPolicy(spin_polls=0, yield_every=1, timeout_s=self.timeout_s)
+        return WaitPolicy.for_pod(self.num_dies, self.cores, self.timeout_s)
+
+    def pinned(self) -> bool:
+        if self.pin == "on":
+            return True
+        return self.pin == "auto" and self.num_dies <= self.cores
+
+    # -- construction ---------------------------------------------------------------------------
+
+    def replace(self, **changes: object) -> PodConfig:
+        _check_keys(changes)
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PodConfig:
+        _check_keys(d)
+        return cls(**d)
+
+    @classmethod
+    def load(cls, toml_path: str | None = None, **overrides: object) -> PodConfig:
+        """Defaults, then the TOML file's keys (top level or under [pod]), then `overrides`.
+
+        Overrides whose value is None are ignored (unset CLI flags).
+        """
+        values: dict = {}
+        if toml_path:
+            try:
+                with open(toml_path, "rb") as f:
+                    doc = tomllib.load(f)
+            except (OSError, tomllib.TOMLDecodeError) as e:
+                raise ConfigError(f"config file {toml_path}: {e}") from e
+            values.update(doc.get("pod", doc))
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        _check_keys(values)
+        return cls(**values)
+
+
+def _check_keys(d: dict) -> None:
+    known = {f.name for f in fields(PodConfig)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ConfigError(
+            f"unknown PodConfig field(s) {', '.join(unknown)}; known: {sorted(known)}"
+        )
+
+
+def _int_in(name: str, v: object, lo: int, hi: int) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise ConfigError(f"{name}: {v!r} must be an integer in [{lo}, {hi}]")
+
+
+def _choice(name: str, v: object, allowed: tuple[str, ...]) -> None:
+    if v not in allowed:
+        raise ConfigError(f"{name}: {v!r} must be one of {', '.join(allowed)}")
