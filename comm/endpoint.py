@@ -60,11 +60,14 @@ class Endpoint:
         # Outstanding async requests per peer, in issue order (a pair carries one message at once).
         self.tx_queue: list[list] = [[] for _ in range(n)]
         self.rx_queue: list[list] = [[] for _ in range(n)]
+        self.active: list = []  # every outstanding Request, advanced together by progress()
         self.sync_count = 0
         self.tables = _Tables(self.layout)
         # The small-message fast path sends one chunk through half of lane 0's UB.
         self.ub0 = self.ub(0)[0]
         self.small_bytes = min(self.layout.slot_bytes, len(self.ub0))
+        self.small_tx: list = [None] * n  # per-peer fast-path closures (comm.p2p._small_tx)
+        self.small_rx: list = [None] * n
 
     # -- resources ------------------------------------------------------------------------------
 
@@ -79,13 +82,20 @@ class Endpoint:
     @property
     def dma(self) -> DmaEngine:
         if self._dma is None:
-            self._dma = DmaEngine(self.die_id)
+            self._dma = DmaEngine(self.die_id, self.policy.timeout_s)
         return self._dma
 
     def close(self) -> None:
         if self._dma is not None:
             self._dma.close()
             self._dma = None
+
+    def progress(self) -> bool:
+        """Advance every outstanding request once; True if any moved."""
+        moved = False
+        for req in list(self.active):
+            moved |= req._advance()
+        return moved
 
     # -- checks ---------------------------------------------------------------------------------
 

@@ -1,0 +1,47 @@
+# xpod: `make run` and `make test` work on a fresh machine (they create .venv and install into it).
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+XPOD   := $(VENV)/bin/xpod
+STAMP  := $(VENV)/.installed
+
+.PHONY: install run test lint format bench bench-full mpi clean-shm
+
+$(STAMP): setup.cfg pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[test,plot]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(XPOD) run --dies 4
+	$(XPOD) bench p2p --dies 2 --quick --variants mte,zero-copy --cores 1
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+bench: $(STAMP)
+	$(XPOD) bench p2p --dies 2 --quick --peers
+	$(XPOD) bench ring --dies 8,16 --quick
+
+bench-full: $(STAMP)
+	$(XPOD) bench p2p --dies 2 --peers --json p2p.jsonl --plot p2p.png
+	$(XPOD) bench ring --dies 8,16,32 --json ring.jsonl
+
+# Optional MPI peer for `xpod bench p2p --peers`: OpenMPI from Debian, mpi4py into the venv.
+mpi: $(STAMP)
+	apt-get install -y openmpi-bin libopenmpi-dev
+	$(PIP) install -q mpi4py
+
+clean-shm: $(STAMP)
+	$(XPOD) clean

@@ -1,0 +1,228 @@
+"""`xpod bench p2p`: osu_latency / osu_bw-style ping-pong between die 0 and die 1.
+
+One-way latency is half of each send/recv round trip (osu_latency's definition); bandwidth is
+ping-pong bandwidth, size / p50 one-way time. Every (variant, cores, size) row is measured in one
+pod; with `--peers` the same sizes are measured, in the same run, by a bare shared-memory flag
+ping-pong (the floor of any Python protocol), pyzmq PAIR over ipc://, multiprocessing.Pipe and
+mpi4py (when installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+import comm
+from bench import common
+from runtime import Pod, PodConfig
+
+DEFAULT_SIZES = "8,64,512,4K,32K,256K,1M,8M,64M"
+QUICK_SIZES = "8,4K,64K,1M,8M"
+ALL_VARIANTS = ("mte", "dma", "zero-copy", "async")
+COLUMNS = [
+    ("transport", "transport", ""),
+    ("variant", "variant", ""),
+    ("cores", "cores", "d"),
+    ("size_bytes", "size", "size"),
+    ("iters", "iters", "d"),
+    ("p50_us", "p50_us", ".2f"),
+    ("p99_us", "p99_us", ".2f"),
+    ("min_us", "min_us", ".2f"),
+    ("gbps", "GB/s", ".2f"),
+    ("cpu_s_per_die", "cpu_s/die", ".3f"),
+]
+
+
+def iters_for(size: int, scale: float) -> int:
+    """~5000 iterations for small messages down to ~20 for 64 MiB."""
+    n = int((512 << 20) / max(size, 4096) / 8)
+    return max(10, int(min(5000, max(20, n)) * scale))
+
+
+def pingpong(die, size: int, variant: str, cores: int, iters: int, warmup: int) -> tuple:
+    """Die 0 and die 1 ping-pong `iters` times; other dies idle. Returns (samples_ns, cpu_s)."""
+    me = die.die_id
+    if me > 1:
+        return [], 0.0
+    peer = 1 - me
+    src = die.alloc(size)
+    dst = die.alloc(size)
+    src[:] = np.arange(size, dtype=np.uint64).astype(np.uint8) ^ (me + 1)
+    cv = "mte" if variant == "async" else variant
+    samples = []
+    try:
+        _pair_barrier(die, peer)
+        cpu0 = time.process_time()
+        for i in range(warmup + iters):
+            t0 = time.perf_counter_ns()
+            if variant == "async":
+                if me == 0:
+                    comm.isend(die, src, peer, i, cores).wait()
+                    comm.irecv(die, dst, peer, i, cores).wait()
+                else:
+                    comm.irecv(die, dst, peer, i, cores).wait()
+                    comm.isend(die, src, peer, i, cores).wait()
+            elif me == 0:
+                comm.send(die, src, peer, i, cores, cv)
+                comm.recv(die, dst, peer, i, cores, cv)
+            else:
+                comm.recv(die, dst, peer, i, cores, cv)
+                comm.send(die, src, peer, i, cores, cv)
+            if i >= warmup:
+                samples.append((time.perf_counter_ns() - t0) / 2)
+        cpu_s = time.process_time() - cpu0
+        expect = np.arange(size, dtype=np.uint64).astype(np.uint8) ^ (peer + 1)
+        if not np.array_equal(dst, expect):
+            raise AssertionError(f"die {me}: {variant} c{cores} {size} B payload corrupted")
+    finally:
+        die.free(src)
+        die.free(dst)
+    return samples, cpu_s
+
+
+def _pair_barrier(die, peer: int) -> None:
+    token = np.zeros(1, np.int64)
+    n = die.user.get("pair_barrier", 0) + 1
+    die.user["pair_barrier"] = n
+    ev = (1 << 40) + n
+    if die.die_id == 0:
+        comm.send(die, token, peer, ev)
+        comm.recv(die, token, peer, ev)
+    else:
+        comm.recv(die, token, peer, ev)
+        comm.send(die, token, peer, ev)
+
+
+def measure_xpod(pod: Pod, sizes, variants, cores_list, scale: float) -> list[dict]:
+    rows = []
+    total = len(sizes) * len(variants) * len(cores_list)
+    done = 0
+    t_start = time.monotonic()
+    for variant in variants:
+        for cores in cores_list:
+            for size in sizes:
+                iters = iters_for(size, scale)
+                res = pod.run(pingpong, size, variant, cores, iters, max(3, iters // 10))
+                samples, cpu0 = res[0]
+                cpu1 = res[1][1]
+                rows.append(
+                    common.p2p_row(
+                        "xpod",
+                        variant,
+                        cores,
+                        size,
+                        samples,
+                        (cpu0 + cpu1) / 2,
+                        wait=pod.config.wait_policy().name,
+                        pinned=pod.config.pinned(),
+                    )  # fmt: skip
+                )
+                done += 1
+                if time.monotonic() - t_start > 3:
+                    common.progress(
+                        f"  [{done}/{total}] xpod {variant} c{cores} {common.fmt_size(size)}:"
+                        f" p50 {rows[-1]['p50_us']:.2f} us"
+                    )
+    return rows
+
+
+def measure_peers(sizes, scale: float, which=None) -> list[dict]:
+    from bench import peers
+
+    rows = []
+    for transport in which or peers.PEER_TRANSPORTS:
+        if transport == "mpi4py":
+            ok, why = peers.mpi_available()
+            if not ok:
+                common.progress(f"  skipping mpi4py peer: {why}")
+                continue
+        common.progress(f"  peer {transport} ...")
+        try:
+            rows.extend(peers.run_peer(transport, sizes, iters_scale=scale))
+        except RuntimeError as e:
+            common.progress(f"  peer {transport} failed: {e}")
+    return rows
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dies", type=int, default=2, help="dies in the pod (die 0 and 1 ping-pong)")
+    p.add_argument("--sizes", default=None, help=f"comma list, default {DEFAULT_SIZES}")
+    p.add_argument("--variants", default=",".join(ALL_VARIANTS), help="mte,dma,zero-copy,async")
+    p.add_argument("--cores", default="1,2,4", help="lane counts to measure, e.g. 1,4")
+    p.add_argument("--peers", action="store_true", help="also measure shm-floor/zmq/pipe/mpi4py")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and iterations (~20 s)")
+    p.add_argument("--iters-scale", type=float, default=1.0, help="scale iteration counts")
+    p.add_argument("--json", default=None, help="write one JSON line per row to FILE")
+    p.add_argument("--plot", default=None, help="draw latency and bandwidth vs size to FILE")
+    p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the run")
+    p.add_argument("--config", default=None, help="PodConfig TOML file")
+    p.add_argument("--slot-bytes", type=int, default=None, help="ring slot size (PodConfig)")
+    p.add_argument("--ring-slots", type=int, default=None, help="slots per ring (PodConfig)")
+
+
+def main(args: argparse.Namespace) -> int:
+    sizes = common.parse_sizes(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for v in variants:
+        if v not in ALL_VARIANTS:
+            raise SystemExit(f"xpod bench p2p: unknown variant {v!r}; choose from {ALL_VARIANTS}")
+    cores_list = [int(c) for c in args.cores.split(",")]
+    if args.quick and args.cores == "1,2,4":
+        cores_list = [1, 2]
+    scale = args.iters_scale * (0.2 if args.quick else 1.0)
+    if args.dies < 2:
+        raise SystemExit("xpod bench p2p: --dies must be >= 2")
+    max_size = max(sizes)
+    cfg = PodConfig.load(
+        args.config,
+        num_dies=args.dies,
+        lanes=max(4, max(cores_list)),
+        app_bytes=2 * max_size + (4 << 20),
+        trace=bool(args.trace),
+        slot_bytes=args.slot_bytes,
+        ring_slots=args.ring_slots,
+    )
+    common.progress(
+        f"xpod bench p2p: {args.dies} dies, wait={cfg.wait_policy().name},"
+        f" pinned={cfg.pinned()}, sizes {','.join(map(common.fmt_size, sizes))},"
+        f" variants {','.join(variants)}, cores {cores_list}"
+    )
+    with Pod.launch(cfg) as pod:
+        rows = measure_xpod(pod, sizes, variants, cores_list, scale)
+        if args.trace:
+            n = pod.write_trace(args.trace)
+            common.progress(f"wrote {n} trace events to {args.trace}")
+    if args.peers:
+        rows += measure_peers(sizes, scale)
+    common.print_table(rows, COLUMNS)
+    _print_ratios(rows)
+    if args.json:
+        common.write_jsonl(args.json, rows)
+        common.progress(f"wrote {len(rows)} rows to {args.json}")
+    if args.plot:
+        from bench.plot import plot_rows
+
+        plot_rows(rows, args.plot)
+        common.progress(f"wrote {args.plot}")
+    return 0
+
+
+def _print_ratios(rows: list[dict]) -> None:
+    """xpod p50 / peer p50 for the best xpod row of each size (same run)."""
+    peers = {(r["transport"], r["size_bytes"]): r for r in rows if r["transport"] != "xpod"}
+    if not peers:
+        return
+    print("\nratios, same run (best xpod variant's p50 / peer p50; < 1 means xpod is faster):")
+    for size in sorted({r["size_bytes"] for r in rows if r["transport"] == "xpod"}):
+        best = min(
+            (r for r in rows if r["transport"] == "xpod" and r["size_bytes"] == size),
+            key=lambda r: r["p50_us"],
+        )
+        parts = [f"{common.fmt_size(size):>5}  best xpod {best['variant']} c{best['cores']}"]
+        for t in ("shm-floor", "mpi4py", "zmq-ipc", "pipe"):
+            peer = peers.get((t, size))
+            if peer:
+                parts.append(f"{t} {best['p50_us'] / peer['p50_us']:.2f}x")
+        print("  " + ", ".join(parts))

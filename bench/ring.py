@@ -1,0 +1,97 @@
+"""`xpod bench ring`: pass a token around N dies and report microseconds per hop.
+
+Die 0 sends to die 1, die i forwards to i+1, die N-1 returns the token to die 0: one round is N
+hops of a blocking send/recv each. With more dies than cores this measures how well waiting dies
+give way to the one holding the token (a pure-spin loop takes milliseconds per hop on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+import comm
+from bench import common
+from runtime import Pod, PodConfig
+
+COLUMNS = [
+    ("dies", "dies", "d"),
+    ("size_bytes", "size", "size"),
+    ("wait", "wait", ""),
+    ("rounds", "rounds", "d"),
+    ("p50_us_per_hop", "p50_us/hop", ".2f"),
+    ("p99_us_per_hop", "p99_us/hop", ".2f"),
+    ("min_us_per_hop", "min_us/hop", ".2f"),
+    ("cpu_s_per_die", "cpu_s/die", ".3f"),
+]
+
+
+def token_ring(die, size: int, rounds: int, warmup: int) -> tuple:
+    """Run `warmup + rounds` rounds; die 0 returns per-round times in ns."""
+    n, me = die.num_dies, die.die_id
+    nxt, prv = (me + 1) % n, (me - 1) % n
+    tok = np.zeros(max(1, size // 8), np.int64)
+    comm.barrier(die)
+    cpu0 = time.process_time()
+    samples = []
+    for r in range(warmup + rounds):
+        if me == 0:
+            t0 = time.perf_counter_ns()
+            tok[0] = r
+            comm.send(die, tok, nxt, r)
+            comm.recv(die, tok, prv, r)
+            if tok[0] != r + n - 1:
+                raise AssertionError(f"ring round {r}: token {tok[0]} != {r + n - 1}")
+            if r >= warmup:
+                samples.append(time.perf_counter_ns() - t0)
+        else:
+            comm.recv(die, tok, prv, r)
+            tok[0] += 1
+            comm.send(die, tok, nxt, r)
+    return samples, time.process_time() - cpu0
+
+
+def run_ring(dies: int, rounds: int, size: int = 8, config: str | None = None) -> dict:
+    cfg = PodConfig.load(config, num_dies=dies, app_bytes=1 << 20)
+    with Pod.launch(cfg) as pod:
+        res = pod.run(token_ring, size, rounds, max(5, rounds // 10))
+    samples = np.asarray(res[0][0], dtype=np.float64) / dies
+    stats = common.latency_stats(samples)
+    row = {
+        "bench": "ring",
+        "transport": "xpod",
+        "dies": dies,
+        "size_bytes": size,
+        "wait": cfg.wait_policy().name,
+        "rounds": rounds,
+        "p50_us_per_hop": stats["p50_us"],
+        "p99_us_per_hop": stats["p99_us"],
+        "min_us_per_hop": stats["min_us"],
+        "cpu_s_per_die": float(np.mean([r[1] for r in res])),
+    }
+    row.update(common.run_info())
+    return row
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dies", default="8", help="comma list of pod sizes, e.g. 8,16,32")
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds (default by size)")
+    p.add_argument("--size", default="8", help="token bytes")
+    p.add_argument("--quick", action="store_true", help="fewer rounds")
+    p.add_argument("--json", default=None, help="write one JSON line per row to FILE")
+    p.add_argument("--config", default=None, help="PodConfig TOML file")
+
+
+def main(args: argparse.Namespace) -> int:
+    rows = []
+    size = common.parse_size(args.size)
+    for dies in [int(d) for d in str(args.dies).split(",")]:
+        rounds = args.rounds or max(20, (400 if args.quick else 2000) // dies)
+        common.progress(f"xpod bench ring: {dies} dies, {rounds} rounds ...")
+        rows.append(run_ring(dies, rounds, size, args.config))
+    common.print_table(rows, COLUMNS)
+    if args.json:
+        common.write_jsonl(args.json, rows)
+    return 0
