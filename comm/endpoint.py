@@ -121,12 +121,21 @@ class Endpoint:
 
 
 class _Tables:
-    """Word indices of lane 0's fields and ring offsets, per peer (the fast path's lookups)."""
+    """Word indices of every field and byte offsets of every ring, precomputed (hot-path lookups;
+    `RegionLayout.field_word` builds a dict per call)."""
 
-    __slots__ = ("desc0", "ack0", "ring0", "slots", "slot_bytes", "info_mte1")
+    __slots__ = (
+        "desc0", "ack0", "ring0", "slots", "slot_bytes", "info_mte1", "desc", "ack", "rdv", "ring",
+    )  # fmt: skip
 
     def __init__(self, lo: L.RegionLayout):
         n = lo.num_dies
+        lanes = range(lo.lanes)
+        # [peer][lane] word index of each field kind / byte offset of each ring
+        self.desc = [[lo.field_word("desc", p, ln) for ln in lanes] for p in range(n)]
+        self.ack = [[lo.field_word("ack", p, ln) for ln in lanes] for p in range(n)]
+        self.rdv = [[lo.field_word("rdv", p, ln) for ln in lanes] for p in range(n)]
+        self.ring = [[lo.ring_off(p, ln) for ln in lanes] for p in range(n)]
         self.desc0 = [lo.field_word("desc", p, 0) for p in range(n)]
         self.ack0 = [lo.field_word("ack", p, 0) for p in range(n)]
         self.ring0 = [lo.ring_off(p, 0) for p in range(n)]

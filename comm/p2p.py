@@ -141,12 +141,13 @@ class _TxRing:
         self.seq = ep.tx_seq[dst][lane] = ep.tx_seq[dst][lane] + 1
         self.event_id, self.info, self.dma = event_id, info, dma
         self.op = "dma_send" if dma else "send"
+        t = ep.tables
         self.dw = ep.words[dst]
-        self.desc = lo_.field_word("desc", ep.die_id, lane)
+        self.desc = t.desc[ep.die_id][lane]
         self.aw = ep.words[ep.die_id]
-        self.ack = lo_.field_word("ack", dst, lane)
+        self.ack = t.ack[dst][lane]
         self.ring = ep.bytes[dst]
-        self.ring_off = lo_.ring_off(ep.die_id, lane)
+        self.ring_off = t.ring[ep.die_id][lane]
         self.tail = self.dw[self.desc + L.DESC_TAIL]
 
     def pump(self) -> bool:
@@ -162,13 +163,17 @@ class _TxRing:
         head = aw[ack + L.ACK_HEAD]
         moved = False
         while k < nch and tail - head < slots:
-            # DMA moves every contiguous free slot in one copy; MTE one slot through the UB.
-            run = min(nch - k, slots - (tail - head), slots - tail % slots) if self.dma else 1
+            # DMA moves up to half the ring of contiguous free slots in one copy (so that the
+            # receiver drains one half while the other fills); MTE one slot through the UB.
+            if self.dma:
+                run = min(nch - k, slots - (tail - head), slots - tail % slots, slots // 2)
+            else:
+                run = 1
             a = self.lo + k * C
             b = min(self.hi, a + run * C)
             off = self.ring_off + (tail % slots) * C
             if self.dma:
-                t0 = now_ns()
+                t0 = now_ns() if tr else 0
                 _copy(self.ring[off : off + b - a], self.src[a:b])
                 if tr:
                     tr.rec(
@@ -198,15 +203,18 @@ class _TxRing:
         for p in range(a, max(b, a + 1), half):
             q = min(b, p + half)
             h = ub[k & 1]  # ping-pong halves
-            t0 = now_ns()
-            h[: q - p] = src[p:q]  # step 1, MTE2
-            t1 = now_ns()
             o = off + p - a
-            ring[o : o + q - p] = h[: q - p]  # step 2, MTE3
             if tr:
+                t0 = now_ns()
+                h[: q - p] = src[p:q]
+                t1 = now_ns()
+                ring[o : o + q - p] = h[: q - p]
                 t2 = now_ns()
                 tr.rec(t0, t1 - t0, "send", 1, self.dst, self.lane, self.event_id, q - p)
                 tr.rec(t1, t2 - t1, "send", 2, self.dst, self.lane, self.event_id, q - p)
+            else:
+                h[: q - p] = src[p:q]  # step 1, MTE2: app -> UB
+                ring[o : o + q - p] = h[: q - p]  # step 2, MTE3: UB -> ring slot
             k += 1
 
     def blocked(self):
@@ -231,15 +239,15 @@ class _TxZeroCopy:
     )  # fmt: skip
 
     def __init__(self, ep, dst, lane, src, lo, hi, event_id, info):
-        lo_ = ep.layout
         self.ep, self.dst, self.lane, self.src, self.lo, self.hi = ep, dst, lane, src, lo, hi
         self.seq = ep.tx_seq[dst][lane] = ep.tx_seq[dst][lane] + 1
         self.event_id, self.info = event_id, info
+        t = ep.tables
         self.dw = ep.words[dst]
-        self.desc = lo_.field_word("desc", ep.die_id, lane)
+        self.desc = t.desc[ep.die_id][lane]
         self.aw = ep.words[ep.die_id]
-        self.ack = lo_.field_word("ack", dst, lane)
-        self.rdv = lo_.field_word("rdv", dst, lane)
+        self.ack = t.ack[dst][lane]
+        self.rdv = t.rdv[dst][lane]
         self.sent = False
         self.t_wait = now_ns()
 
@@ -311,17 +319,17 @@ class _Rx:
     )  # fmt: skip
 
     def __init__(self, ep, src, lane, dst, lo, hi, nchunks, event_id, mode, status=OK):
-        lo_ = ep.layout
         self.ep, self.src, self.lane, self.dst, self.lo, self.hi = ep, src, lane, dst, lo, hi
         self.k, self.nchunks, self.event_id = 0, nchunks, event_id
         self.mode, self.status = mode, status  # mode: MTE, DMA, ZC, or 0 = drain
         self.op = {DMA: "dma_recv", ZC: "zc_recv"}.get(mode, "recv")
+        t = ep.tables
         self.lw = ep.words[ep.die_id]
-        self.desc = lo_.field_word("desc", src, lane)
+        self.desc = t.desc[src][lane]
         self.rw = ep.words[src]
-        self.ack = lo_.field_word("ack", ep.die_id, lane)
+        self.ack = t.ack[ep.die_id][lane]
         self.ring = ep.bytes[ep.die_id]
-        self.ring_off = lo_.ring_off(src, lane)
+        self.ring_off = t.ring[src][lane]
         self.head = self.rw[self.ack + L.ACK_HEAD]
         self.acked = False
         self.t_wait = now_ns()
@@ -342,12 +350,12 @@ class _Rx:
         slots, C = lo_.ring_slots, lo_.slot_bytes
         rw, ack, mode = self.rw, self.ack, self.mode
         while head < tail and k < nch:
-            run = min(tail - head, nch - k, slots - head % slots) if mode == DMA else 1
+            run = min(tail - head, nch - k, slots - head % slots, slots // 2) if mode == DMA else 1
             if mode in (MTE, DMA):
                 a = self.lo + k * C
                 b = min(self.hi, a + run * C)
                 off = self.ring_off + (head % slots) * C
-                t0 = now_ns()
+                t0 = now_ns() if tr else 0
                 if mode == DMA:
                     _copy(self.dst[a:b], self.ring[off : off + b - a])
                 else:
@@ -495,9 +503,8 @@ class Request:
             if self._queue[0] is not self:
                 return self._queue[0].blocked()
             ep = self.ep
-            lo_ = ep.layout
-            head = ep.words[self.peer][lo_.field_word("ack", ep.die_id, 0) + L.ACK_HEAD]
-            desc = lo_.field_word("desc", self.peer, 0) + L.DESC_TAIL
+            head = ep.words[self.peer][ep.tables.ack[ep.die_id][0] + L.ACK_HEAD]
+            desc = ep.tables.desc[self.peer][0] + L.DESC_TAIL
             return ep.words[ep.die_id], desc, head + 1, self.peer, "desc.tail_ptr"
         for ln in self._lanes:
             if not ln.finished():
@@ -623,9 +630,9 @@ def irecv(
             _post_rendezvous(ep, buf, mv, src, event_id, cores)
             posted[0] = True
         lo_ = ep.layout
-        desc = lo_.field_word("desc", src, 0)
+        desc = ep.tables.desc[src][0]
         lw = ep.words[ep.die_id]
-        head = ep.words[src][lo_.field_word("ack", ep.die_id, 0) + L.ACK_HEAD]
+        head = ep.words[src][ep.tables.ack[ep.die_id][0] + L.ACK_HEAD]
         if lw[desc + L.DESC_TAIL] <= head:
             return None  # step 5: nothing on lane 0 yet
         got = lw[desc + L.DESC_INFO]
@@ -767,12 +774,11 @@ def _app_offset(ep: Endpoint, buf: np.ndarray, nbytes: int) -> int:
 
 def _post_rendezvous(ep, buf, mv, src, event_id, cores) -> None:
     """Zero-copy step 0: tell the sender where each lane's stripe of `buf` lives."""
-    lo_ = ep.layout
     base = _app_offset(ep, buf, len(mv))
     sw = ep.words[src]
     tr = ep.trace if ep.trace.enabled else None
     for i, (a, b) in enumerate(stripes(len(mv), cores)):
-        f = lo_.field_word("rdv", ep.die_id, i)
+        f = ep.tables.rdv[ep.die_id][i]
         sw[f + L.RDV_EVENT] = event_id
         sw[f + L.RDV_OFF] = base + a
         sw[f + L.RDV_NBYTES] = b - a
@@ -785,7 +791,7 @@ def _post_rendezvous(ep, buf, mv, src, event_id, cores) -> None:
 def _cancel_rendezvous(ep, src, cores) -> None:
     sw = ep.words[src]
     for i in range(cores):
-        f = ep.layout.field_word("rdv", ep.die_id, i)
+        f = ep.tables.rdv[ep.die_id][i]
         sw[f + L.RDV_EVENT] = RDV_CANCELLED
         ep.rdv_posted[src][i] += 1
         sw[f + L.RDV_SEQ] = ep.rdv_posted[src][i]

@@ -46,7 +46,7 @@ class PodConfig:
     lanes: int = 4
     ub_bytes: int = 192 * KiB
     ring_slots: int = 8
-    slot_bytes: int = 64 * KiB
+    slot_bytes: int = 96 * KiB
     app_bytes: int = 32 * MiB
     max_region_bytes: int = 4096 * MiB
     timeout_s: float = 30.0
