@@ -87,8 +87,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     size = _parse_size(args.size)
     cfg = _config(args, app_bytes=2 * (args.dies or 4) * size + (4 << 20))
     print(
-        f"xpod run: launching {cfg.num_dies} dies ({cfg.cores} cores, wait={cfg.wait_policy().name},"
-        f" pinned={cfg.pinned()})",
+        f"xpod run: launching {cfg.num_dies} dies ({cfg.cores} cores,"
+        f" wait={cfg.wait_policy().name}, pinned={cfg.pinned()})",
         file=sys.stderr,
     )
     rows = []
