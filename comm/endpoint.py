@@ -66,8 +66,13 @@ class Endpoint:
         # The small-message fast path sends one chunk through half of lane 0's UB.
         self.ub0 = self.ub(0)[0]
         self.small_bytes = min(self.layout.slot_bytes, len(self.ub0))
-        self.small_tx: list = [None] * n  # per-peer fast-path closures (comm.p2p._small_tx)
-        self.small_rx: list = [None] * n
+        # Per-peer fast-path closures (comm.p2p._small_tx / _small_rx), keyed by peer id, so a
+        # bad id (self, negative, out of range) simply misses and takes the checked path.
+        from comm.p2p import _small_rx, _small_tx
+
+        peers = [p for p in range(n) if p != die_id]
+        self.small_tx = {p: _small_tx(self, p) for p in peers}
+        self.small_rx = {p: _small_rx(self, p) for p in peers}
 
     # -- resources ------------------------------------------------------------------------------
 

@@ -679,10 +679,8 @@ def send(
         the receiver rejected the message (mismatched event id, size, dtype, cores or variant),
         PeerTimeout if the receiver did not answer within the wait policy's deadline.
     """
-    if variant == "mte" and cores == 1 and type(dst) is int and dst != ep.die_id:
-        fast = ep.small_tx[dst] if 0 <= dst < ep.num_dies and not ep.tx_queue[dst] else None
-        if fast is None and 0 <= dst < ep.num_dies and not ep.tx_queue[dst]:
-            fast = ep.small_tx[dst] = _small_tx(ep, dst)
+    if cores == 1 and variant == "mte" and type(dst) is int:
+        fast = ep.small_tx.get(dst)  # None for self and out-of-range ids: the checks below
         if fast is not None and fast(buf, event_id):
             return
     isend(ep, buf, dst, event_id, cores, variant).wait()
@@ -697,10 +695,8 @@ def recv(
     and of the sender's dtype and byte size. Raises ProtocolError on any mismatch with the sender
     (after draining the sender's message, so both sides fail cleanly and the pair stays usable).
     """
-    if variant == "mte" and cores == 1 and type(src) is int and src != ep.die_id:
-        fast = ep.small_rx[src] if 0 <= src < ep.num_dies and not ep.rx_queue[src] else None
-        if fast is None and 0 <= src < ep.num_dies and not ep.rx_queue[src]:
-            fast = ep.small_rx[src] = _small_rx(ep, src)
+    if cores == 1 and variant == "mte" and type(src) is int:
+        fast = ep.small_rx.get(src)
         if fast is not None and fast(buf, event_id):
             return buf
     irecv(ep, buf, src, event_id, cores, variant).wait()
@@ -821,11 +817,14 @@ def _small_tx(ep: Endpoint, dst: int):
     ub = ep.ub0
     limit = ep.small_bytes
     seqs = ep.tx_seq[dst]
+    queued = ep.tx_queue[dst]
     trace = ep.trace
     # cache: buffer object, its flat view, UB view of its length, slot views of its length, info
     c = [None, None, None, None, 0]
 
     def tx(buf, event_id) -> bool:
+        if queued:  # an isend to dst is outstanding: keep issue order via the general path
+            return False
         if buf is not c[0]:
             if type(buf) is not np.ndarray or buf.nbytes > limit:
                 return False
@@ -905,10 +904,13 @@ def _small_rx(ep: Endpoint, src: int):
     ]
     ub = ep.ub0
     limit = ep.small_bytes
+    queued = ep.rx_queue[src]
     trace = ep.trace
     c = [None, None, None, None, 0]
 
     def rx(buf, event_id) -> bool:
+        if queued:
+            return False
         if buf is not c[0]:
             if type(buf) is not np.ndarray or buf.nbytes > limit:
                 return False
