@@ -9,7 +9,7 @@ Every function takes the calling die first (`runtime.Die`, a `comm.Endpoint`):
 """
 
 from comm.endpoint import Endpoint, barrier
-from comm.p2p import VARIANTS, Request, irecv, isend, recv, send
+from comm.p2p import VARIANTS, Request, irecv, isend, recv, resync, send
 from comm.trace import Trace, steps_of, to_chrome, write_chrome
 from comm.wait import WaitContext, WaitPolicy, wait_ge
 from memory.errors import ConfigError, PeerTimeout, PodAborted, PodError, ProtocolError
@@ -30,6 +30,7 @@ __all__ = [
     "irecv",
     "isend",
     "recv",
+    "resync",
     "send",
     "steps_of",
     "to_chrome",

@@ -55,6 +55,7 @@ VARIANT_NAMES = {v: k for k, v in VARIANTS.items()}
 
 OK, BAD_EVENT, BAD_SIZE, BAD_LANES, BAD_DTYPE, BAD_VARIANT = 0, 1, 2, 3, 4, 5
 STATUS_TEXT = {
+    99: "discarded by resync after a failed pod.run",
     BAD_EVENT: "event id mismatch",
     BAD_SIZE: "size mismatch",
     BAD_LANES: "lane-count (cores) mismatch",
@@ -958,3 +959,46 @@ def _small_rx_mismatch(ep, buf, src, event_id, expect, got, got_event) -> bool:
     # compatible but not the fast shape (a dma sender, say): take the general path
     irecv(ep, buf, src, event_id).wait()
     return True
+
+
+# ------------------------------------------------------------------------------------------------
+# Recovery
+# ------------------------------------------------------------------------------------------------
+
+ABORTED = 99  # ack.status of a message discarded by resync
+
+
+def resync(ep: Endpoint) -> int:
+    """Discard every in-flight message and outstanding request of this die; return how many.
+
+    Run on every die while the whole pod is idle (the launcher does so after a `pod.run` that
+    raised): as a receiver, each inbound ring is emptied (head_ptr = tail_ptr) and any unacked
+    message is acked with status ABORTED; as a sender, stale zero-copy rendezvous are consumed;
+    outstanding requests fail with PodAborted and the DMA engine is restarted. Counters only move
+    forward, so the monotonic-flag rule still holds.
+    """
+    dropped = 0
+    for req in list(ep.active):
+        req._finish(PodAborted(f"die {ep.die_id}: request to/from die {req.peer} discarded"))
+        dropped += 1
+    for q in ep.tx_queue + ep.rx_queue:
+        q.clear()
+    ep.close()  # the DMA engine fails its jobs and exits; a new one starts on demand
+    t, me, lw = ep.tables, ep.die_id, ep.words[ep.die_id]
+    for peer in range(ep.num_dies):
+        if peer == me:
+            continue
+        rw = ep.words[peer]
+        for lane in range(ep.lanes):
+            desc, ack = t.desc[peer][lane], t.ack[me][lane]
+            tail = lw[desc + L.DESC_TAIL]
+            if rw[ack + L.ACK_HEAD] < tail:
+                rw[ack + L.ACK_HEAD] = tail
+                dropped += 1
+            seq = lw[desc + L.DESC_CHUNK] >> SEQ_SHIFT
+            if rw[ack + L.ACK_DONE] < seq:
+                rw[ack + L.ACK_EVENT] = -1
+                rw[ack + L.ACK_STATUS] = ABORTED
+                rw[ack + L.ACK_DONE] = seq
+            ep.rdv_used[peer][lane] = lw[t.rdv[peer][lane] + L.RDV_SEQ]
+    return dropped

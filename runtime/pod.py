@@ -220,8 +220,28 @@ class Pod:
                     )
         self.last_cpu_s = cpu
         if first_err is not None:
+            self._resync()
             raise first_err
         return results
+
+    def _resync(self) -> None:
+        """After a failed run every die is idle: discard whatever was left in flight."""
+        msg = pickle.dumps(("run", _resync_die, (), self.ctl.words[C.W_ABORT]))
+        for conn in self.conns:
+            conn.send_bytes(msg)
+        sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
+        pending = set(range(len(self.conns)))
+        deadline = time.monotonic() + 10.0
+        while pending and time.monotonic() < deadline:
+            for obj in mp_wait([self.conns[r] for r in pending] + list(sentinels), timeout=0.2):
+                if obj in sentinels:
+                    self._crashed(sentinels[obj])
+                r = self.conns.index(obj)
+                try:
+                    obj.recv()
+                except (EOFError, OSError):
+                    self._crashed(r)
+                pending.discard(r)
 
     def abort(self) -> None:
         """Make every die's current wait raise PodAborted (bump the abort epoch)."""
@@ -338,6 +358,12 @@ class Pod:
     def __repr__(self) -> str:
         state = "closed" if self.closed else "running"
         return f"Pod({self.pod_id}, {self.config.num_dies} dies, {state})"
+
+
+def _resync_die(die) -> int:
+    from comm.p2p import resync
+
+    return resync(die)
 
 
 def _set_trace(die, enabled: bool) -> None:
