@@ -6,12 +6,12 @@ Each peer runs in two fresh processes, side 0 (the pinger, which times every rou
 sample per timed iteration, after a warm-up. `cpu_s_per_die` is the mean over both sides of the
 `time.process_time()` spent in the timed loop, so a spinning transport shows its cost.
 
-| transport | processes        | one hand-off                                                        |
-| --------- | ---------------- | ------------------------------------------------------------------- |
-| shm-floor | fork, 2          | copy into the peer's shm payload area, then store a flag (one copy) |
-| zmq-ipc   | fork, 2          | pyzmq PAIR over ipc:// (zero-copy send from 64 KiB)                 |
-| pipe      | fork, 2          | multiprocessing.Pipe send_bytes / recv_bytes_into                   |
-| mpi4py    | mpirun -np 2     | comm.Send / comm.Recv of numpy uint8 buffers (see bench/mpi_peer.py) |
+| transport | processes    | one hand-off                                                     |
+| --------- | ------------ | ---------------------------------------------------------------- |
+| shm-floor | fork, 2      | copy into the peer's shm payload area, then store a flag: 1 copy |
+| zmq-ipc   | fork, 2      | pyzmq PAIR over ipc:// (zero-copy send from 64 KiB)              |
+| pipe      | fork, 2      | multiprocessing.Pipe send_bytes / recv_bytes_into                |
+| mpi4py    | mpirun -np 2 | comm.Send / comm.Recv of numpy uint8 buffers (bench/mpi_peer.py) |
 
 shm-floor is the floor for any Python protocol over shared memory: no descriptor, no ring, no
 copy-out by the receiver. Its segment, created by the parent and unlinked by the parent:
@@ -178,7 +178,7 @@ def _run_pipe(sizes: list[int], iters_scale: float, pin: bool, timeout_s: float)
 def _run_pair(
     transport: str, side_main: Callable, side_args: list[tuple], pin: bool, timeout_s: float
 ) -> list:
-    """Fork side 0 and side 1 of `side_main`, return [result0, result1]; kill both on any failure."""
+    """Fork side 0 and side 1 of `side_main`; return [result0, result1]; kill both on failure."""
     ctx = mp.get_context("fork")
     results_q = ctx.Queue()
     procs = [
@@ -233,7 +233,8 @@ def _collect(transport: str, procs: list, results_q, timeout_s: float) -> dict:
             else:
                 continue
         if status != "ok":
-            raise RuntimeError(f"{transport}: side {side} failed:\n{payload}")
+            last = payload.strip().splitlines()[-1]
+            raise RuntimeError(f"{transport}: side {side} failed: {last}\n{payload}")
         results[side] = payload
     return results
 
@@ -378,7 +379,8 @@ def _zmq_side(side: int, addr: str, sizes: list[int], iters_scale: float) -> lis
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
-    sock.linger = 0
+    # Side 1 closes right after its last answer: with linger 0 that answer could be dropped.
+    sock.linger = int(JOIN_GRACE_S * 1000)
     try:
         if side == 0:
             sock.bind(addr)
