@@ -157,6 +157,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write one JSON line per row to FILE")
     p.add_argument("--plot", default=None, help="draw latency and bandwidth vs size to FILE")
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the run")
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also trace a few transfers per row and print where the time goes, step by step",
+    )
     p.add_argument("--config", default=None, help="PodConfig TOML file")
     p.add_argument("--slot-bytes", type=int, default=None, help="ring slot size (PodConfig)")
     p.add_argument("--ring-slots", type=int, default=None, help="slots per ring (PodConfig)")
@@ -194,10 +199,17 @@ def main(args: argparse.Namespace) -> int:
         if args.trace:
             n = pod.write_trace(args.trace)
             common.progress(f"wrote {n} trace events to {args.trace}")
+        if args.breakdown:
+            steps = breakdown(pod, sizes, variants, cores_list[0])
     if args.peers:
         rows += measure_peers(sizes, scale)
     common.print_table(rows, COLUMNS)
     _print_ratios(rows)
+    if args.breakdown:
+        print("\nwhere the time goes: a traced ping-pong per row; mean us per message of die 0's")
+        print("send steps and die 1's receive steps, as a share of the traced one-way p50 (steps")
+        print("of the two sides overlap when they stream; polls are waits for the other side):")
+        common.print_table(steps, BREAKDOWN_COLUMNS)
     if args.json:
         common.write_jsonl(args.json, rows)
         common.progress(f"wrote {len(rows)} rows to {args.json}")
@@ -207,6 +219,60 @@ def main(args: argparse.Namespace) -> int:
         plot_rows(rows, args.plot)
         common.progress(f"wrote {args.plot}")
     return 0
+
+
+BREAKDOWN_COLUMNS = [
+    ("variant", "variant", ""),
+    ("size_bytes", "size", "size"),
+    ("side", "side", ""),
+    ("step", "step", ""),
+    ("us_per_msg", "us/msg", ".2f"),
+    ("share", "share of p50", ".0%"),
+]
+
+
+def _traced(die, size: int, variant: str, cores: int, iters: int) -> tuple:
+    die.trace.clear()
+    die.trace.enabled = True
+    try:
+        samples, _ = pingpong(die, size, variant, cores, iters, 2)
+    finally:
+        die.trace.enabled = False
+    # the pair barrier's own messages carry event ids >= 2**40; keep the ping-pong's only
+    return samples, [r for r in die.trace.snapshot() if r[6] < (1 << 40)]
+
+
+def breakdown(pod: Pod, sizes, variants, cores: int) -> list[dict]:
+    """Where one one-way transfer spends its time: mean step durations of a traced ping-pong
+    (die 0's send and die 1's receive steps), as a share of that traced run's p50 one-way time.
+    Polls are waits for the other side; 'other' is what no step covers (Python call overhead,
+    argument checks, cross-core visibility)."""
+    from comm.trace import STEP_NAMES
+
+    out = []
+    for variant in variants:
+        for size in sizes:
+            iters = max(10, min(300, iters_for(size, 0.1)))
+            res = pod.run(_traced, size, variant, cores, iters)
+            p50 = common.latency_stats(res[0][0])["p50_us"]
+            n_msgs = iters + 2
+            covered = 0.0
+            for die_id, side in ((0, "send"), (1, "recv")):
+                sums: dict = {}
+                for _, dur, op, step, *_ in res[die_id][1]:
+                    if op.endswith(side) and dur > 0:
+                        sums[(op, step)] = sums.get((op, step), 0) + dur
+                for (op, step), total in sorted(sums.items(), key=lambda kv: kv[0][1]):
+                    name = STEP_NAMES.get((op, step), f"{op} {step}")
+                    us = total / n_msgs / 1e3
+                    if "poll" not in name:
+                        covered += us
+                    out.append({"variant": variant, "size_bytes": size, "side": side,
+                                "step": name, "us_per_msg": us, "share": us / p50})  # fmt: skip
+            out.append({"variant": variant, "size_bytes": size, "side": "-",
+                        "step": f"other (traced p50 {p50:.2f} us)", "us_per_msg": p50 - covered,
+                        "share": (p50 - covered) / p50})  # fmt: skip
+    return out
 
 
 def _print_ratios(rows: list[dict]) -> None:
