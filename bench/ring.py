@@ -53,10 +53,15 @@ def token_ring(die, size: int, rounds: int, warmup: int) -> tuple:
     return samples, time.process_time() - cpu0
 
 
-def run_ring(dies: int, rounds: int, size: int = 8, config: str | None = None) -> dict:
-    cfg = PodConfig.load(config, num_dies=dies, app_bytes=1 << 20)
+def run_ring(
+    dies: int, rounds: int, size: int = 8, config: str | None = None, trace: str | None = None
+) -> dict:
+    cfg = PodConfig.load(config, num_dies=dies, app_bytes=1 << 20, trace=bool(trace) or None)
     with Pod.launch(cfg) as pod:
         res = pod.run(token_ring, size, rounds, max(5, rounds // 10))
+        if trace:
+            n = pod.write_trace(trace)
+            common.progress(f"wrote {n} trace events to {trace}")
     samples = np.asarray(res[0][0], dtype=np.float64) / dies
     stats = common.latency_stats(samples)
     row = {
@@ -81,6 +86,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", default="8", help="token bytes")
     p.add_argument("--quick", action="store_true", help="fewer rounds")
     p.add_argument("--json", default=None, help="write one JSON line per row to FILE")
+    p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace (last pod size)")
     p.add_argument("--config", default=None, help="PodConfig TOML file")
 
 
@@ -90,7 +96,7 @@ def main(args: argparse.Namespace) -> int:
     for dies in [int(d) for d in str(args.dies).split(",")]:
         rounds = args.rounds or max(20, (400 if args.quick else 2000) // dies)
         common.progress(f"xpod bench ring: {dies} dies, {rounds} rounds ...")
-        rows.append(run_ring(dies, rounds, size, args.config))
+        rows.append(run_ring(dies, rounds, size, args.config, args.trace))
     common.print_table(rows, COLUMNS)
     if args.json:
         common.write_jsonl(args.json, rows)
