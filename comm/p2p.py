@@ -131,7 +131,7 @@ class _TxRing:
 
     __slots__ = (
         "ep", "dst", "lane", "src", "lo", "hi", "k", "nchunks", "seq", "event_id", "info",
-        "dw", "desc", "aw", "ack", "ring", "ring_off", "tail", "dma", "op",
+        "dw", "desc", "aw", "ack", "ring", "ring_off", "tail", "dma", "op", "fin",
     )  # fmt: skip
 
     def __init__(self, ep, dst, lane, src, lo, hi, event_id, info, dma):
@@ -150,6 +150,7 @@ class _TxRing:
         self.ring = ep.bytes[dst]
         self.ring_off = t.ring[ep.die_id][lane]
         self.tail = self.dw[self.desc + L.DESC_TAIL]
+        self.fin = False
 
     def pump(self) -> bool:
         k, nch = self.k, self.nchunks
@@ -225,10 +226,24 @@ class _TxRing:
         return self.aw, self.ack + L.ACK_DONE, self.seq, self.dst, "ack.done"
 
     def finished(self) -> bool:
+        if self.fin:
+            return True
         if self.k < self.nchunks or self.aw[self.ack + L.ACK_DONE] < self.seq:
             return False
+        self.fin = True
+        _trace_done(self.ep, self.op, self.dst, self.lane, self.event_id, self.hi - self.lo)
         _check_ack(self.ep, self.aw, self.ack, self.dst, self.event_id)
         return True
+
+
+def _trace_done(ep: Endpoint, op: str, dst: int, lane: int, event_id: int, nbytes: int) -> None:
+    """Steps 4 (poll ack, since the lane's last publish) and 8 (done) of a sender lane."""
+    tr = ep.trace
+    if tr.enabled:
+        t = now_ns()
+        last = next((r[0] for r in reversed(tr.records) if r[2] == op and r[5] == lane), t)
+        tr.rec(last, t - last, op, 4, dst, lane, event_id, nbytes)
+        tr.rec(t, 0, op, 8, dst, lane, event_id, nbytes)
 
 
 class _TxZeroCopy:
@@ -236,7 +251,7 @@ class _TxZeroCopy:
 
     __slots__ = (
         "ep", "dst", "lane", "src", "lo", "hi", "seq", "event_id", "info", "dw", "desc",
-        "aw", "ack", "rdv", "sent", "t_wait",
+        "aw", "ack", "rdv", "sent", "t_wait", "fin",
     )  # fmt: skip
 
     def __init__(self, ep, dst, lane, src, lo, hi, event_id, info):
@@ -249,7 +264,7 @@ class _TxZeroCopy:
         self.aw = ep.words[ep.die_id]
         self.ack = t.ack[dst][lane]
         self.rdv = t.rdv[dst][lane]
-        self.sent = False
+        self.sent = self.fin = False
         self.t_wait = now_ns()
 
     def pump(self) -> bool:
@@ -294,8 +309,12 @@ class _TxZeroCopy:
         return self.aw, self.ack + L.ACK_DONE, self.seq, self.dst, "ack.done"
 
     def finished(self) -> bool:
+        if self.fin:
+            return True
         if not self.sent or self.aw[self.ack + L.ACK_DONE] < self.seq:
             return False
+        self.fin = True
+        _trace_done(self.ep, "zc_send", self.dst, self.lane, self.event_id, self.hi - self.lo)
         _check_ack(self.ep, self.aw, self.ack, self.dst, self.event_id)
         return True
 
@@ -599,9 +618,10 @@ def isend(
     def start():
         spans = stripes(len(mv), cores)
         if var == ZC:
-            return [
+            lanes = [
                 _TxZeroCopy(ep, dst, i, mv, a, b, event_id, info) for i, (a, b) in enumerate(spans)
             ]
+            return lanes + [_RdvSkip(ep, dst, i) for i in range(cores, ep.lanes)]
         lanes = [
             _TxRing(ep, dst, i, mv, a, b, event_id, info, var == DMA)
             for i, (a, b) in enumerate(spans)
@@ -639,8 +659,8 @@ def irecv(
         got = lw[desc + L.DESC_INFO]
         status = _verdict(expect, got, event_id, lw[desc + L.DESC_EVENT])
         if status:
-            if var == ZC:
-                _cancel_rendezvous(ep, src, cores)
+            if var == ZC and unpack_info(got)[3] != ZC:
+                _cancel_rendezvous(ep, src)  # before the drain acks: the sender sees it first
             _drain(ep, src, got, event_id, status)
             raise _rx_error(ep, src, event_id, expect, got, lw[desc + L.DESC_EVENT], status)
         spans = stripes(len(mv), cores)
@@ -770,28 +790,64 @@ def _app_offset(ep: Endpoint, buf: np.ndarray, nbytes: int) -> int:
 
 
 def _post_rendezvous(ep, buf, mv, src, event_id, cores) -> None:
-    """Zero-copy step 0: tell the sender where each lane's stripe of `buf` lives."""
+    """Zero-copy step 0: tell the sender where each lane's stripe of `buf` lives.
+
+    A rendezvous is posted on every lane of the die, lanes beyond `cores` marked unused
+    (dst_off -1), and a zero-copy sender consumes every lane's: so the two sides' rendezvous
+    counters advance together even when they disagree on `cores` (the receiver then rejects the
+    message from its descriptor, and the next transfer still pairs the right rendezvous).
+    """
     base = _app_offset(ep, buf, len(mv))
     sw = ep.words[src]
     tr = ep.trace if ep.trace.enabled else None
-    for i, (a, b) in enumerate(stripes(len(mv), cores)):
+    spans = stripes(len(mv), cores)
+    for i in range(ep.lanes):
+        a, b = spans[i] if i < cores else (0, 0)
         f = ep.tables.rdv[ep.die_id][i]
         sw[f + L.RDV_EVENT] = event_id
-        sw[f + L.RDV_OFF] = base + a
+        sw[f + L.RDV_OFF] = base + a if i < cores else -1
         sw[f + L.RDV_NBYTES] = b - a
         ep.rdv_posted[src][i] += 1
         sw[f + L.RDV_SEQ] = ep.rdv_posted[src][i]  # LAST
-        if tr:
+        if tr and i < cores:
             tr.rec(now_ns(), 0, "zc_recv", 0, src, i, event_id, b - a)
 
 
-def _cancel_rendezvous(ep, src, cores) -> None:
+def _cancel_rendezvous(ep, src) -> None:
+    """Withdraw the rendezvous of a receive whose sender turned out not to be zero-copy."""
     sw = ep.words[src]
-    for i in range(cores):
+    for i in range(ep.lanes):
         f = ep.tables.rdv[ep.die_id][i]
         sw[f + L.RDV_EVENT] = RDV_CANCELLED
         ep.rdv_posted[src][i] += 1
         sw[f + L.RDV_SEQ] = ep.rdv_posted[src][i]
+
+
+class _RdvSkip:
+    """A zero-copy sender's lane beyond its `cores`: consumes that lane's rendezvous only."""
+
+    __slots__ = ("ep", "dst", "lane", "rdv", "done")
+
+    def __init__(self, ep, dst, lane):
+        self.ep, self.dst, self.lane = ep, dst, lane
+        self.rdv = ep.tables.rdv[dst][lane]
+        self.done = False
+
+    def pump(self) -> bool:
+        ep = self.ep
+        seq = ep.words[ep.die_id][self.rdv + L.RDV_SEQ]
+        if self.done or seq <= ep.rdv_used[self.dst][self.lane]:
+            return False
+        ep.rdv_used[self.dst][self.lane] = seq
+        self.done = True
+        return True
+
+    def blocked(self):
+        used = self.ep.rdv_used[self.dst][self.lane]
+        return self.ep.words[self.ep.die_id], self.rdv + L.RDV_SEQ, used + 1, self.dst, "rdv.seq"
+
+    def finished(self) -> bool:
+        return self.done
 
 
 # ------------------------------------------------------------------------------------------------

@@ -69,7 +69,11 @@ class AppAllocator:
         if align <= 0 or align & (align - 1):
             raise ValueError(f"alloc: align {align} is not a power of two")
         nbytes = math.prod(shape_t) * dt.itemsize
-        need = max(nbytes, 1)
+        if nbytes == 0:
+            # numpy gives every empty view the area's base pointer, so an empty allocation cannot
+            # be told apart by address: it reserves nothing and free() of it is a no-op.
+            return self._area[:0].view(dt).reshape(shape_t)
+        need = nbytes
         for i, (off, length) in enumerate(self._free):
             start = -(-off // align) * align
             if start + need <= off + length:
@@ -83,7 +87,9 @@ class AppAllocator:
         )
 
     def free(self, arr: np.ndarray) -> None:
-        """Give back an array returned by `alloc` (not a slice of it)."""
+        """Give back an array returned by `alloc` (not a slice of it). Empty arrays: no-op."""
+        if arr.nbytes == 0:
+            return
         off = self.area_offset(arr)
         length = self._used.pop(off, None)
         if length is None:

@@ -69,6 +69,40 @@ def _signal_name(code: int | None) -> str:
     return f"exit code {code}"
 
 
+class _SigtermGuard:
+    """SIGTERM -> SystemExit while any pod of this process is open, so `with` blocks tear down.
+
+    One handler for all pods: installed when the first pod opens, the previous handler restored
+    when the last one closes (pods may close in any order).
+    """
+
+    def __init__(self) -> None:
+        self.pods: set[int] = set()
+        self.previous = None
+
+    def acquire(self, pod: Pod) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if not self.pods:
+            self.previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        self.pods.add(id(pod))
+
+    def release(self, pod: Pod) -> None:
+        if id(pod) not in self.pods or threading.current_thread() is not threading.main_thread():
+            return
+        self.pods.discard(id(pod))
+        if not self.pods and self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+            self.previous = None
+
+
+def _on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+_SIGTERM = _SigtermGuard()
+
+
 class Pod:
     """A running pod. Build with `Pod.launch`; use as a context manager."""
 
@@ -81,7 +115,6 @@ class Pod:
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self.closed = False
-        self._old_sigterm = None
         self.last_cpu_s: list[float] = []
 
     # -- launch ---------------------------------------------------------------------------------
@@ -313,18 +346,10 @@ class Pod:
                 p.close()
 
     def _install_sigterm(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-
-        def on_sigterm(signum, frame):
-            raise SystemExit(128 + signum)
-
-        self._old_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+        _SIGTERM.acquire(self)
 
     def _restore_sigterm(self) -> None:
-        if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._old_sigterm)
-            self._old_sigterm = None
+        _SIGTERM.release(self)
 
     def __enter__(self) -> Pod:
         return self

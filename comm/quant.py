@@ -1,0 +1,108 @@
+"""INT8 early quantization of dispatch payloads (000 §4.2.1 ②, PROTOCOLS.md §5).
+
+Per token (row): `scale = max|x| / 127` in float32 (1.0 for an all-zero row),
+`q = clip(rint(x / scale), -127, 127)` as int8; the float32 scale travels with the token and the
+expert die dequantizes with `q * scale`. On the wire a token costs `hidden` bytes + its scale
+(the paper pads the 4-byte scale to 512 B; the protocols' layouts say what they pad to).
+
+Two corrections keep the error bound true at the ends of the float32 range, and change nothing
+for ordinary activations (max|x| between about 1.5e-36 and 3.4e38):
+- a *subnormal* scale (max|x| < 127 * 2**-126) is stepped one float32 up: the division rounds it
+  by up to half the smallest subnormal, which is large relative to such a scale and could make
+  max|x| / scale exceed 127.5, i.e. clip;
+- a scale whose `127 * scale` overflows to inf (max|x| within an ulp of float32 max) is stepped
+  one float32 down, so that dequantization stays finite.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["INT8_ERROR_BOUND", "INT8_QMAX", "dequantize_int8", "quantize_int8"]
+
+INT8_QMAX = 127  # symmetric range: -128 is never produced
+
+# |dequantize_int8(*quantize_int8(x)) - x| <= INT8_ERROR_BOUND * scale, per element of each row.
+# In exact arithmetic rint() is off by at most 1/2, so the bound is scale / 2. Computing in float32
+# adds two roundings (x / scale and q * scale), each at most 127 * 2**-24 in units of the scale:
+# 254 * 2**-24 < 2**-16. Hence 1/2 + 2**-16; `x` here is the input converted to float32.
+INT8_ERROR_BOUND = 0.5 + 2.0**-16
+
+_F32 = np.finfo(np.float32)
+_ACCEPTED = (np.float16, np.float32, np.float64)
+
+
+def _as_f32_rows(x) -> np.ndarray:
+    """`x` as float32 `[n, hidden]`; TypeError for other dtypes, ValueError for shape/non-finite."""
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"x: expected a numpy array, got {type(x).__name__}")
+    if x.dtype.type not in _ACCEPTED:
+        raise TypeError(f"x: expected float16, float32 or float64, got dtype {x.dtype}")
+    if x.ndim != 2:
+        raise ValueError(f"x: expected shape [n, hidden], got shape {x.shape}")
+    with np.errstate(over="ignore"):  # float64 beyond float32 range becomes inf, rejected below
+        x32 = x.astype(np.float32, copy=False)
+    bad = np.argwhere(~np.isfinite(x32))
+    if bad.size:
+        row, col = (int(v) for v in bad[0])
+        raise ValueError(
+            f"x[{row}, {col}] = {x[row, col]}: values must be finite and within float32 range"
+        )
+    return x32
+
+
+def _row_scales(amax: np.ndarray) -> np.ndarray:
+    """float32 scale per row from float32 `amax = max|x|` (see the module docstring)."""
+    with np.errstate(over="ignore", under="ignore"):
+        scale = amax / np.float32(INT8_QMAX)
+        low = (amax > 0) & (scale < _F32.tiny)
+        scale[low] = np.nextafter(scale[low], np.float32(np.inf))
+        high = np.isinf(scale * np.float32(INT8_QMAX))
+        scale[high] = np.nextafter(scale[high], np.float32(0))
+    scale[amax == 0] = np.float32(1.0)
+    return scale
+
+
+def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-token INT8 quantization, computed in float32.
+
+    Arguments:
+        x: float16 / float32 / float64 `[n, hidden]`, finite and within float32 range; converted
+            to float32 first. `n` and `hidden` may be 0.
+
+    Returns:
+        q: int8 `[n, hidden]`, `clip(rint(x / scale[:, None]), -127, 127)` (rint: half to even).
+        scale: float32 `[n]`, `max|x[row]| / 127` (1.0 for an all-zero row); see the module
+            docstring for the two range-end corrections.
+
+    Guarantee: `|dequantize_int8(q, scale) - x| <= INT8_ERROR_BOUND * scale[:, None]`, i.e.
+    half a quantization step plus float32 rounding (`INT8_ERROR_BOUND = 1/2 + 2**-16`).
+    """
+    x32 = _as_f32_rows(x)
+    amax = np.max(np.abs(x32), axis=1, initial=np.float32(0)).astype(np.float32)
+    scale = _row_scales(amax)
+    q = np.clip(np.rint(x32 / scale[:, None]), -INT8_QMAX, INT8_QMAX).astype(np.int8)
+    return q, scale
+
+
+def dequantize_int8(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Inverse of `quantize_int8`: `q.astype(float32) * scale[:, None]`.
+
+    Arguments:
+        q: int8 `[n, hidden]`.
+        scale: float32 `[n]`, one scale per row.
+
+    Returns:
+        x: float32 `[n, hidden]`.
+    """
+    if not isinstance(q, np.ndarray) or q.dtype != np.int8:
+        raise TypeError(f"q: expected an int8 numpy array, got {getattr(q, 'dtype', type(q))}")
+    if not isinstance(scale, np.ndarray) or scale.dtype != np.float32:
+        raise TypeError(
+            f"scale: expected a float32 numpy array, got {getattr(scale, 'dtype', type(scale))}"
+        )
+    if q.ndim != 2 or scale.shape != (q.shape[0],):
+        raise ValueError(
+            f"q, scale: expected shapes [n, hidden] and [n], got {q.shape} and {scale.shape}"
+        )
+    return q.astype(np.float32) * scale[:, None]
