@@ -266,7 +266,7 @@ def _check_weights(topk_idxs, topk_weights) -> list[np.ndarray]:
 
 
 def _gather_rows(expert_outs, dispatch_outs, rank: int, topk: np.ndarray, hidden: int):
-    """`rows[slot, k]`: the expert output row for origin (rank, slot, k); `have` marks routed."""
+    """`rows[slot, k]`: expert output row of origin (rank, slot, k); `routed` = `topk >= 0`."""
     rows = np.zeros((*topk.shape, hidden), dtype=np.float32)
     seen = np.zeros(topk.shape, dtype=np.int64)
     for die in sorted(dispatch_outs):
