@@ -251,7 +251,7 @@ class _TxZeroCopy:
 
     __slots__ = (
         "ep", "dst", "lane", "src", "lo", "hi", "seq", "event_id", "info", "dw", "desc",
-        "aw", "ack", "rdv", "sent", "t_wait", "fin",
+        "aw", "ack", "rdv", "sent", "t_wait", "fin", "extra",
     )  # fmt: skip
 
     def __init__(self, ep, dst, lane, src, lo, hi, event_id, info):
@@ -266,11 +266,14 @@ class _TxZeroCopy:
         self.rdv = t.rdv[dst][lane]
         self.sent = self.fin = False
         self.t_wait = now_ns()
+        self.extra: list[int] = []  # lanes beyond `cores` whose rendezvous lane 0 consumes
 
     def pump(self) -> bool:
         if self.sent:
             return False
         ep, aw, rdv = self.ep, self.aw, self.rdv
+        if self.extra and not self._take_extra():
+            return False
         seq = aw[rdv + L.RDV_SEQ]
         used = ep.rdv_used[self.dst][self.lane]
         if seq <= used:
@@ -302,10 +305,26 @@ class _TxZeroCopy:
         self.sent = True
         return True
 
+    def _take_extra(self) -> bool:
+        """Consume the rendezvous of the lanes this send does not use, all before any descriptor
+        is published: the receiver posts its next rendezvous only after this message, so none
+        of these can be swallowed from the next one. True once all are consumed."""
+        ep, used = self.ep, self.ep.rdv_used[self.dst]
+        while self.extra:
+            lane = self.extra[0]
+            seq = self.aw[ep.tables.rdv[self.dst][lane] + L.RDV_SEQ]
+            if seq <= used[lane]:
+                return False
+            used[lane] = seq
+            self.extra.pop(0)
+        return True
+
     def blocked(self):
         if not self.sent:
-            used = self.ep.rdv_used[self.dst][self.lane]
-            return self.aw, self.rdv + L.RDV_SEQ, used + 1, self.dst, "rdv.seq"
+            lane = self.extra[0] if self.extra else self.lane
+            used = self.ep.rdv_used[self.dst][lane]
+            rdv = self.ep.tables.rdv[self.dst][lane]
+            return self.aw, rdv + L.RDV_SEQ, used + 1, self.dst, "rdv.seq"
         return self.aw, self.ack + L.ACK_DONE, self.seq, self.dst, "ack.done"
 
     def finished(self) -> bool:
@@ -621,7 +640,8 @@ def isend(
             lanes = [
                 _TxZeroCopy(ep, dst, i, mv, a, b, event_id, info) for i, (a, b) in enumerate(spans)
             ]
-            return lanes + [_RdvSkip(ep, dst, i) for i in range(cores, ep.lanes)]
+            lanes[0].extra = list(range(cores, ep.lanes))
+            return lanes
         lanes = [
             _TxRing(ep, dst, i, mv, a, b, event_id, info, var == DMA)
             for i, (a, b) in enumerate(spans)
@@ -821,33 +841,6 @@ def _cancel_rendezvous(ep, src) -> None:
         sw[f + L.RDV_EVENT] = RDV_CANCELLED
         ep.rdv_posted[src][i] += 1
         sw[f + L.RDV_SEQ] = ep.rdv_posted[src][i]
-
-
-class _RdvSkip:
-    """A zero-copy sender's lane beyond its `cores`: consumes that lane's rendezvous only."""
-
-    __slots__ = ("ep", "dst", "lane", "rdv", "done")
-
-    def __init__(self, ep, dst, lane):
-        self.ep, self.dst, self.lane = ep, dst, lane
-        self.rdv = ep.tables.rdv[dst][lane]
-        self.done = False
-
-    def pump(self) -> bool:
-        ep = self.ep
-        seq = ep.words[ep.die_id][self.rdv + L.RDV_SEQ]
-        if self.done or seq <= ep.rdv_used[self.dst][self.lane]:
-            return False
-        ep.rdv_used[self.dst][self.lane] = seq
-        self.done = True
-        return True
-
-    def blocked(self):
-        used = self.ep.rdv_used[self.dst][self.lane]
-        return self.ep.words[self.ep.die_id], self.rdv + L.RDV_SEQ, used + 1, self.dst, "rdv.seq"
-
-    def finished(self) -> bool:
-        return self.done
 
 
 # ------------------------------------------------------------------------------------------------

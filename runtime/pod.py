@@ -258,23 +258,34 @@ class Pod:
         return results
 
     def _resync(self) -> None:
-        """After a failed run every die is idle: discard whatever was left in flight."""
-        msg = pickle.dumps(("run", _resync_die, (), self.ctl.words[C.W_ABORT]))
+        """After a failed run every die is idle: discard whatever was left in flight.
+
+        Two phases, each on every die: first every DMA engine stops (a sender's engine could
+        otherwise refill a ring its receiver has just emptied), then the counters are realigned.
+        """
+        for phase in (1, 2):
+            self._broadcast(_resync_die, (phase,))
+
+    def _broadcast(self, fn, args: tuple, timeout_s: float = 10.0) -> list:
+        """Run an internal fn on every die and collect results (no abort, no resync)."""
+        msg = pickle.dumps(("run", fn, args, self.ctl.words[C.W_ABORT]))
         for conn in self.conns:
             conn.send_bytes(msg)
         sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
         pending = set(range(len(self.conns)))
-        deadline = time.monotonic() + 10.0
+        results: list = [None] * len(self.conns)
+        deadline = time.monotonic() + timeout_s
         while pending and time.monotonic() < deadline:
             for obj in mp_wait([self.conns[r] for r in pending] + list(sentinels), timeout=0.2):
                 if obj in sentinels:
                     self._crashed(sentinels[obj])
                 r = self.conns.index(obj)
                 try:
-                    obj.recv()
+                    results[r] = obj.recv()
                 except (EOFError, OSError):
                     self._crashed(r)
                 pending.discard(r)
+        return results
 
     def abort(self) -> None:
         """Make every die's current wait raise PodAborted (bump the abort epoch)."""
@@ -297,10 +308,10 @@ class Pod:
     def _crashed(self, r: int) -> None:
         p = self.procs[r]
         p.join(1.0)
-        what = _signal_name(p.exitcode)
+        pid, what = p.pid, _signal_name(p.exitcode)  # before close(), which closes the Process
         self.close()
         raise DieCrashed(
-            f"die {r} (pid {p.pid}) died during pod.run: {what}; pod {self.pod_id} closed"
+            f"die {r} (pid {pid}) died during pod.run: {what}; pod {self.pod_id} closed"
         )
 
     # -- teardown -------------------------------------------------------------------------------
@@ -385,9 +396,12 @@ class Pod:
         return f"Pod({self.pod_id}, {self.config.num_dies} dies, {state})"
 
 
-def _resync_die(die) -> int:
+def _resync_die(die, phase: int) -> int:
     from comm.p2p import resync
 
+    if phase == 1:
+        die.close()  # stop the DMA engine; a new one starts on demand
+        return 0
     return resync(die)
 
 

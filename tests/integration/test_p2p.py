@@ -628,21 +628,15 @@ def test_zero_copy_send_to_plain_recv_is_a_protocol_error(pod_factory, recv_vari
     assert [r[0] for r in res] == ["ProtocolError", "ProtocolError"], res
 
 
-ZC_SKIP_RACE_BUG = (
-    "BUG: a zero-copy send with cores < lanes consumes the receiver's rendezvous on its unused"
-    " lanes (_RdvSkip) only after its used lanes have published their descriptors, and it"
-    " consumes 'the newest seq' rather than the next one; the receiver can complete the message,"
-    " start the next zero-copy recv and post its rendezvous in between, so the skip lane swallows"
-    " the NEXT message's rendezvous and that message's sender lane waits for rdv.seq forever"
-    " (PeerTimeout on both sides: sender 'rdv.seq', receiver 'desc.tail_ptr')"
-)
+# Regression: a zero-copy send with cores < lanes used to consume its unused lanes' rendezvous
+# after publishing, and could swallow the receiver's NEXT rendezvous (both sides then timed out).
 
 
 class DelayAfterPublish(comm.Trace):
     """A die trace that sleeps right after a zero-copy sender lane publishes its descriptor.
 
     Fault injection through the public trace hook: it widens a window that is normally a few
-    microseconds (see ZC_SKIP_RACE_BUG) so the race happens on every message.
+    microseconds so the old race would happen on every message.
     """
 
     def rec(self, t_ns, dur_ns, op, step, peer, lane, event_id, nbytes):
@@ -681,7 +675,6 @@ def zc_fewer_cores_then_more(die, iters):
             die.free(buf)
 
 
-@pytest.mark.xfail(reason=ZC_SKIP_RACE_BUG, strict=True)
 @pytest.mark.timeout(60)
 def test_zero_copy_fewer_cores_than_lanes_then_more(pod_factory):
     pod = pod_factory(**{**CFG, "num_dies": 2, "timeout_s": 1.0})
@@ -966,15 +959,8 @@ def fail_mid_transfer(die, variant, ev, nbytes, who_fails):
     return me
 
 
-RESYNC_BUG = (
-    "BUG: the launcher's resync after a failed pod.run runs on every die at once, uncoordinated;"
-    " a sender's DMA engine keeps streaming the abandoned message in the background until that"
-    " die's own resync closes the engine, so when the receiver's resync empties its ring first"
-    " (head_ptr = tail_ptr) the still-running engine uses the freed credits and publishes more"
-    " chunks: tail_ptr > head_ptr after the resync, and the next transfer on that pair reads the"
-    " stale chunks and both sides time out (a resync needs two phases: stop every engine, then"
-    " fix the counters)"
-)
+# Regression: resync after a failed run used to realign counters while a sender's DMA engine was
+# still streaming, leaving stale chunks; it now stops every engine first, then realigns.
 
 
 def abandon_dma_send(die, ev, nbytes, src, dst):
@@ -985,7 +971,6 @@ def abandon_dma_send(die, ev, nbytes, src, dst):
         comm.send(die, payload(src, dst, ev, nbytes), dst, ev, variant="dma")
 
 
-@pytest.mark.xfail(reason=RESYNC_BUG, strict=True)
 @pytest.mark.timeout(60)
 def test_resync_after_abandoned_dma_send_leaves_no_stale_chunks(pod_factory):
     # sender die 3, receiver die 0: the launcher resyncs die 0 first and die 3 last
@@ -1005,9 +990,7 @@ def test_resync_after_abandoned_dma_send_leaves_no_stale_chunks(pod_factory):
 def _failed_run_params():
     for variant in VARIANTS:
         for who_fails in ("sender", "receiver"):
-            # dma-receiver hits the resync bug above now and then (an engine still streaming)
-            if (variant, who_fails) != ("dma", "receiver"):
-                yield pytest.param(variant, who_fails, id=f"{variant}-{who_fails}")
+            yield pytest.param(variant, who_fails, id=f"{variant}-{who_fails}")
 
 
 @pytest.mark.timeout(60)

@@ -450,14 +450,6 @@ def test_die_failing_at_start_up(monkeypatch, action):
 # -- crashes ---------------------------------------------------------------------------------------
 
 
-CRASH_BUG = (
-    "BUG: Pod._crashed() calls self.close(), which closes every multiprocessing.Process, and"
-    " then formats p.pid into the DieCrashed message: Process.pid raises ValueError('process"
-    " object is closed'), so pod.run raises that ValueError instead of DieCrashed (the pod is"
-    " torn down all the same)"
-)
-
-
 @pytest.mark.timeout(60)
 def test_sigkill_of_a_die_mid_run_tears_the_pod_down(pod_factory):
     pod = pod_factory(num_dies=4, timeout_s=30.0)
@@ -473,7 +465,6 @@ def test_sigkill_of_a_die_mid_run_tears_the_pod_down(pod_factory):
     assert all(_zombie_or_gone(pid) for pid in pids)
 
 
-@pytest.mark.xfail(reason=CRASH_BUG, strict=True)
 @pytest.mark.timeout(60)
 def test_sigkill_of_a_die_mid_run_is_die_crashed(pod_factory):
     pod = pod_factory(num_dies=4, timeout_s=30.0)
@@ -491,7 +482,6 @@ def test_sigkill_of_a_die_mid_run_is_die_crashed(pod_factory):
     assert all(_zombie_or_gone(pid) for pid in pids)
 
 
-@pytest.mark.xfail(reason=CRASH_BUG, strict=True)
 @pytest.mark.timeout(60)
 def test_die_exiting_mid_run_is_die_crashed(pod_factory):
     pod = pod_factory(num_dies=3)
