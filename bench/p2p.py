@@ -154,6 +154,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", action="store_true", help="also measure shm-floor/zmq/pipe/mpi4py")
     p.add_argument("--quick", action="store_true", help="fewer sizes and iterations (~20 s)")
     p.add_argument("--iters-scale", type=float, default=1.0, help="scale iteration counts")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="measure everything R times, alternating xpod and peers; report medians and spread",
+    )
     p.add_argument("--json", default=None, help="write one JSON line per row to FILE")
     p.add_argument("--plot", default=None, help="draw latency and bandwidth vs size to FILE")
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the run")
@@ -194,16 +200,22 @@ def main(args: argparse.Namespace) -> int:
         f" pinned={cfg.pinned()}, sizes {','.join(map(common.fmt_size, sizes))},"
         f" variants {','.join(variants)}, cores {cores_list}"
     )
+    runs: list[list[dict]] = []
     with Pod.launch(cfg) as pod:
-        rows = measure_xpod(pod, sizes, variants, cores_list, scale)
+        for rep in range(args.repeat):
+            if args.repeat > 1:
+                common.progress(f"repeat {rep + 1}/{args.repeat}")
+            # xpod and the peers alternate, so slow phases of a noisy machine hit both
+            runs.append(measure_xpod(pod, sizes, variants, cores_list, scale))
+            if args.peers:
+                runs[-1] += measure_peers(sizes, scale)
         if args.trace:
             n = pod.write_trace(args.trace)
             common.progress(f"wrote {n} trace events to {args.trace}")
         if args.breakdown:
             steps = breakdown(pod, sizes, variants, cores_list[0])
-    if args.peers:
-        rows += measure_peers(sizes, scale)
-    common.print_table(rows, COLUMNS)
+    rows = runs[0] if len(runs) == 1 else merge_repeats(runs)
+    common.print_table(rows, COLUMNS + ([("p50_spread", "spread", ".0%")] if len(runs) > 1 else []))
     _print_ratios(rows)
     if args.breakdown:
         print("\nwhere the time goes: a traced ping-pong per row; mean us per message of die 0's")
@@ -272,6 +284,26 @@ def breakdown(pod: Pod, sizes, variants, cores: int) -> list[dict]:
             out.append({"variant": variant, "size_bytes": size, "side": "-",
                         "step": f"other (traced p50 {p50:.2f} us)", "us_per_msg": p50 - covered,
                         "share": (p50 - covered) / p50})  # fmt: skip
+    return out
+
+
+def merge_repeats(runs: list[list[dict]]) -> list[dict]:
+    """One row per (transport, variant, cores, size): the median over repeats of p50 / p99 /
+    gbps / cpu, the minimum of min_us, and `p50_spread` = (max - min) / median of the p50s."""
+    out = []
+    for row in runs[0]:
+        key = (row["transport"], row["variant"], row["cores"], row["size_bytes"])
+        same = [r for run in runs for r in run if (r["transport"], r["variant"], r["cores"],
+                r["size_bytes"]) == key]  # fmt: skip
+        merged = dict(row)
+        p50s = np.array([r["p50_us"] for r in same])
+        for k in ("p50_us", "p99_us", "gbps", "cpu_s_per_die", "mean_us"):
+            if k in row:
+                merged[k] = float(np.median([r[k] for r in same]))
+        merged["min_us"] = float(min(r["min_us"] for r in same))
+        merged["repeats"] = len(same)
+        merged["p50_spread"] = float((p50s.max() - p50s.min()) / np.median(p50s))
+        out.append(merged)
     return out
 
 

@@ -12,6 +12,14 @@ from collections import defaultdict
 from bench.common import fmt_size
 
 MATPLOTLIB_MISSING = "--plot needs matplotlib: pip install -e '.[plot]'"
+_XPOD_COLORS = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
+                "tab:pink", "tab:olive", "tab:cyan", "gold", "navy", "lime"]  # fmt: skip
+_PEER_STYLE = {
+    "shm-floor": {"color": "black", "linestyle": "--"},
+    "mpi4py": {"color": "dimgray", "linestyle": "--"},
+    "zmq-ipc": {"color": "darkgray", "linestyle": ":"},
+    "pipe": {"color": "silver", "linestyle": ":"},
+}
 MAX_SIZE_TICKS = 10  # a size axis from 8 B to 64 MiB has 24 doublings: label every few
 
 
@@ -43,11 +51,14 @@ def plot_p2p(rows: list[dict], path: str) -> None:
     fig = Figure(figsize=(12, 4.8), layout="constrained")
     FigureCanvasAgg(fig)
     lat_ax, bw_ax = fig.subplots(1, 2)
+    xpod_colors = iter(_XPOD_COLORS * 4)
     for label, points in lines.items():
+        # xpod rows: solid lines, a colour per variant and cores; peers: dashed, greys/black
+        style = _PEER_STYLE.get(label) or {"color": next(xpod_colors), "linestyle": "-"}
         sizes = [r["size_bytes"] for r in points]
-        lat_ax.plot(sizes, [r["p50_us"] for r in points], marker="o", ms=3, label=label)
+        lat_ax.plot(sizes, [r["p50_us"] for r in points], marker="o", ms=3, label=label, **style)
         bw = [(r["size_bytes"], r["gbps"]) for r in points if r["gbps"] > 0]
-        bw_ax.plot([s for s, _ in bw], [g for _, g in bw], marker="o", ms=3, label=label)
+        bw_ax.plot([s for s, _ in bw], [g for _, g in bw], marker="o", ms=3, label=label, **style)
     ticks = _size_ticks([r["size_bytes"] for points in lines.values() for r in points])
     for ax, ylabel in ((lat_ax, "p50 one-way latency (µs)"), (bw_ax, "bandwidth (GB/s)")):
         ax.set_xscale("log", base=2)
