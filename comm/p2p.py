@@ -852,6 +852,17 @@ def _cancel_rendezvous(ep, src) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
+def _fill_cache(c: list, buf, writable: bool, limit: int, ub, slot_views) -> bool:
+    """Cache a new buffer's views for the fast path; False if the message is not small."""
+    if type(buf) is not np.ndarray or buf.nbytes > limit:
+        return False
+    mv = byte_view(buf, "recv buffer" if writable else "send buffer", writable)
+    n = len(mv)
+    info = n | 1 << 40 | buf.dtype.num << 48 | MTE << 56
+    c[:] = [buf, mv, ub[:n], [v[:n] for v in slot_views], info]
+    return True
+
+
 def _small_tx(ep: Endpoint, dst: int):
     """The fast send to `dst`: returns False (nothing done) when the message is not small."""
     me = ep.die_id
@@ -875,18 +886,8 @@ def _small_tx(ep: Endpoint, dst: int):
     def tx(buf, event_id) -> bool:
         if queued:  # an isend to dst is outstanding: keep issue order via the general path
             return False
-        if buf is not c[0]:
-            if type(buf) is not np.ndarray or buf.nbytes > limit:
-                return False
-            mv = byte_view(buf, "send buffer", False)
-            n = len(mv)
-            c[:] = [
-                buf,
-                mv,
-                ub[:n],
-                [v[:n] for v in slot_views],
-                n | 1 << 40 | buf.dtype.num << 48 | MTE << 56,
-            ]
+        if buf is not c[0] and not _fill_cache(c, buf, False, limit, ub, slot_views):
+            return False
         if type(event_id) is not int or not 0 <= event_id < EVENT_LIMIT:
             _args(ep, buf, dst, event_id, 1, "mte", send=True)  # raises the precise error
         seq = seqs[0] + 1
@@ -961,18 +962,8 @@ def _small_rx(ep: Endpoint, src: int):
     def rx(buf, event_id) -> bool:
         if queued:
             return False
-        if buf is not c[0]:
-            if type(buf) is not np.ndarray or buf.nbytes > limit:
-                return False
-            mv = byte_view(buf, "recv buffer", True)
-            n = len(mv)
-            c[:] = [
-                buf,
-                mv,
-                ub[:n],
-                [v[:n] for v in slot_views],
-                n | 1 << 40 | buf.dtype.num << 48 | MTE << 56,
-            ]
+        if buf is not c[0] and not _fill_cache(c, buf, True, limit, ub, slot_views):
+            return False
         if type(event_id) is not int or not 0 <= event_id < EVENT_LIMIT:
             _args(ep, buf, src, event_id, 1, "mte", send=False)  # raises the precise error
         head = rw[a_head]

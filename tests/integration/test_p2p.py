@@ -614,10 +614,9 @@ def test_protocol_error_through_pod_run(pod, variant):
 
 
 @pytest.mark.xfail(
-    reason="BUG: a zero-copy send whose receiver posted a plain (mte/dma) recv never publishes"
-    " its descriptor (it waits for a rendezvous that never comes) and the receiver waits for that"
-    " descriptor: both sides hang until PeerTimeout instead of failing with ProtocolError"
-    " 'variant mismatch (zero-copy on one side only)'",
+    reason="KNOWN LIMITATION (documented in README): a zero-copy send whose receiver posted a"
+    " plain (mte/dma) recv waits for a rendezvous that never comes, and the receiver waits for"
+    " a descriptor: both sides raise PeerTimeout instead of ProtocolError 'variant mismatch'",
     strict=True,
 )
 @pytest.mark.timeout(60)
