@@ -121,8 +121,10 @@ class Endpoint:
 
     # -- waiting --------------------------------------------------------------------------------
 
-    def wait_ge(self, words: memoryview, idx: int, target: int, peer: int, field: str) -> int:
-        return wait_ge(words, idx, target, self.policy, self.ctx, peer, field)
+    def wait_ge(
+        self, words: memoryview, idx: int, target: int, peer: int, field: str, probe=None
+    ) -> int:
+        return wait_ge(words, idx, target, self.policy, self.ctx, peer, field, probe)
 
 
 class _Tables:

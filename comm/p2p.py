@@ -11,7 +11,7 @@ Steps (the trace records each by number, see `comm.trace.STEP_NAMES`):
  1 MTE2: stripe chunk app -> UB half (ping-pong)
  2 MTE3: UB -> ring slot tail % slots in r        5 poll desc[s][l].tail_ptr > head_ptr
    (wait for credit: tail - head < slots)
- 3 publish desc: event_id, chunk_id, msg_info,    6 ring slot -> UB -> app; publish
+ 3 publish desc: event_id, msg_info, chunk_id,    6 ring slot -> UB -> app; publish
    then tail_ptr LAST                               ack.head_ptr (the credit)
  4 poll own ack[r][l].done >= seq                 7 after the last chunk: ack.event_id,
  8 done on every lane: check ack.status             ack.status, then ack.done = seq LAST
@@ -63,6 +63,7 @@ STATUS_TEXT = {
     BAD_VARIANT: "variant mismatch (zero-copy on one side only)",
 }
 RDV_CANCELLED = -(1 << 62)  # rdv.event_id of a rendezvous the receiver withdrew
+RDV_REJECT = RDV_CANCELLED + 1  # rdv.event_id: a plain receiver refuses a zero-copy sender
 
 SEQ_SHIFT = 24
 NBYTES_MASK = (1 << 40) - 1
@@ -186,8 +187,8 @@ class _TxRing:
             # Payload first, descriptor next, tail_ptr LAST: the receiver reads the slot and the
             # descriptor only after it sees tail_ptr move (x86-64 TSO keeps store order).
             dw[desc + L.DESC_EVENT] = self.event_id
-            dw[desc + L.DESC_CHUNK] = self.seq << SEQ_SHIFT | (k + run - 1)
             dw[desc + L.DESC_INFO] = self.info
+            dw[desc + L.DESC_CHUNK] = self.seq << SEQ_SHIFT | (k + run - 1)
             tail += run
             dw[desc + L.DESC_TAIL] = tail
             if tr:
@@ -267,6 +268,12 @@ class _TxZeroCopy:
         self.sent = self.fin = False
         self.t_wait = now_ns()
         self.extra: list[int] = []  # lanes beyond `cores` whose rendezvous lane 0 consumes
+        if lane == 0:
+            # Announce (chunk_id and msg_info, tail_ptr untouched): a plain receiver waiting for
+            # this message sees a zero-copy sender and rejects it instead of timing out. The
+            # previous message on this pair is acked already, so nobody reads these words now.
+            self.dw[self.desc + L.DESC_INFO] = info
+            self.dw[self.desc + L.DESC_CHUNK] = self.seq << SEQ_SHIFT
 
     def pump(self) -> bool:
         if self.sent:
@@ -279,7 +286,13 @@ class _TxZeroCopy:
         if seq <= used:
             return False
         ep.rdv_used[self.dst][self.lane] = seq
-        if aw[rdv + L.RDV_EVENT] == RDV_CANCELLED:
+        if aw[rdv + L.RDV_EVENT] == RDV_REJECT and self.lane == 0:
+            raise ProtocolError(
+                f"die {ep.die_id} send to die {self.dst} (event_id {self.event_id}): the"
+                f" receiver rejected it: {STATUS_TEXT[BAD_VARIANT]} (this send is zero-copy, the"
+                " recv is not); message discarded"
+            )
+        if aw[rdv + L.RDV_EVENT] in (RDV_CANCELLED, RDV_REJECT):
             return True  # a withdrawn rendezvous: consume it and wait for the next one
         tr = ep.trace if ep.trace.enabled else None
         if tr:
@@ -297,8 +310,8 @@ class _TxZeroCopy:
         # else: no copy; the receiver finds the mismatch in the descriptor and nacks it.
         dw, desc = self.dw, self.desc
         dw[desc + L.DESC_EVENT] = self.event_id
-        dw[desc + L.DESC_CHUNK] = self.seq << SEQ_SHIFT
         dw[desc + L.DESC_INFO] = self.info
+        dw[desc + L.DESC_CHUNK] = self.seq << SEQ_SHIFT
         dw[desc + L.DESC_TAIL] = dw[desc + L.DESC_TAIL] + 1  # LAST
         if tr:
             tr.rec(now_ns(), 0, "zc_send", 3, self.dst, self.lane, self.event_id, n)
@@ -457,6 +470,7 @@ class Request:
 
     __slots__ = (
         "ep", "peer", "is_send", "event_id", "_start", "_lanes", "_job", "_queue", "done", "error",
+        "probe",
     )  # fmt: skip
 
     def __init__(self, ep: Endpoint, peer: int, is_send: bool, event_id: int, start):
@@ -469,6 +483,7 @@ class Request:
         ep.active.append(self)
         self.done = False
         self.error: BaseException | None = None
+        self.probe = None  # plain receives: detects a zero-copy sender while waiting to start
 
     def _advance(self) -> bool:
         """Move as far as possible without blocking; True if anything moved. Errors are kept in
@@ -532,7 +547,12 @@ class Request:
                 idle.reset()
             elif alone:
                 words, idx, target, peer, field = self.blocked()
-                ep.wait_ge(words, idx, target, peer, field)
+                probe = self.probe if self._lanes is None else None
+                try:
+                    ep.wait_ge(words, idx, target, peer, field, probe)
+                except ProtocolError:
+                    self._finish(None)
+                    raise
             else:
                 idle.idle(self)
 
@@ -582,6 +602,12 @@ class _Idler:
                     f" {peer} {field} >= {target} (seen {words[idx]})"
                 )
             self.check_abort(req)
+            if req.probe is not None and req._lanes is None:
+                try:
+                    req.probe()
+                except ProtocolError:
+                    req._finish(None)
+                    raise
 
     def check_abort(self, req: Request) -> None:
         ab = self.ep.ctx.abort
@@ -696,6 +722,8 @@ def irecv(
         return lanes
 
     req = Request(ep, src, False, event_id, start)
+    if var != ZC:
+        req.probe = _zc_probe(ep, src, event_id)
     req.test()
     return req
 
@@ -833,6 +861,38 @@ def _post_rendezvous(ep, buf, mv, src, event_id, cores) -> None:
             tr.rec(now_ns(), 0, "zc_recv", 0, src, i, event_id, b - a)
 
 
+def _zc_probe(ep: Endpoint, src: int, event_id: int):
+    """For a plain (ring) receive waiting on `src`: raise ProtocolError, after rejecting the
+    sender's rendezvous wait, if `src` announced a zero-copy send of the next message."""
+    t, me = ep.tables, ep.die_id
+    lw, rw = ep.words[me], ep.words[src]
+    desc, ack = t.desc[src][0], t.ack[me][0]
+
+    def probe() -> None:
+        # chunk_id FIRST, then msg_info: every sender stores msg_info before chunk_id, so a
+        # chunk_id of a new message guarantees its msg_info is visible too (TSO). In the other
+        # order a plain sender caught between its two stores would look like a zero-copy one.
+        seq = lw[desc + L.DESC_CHUNK] >> SEQ_SHIFT
+        if seq <= rw[ack + L.ACK_DONE] or (lw[desc + L.DESC_INFO] >> 56) & 0x7F != ZC:
+            return
+        sw = ep.words[src]
+        for i in range(ep.lanes):
+            f = t.rdv[me][i]
+            sw[f + L.RDV_EVENT] = RDV_REJECT
+            ep.rdv_posted[src][i] += 1
+            sw[f + L.RDV_SEQ] = ep.rdv_posted[src][i]
+        # Nack the announced message too, so its stale announcement never matches again.
+        rw[ack + L.ACK_EVENT] = event_id
+        rw[ack + L.ACK_STATUS] = BAD_VARIANT
+        rw[ack + L.ACK_DONE] = seq
+        raise ProtocolError(
+            f"die {me} recv from die {src} (event_id {event_id}): {STATUS_TEXT[BAD_VARIANT]}:"
+            " the sender announced a zero-copy send, this recv is not zero-copy; rejected"
+        )
+
+    return probe
+
+
 def _cancel_rendezvous(ep, src) -> None:
     """Withdraw the rendezvous of a receive whose sender turned out not to be zero-copy."""
     sw = ep.words[src]
@@ -901,8 +961,8 @@ def _small_tx(ep: Endpoint, dst: int):
         h[:] = c[1]  # step 1, MTE2: app -> UB
         c[3][tail % slots][:] = h  # step 2, MTE3: UB -> ring slot in the receiver
         dw[desc] = event_id  # step 3: descriptor words, tail_ptr LAST
-        dw[d_chunk] = seq << SEQ_SHIFT
         dw[d_info] = c[4]
+        dw[d_chunk] = seq << SEQ_SHIFT
         dw[d_tail] = tail + 1
         if aw[a_done] < seq:  # step 4: poll own ack
             ep.wait_ge(aw, a_done, seq, dst, "ack.done")
@@ -921,8 +981,8 @@ def _small_tx_traced(ep, dst, c, seq, tail, event_id, dw, aw, desc, ack, slots) 
     c[3][tail % slots][:] = c[2]
     t2 = now_ns()
     dw[desc] = event_id
-    dw[desc + 1] = seq << SEQ_SHIFT
     dw[desc + 3] = c[4]
+    dw[desc + 1] = seq << SEQ_SHIFT
     dw[desc + 2] = tail + 1
     t3 = now_ns()
     if aw[ack + 2] < seq:
@@ -969,7 +1029,7 @@ def _small_rx(ep: Endpoint, src: int):
         head = rw[a_head]
         t0 = now_ns() if trace.enabled else 0
         if lw[d_tail] <= head:  # step 5: poll the inbound descriptor
-            ep.wait_ge(lw, d_tail, head + 1, src, "desc.tail_ptr")
+            ep.wait_ge(lw, d_tail, head + 1, src, "desc.tail_ptr", _zc_probe(ep, src, event_id))
         if lw[d_info] != c[4] or lw[desc] != event_id:
             return _small_rx_mismatch(ep, buf, src, event_id, c[4], lw[d_info], lw[desc])
         t1 = now_ns() if trace.enabled else 0

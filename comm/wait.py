@@ -95,6 +95,7 @@ def wait_ge(
     ctx: WaitContext,
     peer: int,
     field: str,
+    probe=None,
 ) -> int:
     """Wait until `words[idx] >= target`; return the value seen.
 
@@ -105,6 +106,8 @@ def wait_ge(
         policy: the wait policy.
         ctx: die id and abort word of the waiting die.
         peer, field: named in the timeout error ("die 1 waited for die 0 ack.done ...").
+        probe: optional callable run with the deadline checks (every `check_every` polls of the
+            slow phase); it may raise to end the wait (e.g. a protocol mismatch seen elsewhere).
     Raises:
         PeerTimeout after policy.timeout_s; PodAborted if the launcher aborted the pod.
     """
@@ -115,10 +118,10 @@ def wait_ge(
         v = words[idx]
         if v >= target:
             return v
-    return _wait_slow(words, idx, target, policy, ctx, peer, field)
+    return _wait_slow(words, idx, target, policy, ctx, peer, field, probe)
 
 
-def _wait_slow(words, idx, target, policy, ctx, peer, field) -> int:
+def _wait_slow(words, idx, target, policy, ctx, peer, field, probe=None) -> int:
     start = _now()
     deadline = start + int(policy.timeout_s * 1e9)
     backoff_at = start + int(policy.backoff_after_s * 1e9)
@@ -144,6 +147,8 @@ def _wait_slow(words, idx, target, policy, ctx, peer, field) -> int:
                 )
             if not sleeping and now > backoff_at:
                 sleeping = True
+            if probe is not None:
+                probe()
             ab = ctx.abort
             if ab is not None and ab[0][ab[1]] != ab[2]:
                 raise PodAborted(
