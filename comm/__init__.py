@@ -8,6 +8,7 @@ Every function takes the calling die first (`runtime.Die`, a `comm.Endpoint`):
     comm.barrier(die)
 """
 
+from comm.alltoall import DispatchHandle, DispatchResult, combine, dispatch
 from comm.endpoint import Endpoint, barrier
 from comm.p2p import VARIANTS, Request, irecv, isend, recv, resync, send
 from comm.trace import Trace, steps_of, to_chrome, write_chrome
@@ -16,6 +17,10 @@ from memory.errors import ConfigError, PeerTimeout, PodAborted, PodError, Protoc
 
 __all__ = [
     "VARIANTS",
+    "DispatchHandle",
+    "DispatchResult",
+    "combine",
+    "dispatch",
     "ConfigError",
     "Endpoint",
     "PeerTimeout",

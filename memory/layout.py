@@ -113,6 +113,19 @@ class RegionLayout:
     ack_off: int
     rdv_off: int
     sync_off: int
+    # expert-parallel all-to-all (0 when the pod has none; see `compute`)
+    a2a_max_batch: int = 0
+    a2a_hidden: int = 0
+    a2a_topk: int = 0
+    a2a_experts_per_die: int = 0
+    a2a_num_experts: int = 0
+    pull_field_off: int = 0
+    pull_disp_off: int = 0
+    pull_disp_rows: int = 0
+    pull_disp_stride: int = 0
+    pull_comb_off: int = 0
+    pull_comb_rows: int = 0
+    pull_comb_stride: int = 0
 
     @property
     def ring_bytes(self) -> int:
@@ -122,7 +135,22 @@ class RegionLayout:
     def layout_hash(self) -> int:
         """CRC of the parameters: attach refuses a region built for another configuration."""
         key = f"{self.num_dies},{self.lanes},{self.ring_slots},{self.slot_bytes},{self.app_bytes}"
+        if self.a2a_max_batch:
+            key += f",a2a:{self.a2a_max_batch},{self.a2a_hidden},{self.a2a_topk}"
+            key += f",{self.a2a_experts_per_die},{self.a2a_num_experts}"
         return zlib.crc32(key.encode())
+
+    def pull_field_word(self, kind: int, half: int, src: int) -> int:
+        """Word index of pull field (kind 0 = dispatch, 1 = combine; half 0/1) written by src."""
+        return (
+            self.pull_field_off + ((kind * 2 + half) * self.num_dies + src) * FIELD_BYTES
+        ) // WORD
+
+    def pull_block_off(self, kind: int, half: int) -> int:
+        """Byte offset of the pull send area of `kind` and `half` (rows of the kind's stride)."""
+        if kind == 0:
+            return self.pull_disp_off + half * self.pull_disp_rows * self.pull_disp_stride
+        return self.pull_comb_off + half * self.pull_comb_rows * self.pull_comb_stride
 
     def field_off(self, kind: str, peer: int, lane: int) -> int:
         """Byte offset of field `kind` ("desc", "ack", "rdv") for (peer, lane)."""
@@ -175,6 +203,11 @@ def compute(
     ring_slots: int,
     slot_bytes: int,
     app_bytes: int,
+    a2a_max_batch: int = 0,
+    a2a_hidden: int = 0,
+    a2a_topk: int = 0,
+    a2a_experts_per_die: int = 0,
+    a2a_num_experts: int = 0,
 ) -> RegionLayout:
     """Compute the layout of one region from the pod's sizes.
 
@@ -185,6 +218,9 @@ def compute(
         ring_slots: slots per (sender, lane) ring; >= 2 so that sender and receiver can overlap.
         slot_bytes: bytes per ring slot, a multiple of 64.
         app_bytes: size of the app area, rounded up to a page.
+        a2a_max_batch, a2a_hidden, a2a_topk, a2a_experts_per_die, a2a_num_experts: the
+            expert-parallel all-to-all areas (pull fields and send areas; experts_per_die is the
+            most experts one die may host); none when a2a_max_batch is 0.
     Returns:
         RegionLayout with every offset; raises ConfigError naming the bad argument.
     """
@@ -203,9 +239,16 @@ def compute(
     ack_off = desc_off + block
     rdv_off = ack_off + block
     sync_off = rdv_off + block
-    meta_bytes = _round_up(sync_off + FIELD_BYTES - meta_off, PAGE)
+    a2a = _a2a_sizes(num_dies, a2a_max_batch, a2a_hidden, a2a_topk, a2a_experts_per_die)
+    pull_field_off = sync_off + FIELD_BYTES
+    meta_end = pull_field_off + (4 * num_dies * FIELD_BYTES if a2a_max_batch else 0)
+    meta_bytes = _round_up(meta_end - meta_off, PAGE)
     managed_off = meta_off + meta_bytes
-    managed_bytes = _round_up(num_dies * lanes * ring_slots * slot_bytes, PAGE)
+    rings = num_dies * lanes * ring_slots * slot_bytes
+    pull_disp_off = managed_off + _round_up(rings, PAGE)
+    pull_comb_off = pull_disp_off + _round_up(2 * a2a["disp_rows"] * a2a["disp_stride"], PAGE)
+    end = pull_comb_off + _round_up(2 * a2a["comb_rows"] * a2a["comb_stride"], PAGE)
+    managed_bytes = _round_up(end - managed_off, PAGE)
     return RegionLayout(
         num_dies=num_dies,
         lanes=lanes,
@@ -222,7 +265,43 @@ def compute(
         ack_off=ack_off,
         rdv_off=rdv_off,
         sync_off=sync_off,
+        a2a_max_batch=a2a_max_batch,
+        a2a_hidden=a2a_hidden,
+        a2a_topk=a2a_topk,
+        a2a_experts_per_die=a2a_experts_per_die,
+        a2a_num_experts=a2a_num_experts,
+        pull_field_off=pull_field_off if a2a_max_batch else 0,
+        pull_disp_off=pull_disp_off if a2a_max_batch else 0,
+        pull_disp_rows=a2a["disp_rows"],
+        pull_disp_stride=a2a["disp_stride"],
+        pull_comb_off=pull_comb_off if a2a_max_batch else 0,
+        pull_comb_rows=a2a["comb_rows"],
+        pull_comb_stride=a2a["comb_stride"],
     )
+
+
+PULL_ROW_META = 16  # bytes after a dispatch row's payload: scale f32, slot i32, k i32, expert i32
+
+
+def _a2a_sizes(num_dies: int, batch: int, hidden: int, topk: int, per_die: int) -> dict:
+    """Rows and strides of the pull send areas (PROTOCOLS.md §6), zeros when batch is 0.
+
+    Dispatch: one half holds every message a die sends in one step, `batch x topk` rows, each a
+    float32 payload (INT8 uses the first `hidden` bytes) plus PULL_ROW_META. Combine: one half
+    holds every row an expert die returns, at most `batch x min(topk, experts_per_die)` from
+    each source die. Strides are rounded to 64 bytes (a cache line).
+    """
+    if not batch:
+        return {"disp_rows": 0, "disp_stride": 0, "comb_rows": 0, "comb_stride": 0}
+    for name, v in (("a2a_hidden", hidden), ("a2a_topk", topk), ("a2a_experts_per_die", per_die)):
+        _check(name, v, 1, 1 << 20)
+    _check("a2a_max_batch", batch, 1, 1 << 20)
+    return {
+        "disp_rows": batch * topk,
+        "disp_stride": _round_up(4 * hidden + PULL_ROW_META, 64),
+        "comb_rows": num_dies * batch * min(topk, per_die),
+        "comb_stride": _round_up(4 * hidden, 64),
+    }
 
 
 def _check(name: str, value: int, lo: int, hi: int) -> None:

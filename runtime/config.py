@@ -39,6 +39,12 @@ class PodConfig:
         trace_capacity: records kept per die (oldest dropped).
         start_method: how die processes start: "fork" (fast) or "spawn".
         ready_timeout_s: how long launch waits for every die to report ready.
+        a2a_max_batch: tokens per die of an expert-parallel all-to-all (0: no all-to-all areas).
+        a2a_hidden, a2a_topk, num_experts: its hidden size, experts per token and expert count
+            (num_experts must divide over the dies).
+        a2a_max_local_experts: the most experts one die may host (sizes the combine areas);
+            0 = num_experts // num_dies, the default placement. Raise it for load-balancing
+            placements that put more experts on one die.
     """
 
     num_dies: int = 4
@@ -56,6 +62,11 @@ class PodConfig:
     trace_capacity: int = 1 << 16
     start_method: str = "fork"
     ready_timeout_s: float = 60.0
+    a2a_max_batch: int = 0
+    a2a_hidden: int = 0
+    a2a_topk: int = 0
+    num_experts: int = 0
+    a2a_max_local_experts: int = 0
 
     def __post_init__(self) -> None:
         if self.cores == 0:
@@ -82,6 +93,17 @@ class PodConfig:
         _choice("start_method", self.start_method, ("fork", "spawn"))
         if not isinstance(self.trace, bool):
             raise ConfigError(f"trace: {self.trace!r} must be true or false")
+        _int_in("a2a_max_batch", self.a2a_max_batch, 0, 1 << 20)
+        if self.a2a_max_batch:
+            _int_in("a2a_hidden", self.a2a_hidden, 1, 1 << 20)
+            _int_in("num_experts", self.num_experts, 1, 1 << 20)
+            _int_in("a2a_topk", self.a2a_topk, 1, self.num_experts)
+            if self.num_experts % self.num_dies:
+                raise ConfigError(
+                    f"num_experts: {self.num_experts} experts do not divide over"
+                    f" {self.num_dies} dies"
+                )
+            _int_in("a2a_max_local_experts", self.a2a_max_local_experts, 0, self.num_experts)
         lo = self.layout()
         if lo.region_bytes > self.max_region_bytes:
             raise ConfigError(
@@ -99,6 +121,13 @@ class PodConfig:
             ring_slots=self.ring_slots,
             slot_bytes=self.slot_bytes,
             app_bytes=self.app_bytes,
+            a2a_max_batch=self.a2a_max_batch,
+            a2a_hidden=self.a2a_hidden,
+            a2a_topk=self.a2a_topk,
+            a2a_experts_per_die=(self.a2a_max_local_experts or self.num_experts // self.num_dies)
+            if self.a2a_max_batch
+            else 0,
+            a2a_num_experts=self.num_experts if self.a2a_max_batch else 0,
         )
 
     def wait_policy(self) -> WaitPolicy:

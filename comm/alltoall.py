@@ -1,0 +1,366 @@
+"""Expert-parallel all-to-all: XCCL pull-based dispatch and combine (PROTOCOLS.md §6, 001 §3.2).
+
+```python
+d = comm.dispatch(die, x, topk_idx, topk_weights, protocol="pull", quant="int8", event_id=n)
+expert_out = run_my_experts(d)             # d.x rows grouped by local expert, d.expert_counts
+out = comm.combine(die, expert_out, d.handle, event_id=n)
+```
+
+Fields: in every die's meta area, `pull[kind][half][src]` (kind 0 dispatch, 1 combine), written
+only by `src`: | event_id | off (row) | count | seq |, seq (the per-kind operation number, the
+same on every die) stored LAST. Areas: in every die's managed area, per kind, two halves of send
+rows; operation n uses half n % 2 (the paper alternates by event-id parity; caller event ids need
+not be consecutive here, so the internal operation number decides).
+
+Dispatch steps (the trace records each):
+1-2. load tokens (MTE2) and, with quant="int8", quantize per token (scales travel with them);
+3.   write every (token, expert) message into this die's OWN send area, blocks by destination in
+     the canonical send order (`comm.routing.get_dispatch_layout`), one vectorized gather;
+4.   write offset and count, then seq, into each destination's field for this source;
+5.   poll this die's own fields until every source's seq is the operation number;
+6.   pull (remote read) every source's block for this die;
+7.   write it to the output, rows grouped by local expert, then (src_rank, batch_slot, k_index).
+Combine mirrors it: expert rows into this die's own combine area, blocks by source, fields to
+every source, poll, pull, and reduce `out[slot] = sum_k w[slot, k] * row(slot, k)` in ascending
+k in float32, the exact operation order of `comm.reference.combine_ref`.
+
+Reuse of a half: a die starts operation n+2 (overwriting half n % 2) only after step 5 of n+1,
+which needs every peer's step 4 of n+1, which each peer does only after finishing its pulls of
+n. Dispatch and combine have separate fields and areas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from comm.endpoint import Endpoint
+from comm.quant import quantize_int8
+from comm.routing import DispatchLayout, Placement, get_dispatch_layout
+from comm.trace import now_ns
+from memory import layout as L
+from memory.errors import ConfigError, ProtocolError
+
+PROTOCOLS = ("pull",)
+QUANTS = (None, "none", "int8")
+DISPATCH, COMBINE = 0, 1
+F_EVENT, F_OFF, F_COUNT, F_SEQ = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class DispatchHandle:
+    """What `combine` needs from the `dispatch` it reverses (treat as opaque).
+
+    Attributes:
+        protocol, quant: as dispatched.
+        placement: the expert placement used.
+        layout: this die's DispatchLayout (its messages in canonical send order).
+        topk_idx: int64 [batch, k]; topk_weights: float32 [batch, k] (this die's tokens).
+        recv_src_rank: int64 [n_rows], the source die of each dispatched row this die received.
+        op: the dispatch operation number.
+    """
+
+    protocol: str
+    quant: str | None
+    placement: Placement
+    layout: DispatchLayout
+    topk_idx: np.ndarray
+    topk_weights: np.ndarray
+    recv_src_rank: np.ndarray
+    op: int
+
+
+@dataclass(frozen=True)
+class DispatchResult:
+    """Rows this die received, grouped by local expert (the order of `comm.reference`).
+
+    Attributes:
+        x: [n_rows, hidden] float32, or int8 when quantized.
+        scales: float32 [n_rows] per-row INT8 scales, or None.
+        src_rank, batch_slot, k_index, local_expert: int64 [n_rows], each row's origin.
+        expert_counts: int64 [experts_per_die], rows per local expert.
+        handle: pass to `combine`.
+    """
+
+    x: np.ndarray
+    scales: np.ndarray | None
+    src_rank: np.ndarray
+    batch_slot: np.ndarray
+    k_index: np.ndarray
+    local_expert: np.ndarray
+    expert_counts: np.ndarray
+    handle: DispatchHandle
+
+
+def _a2a_state(ep: Endpoint) -> dict:
+    st = getattr(ep, "_a2a", None)
+    if st is None:
+        lo = ep.layout
+        if not lo.a2a_max_batch:
+            raise ConfigError(
+                "a2a_max_batch: this pod has no all-to-all areas; launch it with"
+                " PodConfig(a2a_max_batch=..., a2a_hidden=..., a2a_topk=..., num_experts=...)"
+            )
+        st = {"ops": [0, 0], "placement": None}
+        ep._a2a = st
+    return st
+
+
+def _check_inputs(ep: Endpoint, x, topk_idx, topk_weights, protocol, quant) -> None:
+    lo = ep.layout
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol {protocol!r}: supported here: {', '.join(PROTOCOLS)}")
+    if quant not in QUANTS:
+        raise ValueError(f"quant {quant!r}: choose None or 'int8'")
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2:
+        raise TypeError(f"x must be a float32 array [batch, hidden], got {_describe(x)}")
+    if x.shape[1] != lo.a2a_hidden:
+        raise ValueError(f"x has hidden {x.shape[1]}, the pod was laid out for {lo.a2a_hidden}")
+    if x.shape[0] > lo.a2a_max_batch:
+        raise ValueError(
+            f"batch {x.shape[0]} exceeds the configured maximum a2a_max_batch {lo.a2a_max_batch}"
+        )
+    want = (x.shape[0], lo.a2a_topk)
+    for name, arr in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+        if not isinstance(arr, np.ndarray) or arr.shape != want:
+            raise ValueError(f"{name} must have shape {want}, got {_describe(arr)}")
+
+
+def _describe(a) -> str:
+    if isinstance(a, np.ndarray):
+        return f"{a.dtype}{list(a.shape)}"
+    return type(a).__name__
+
+
+def _placement(ep: Endpoint, placement: Placement | None) -> Placement:
+    if placement is not None:
+        most = max(placement.num_local(d) for d in placement.dies)
+        cap = ep.layout.a2a_experts_per_die
+        if most > cap or max(placement.dies) >= ep.num_dies:
+            raise ValueError(
+                f"placement puts {most} experts on one die (or names a die outside the pod);"
+                f" the pod's areas are sized for {cap} per die"
+                " (PodConfig.a2a_max_local_experts)"
+            )
+        return placement
+    st = ep._a2a
+    if st["placement"] is None:
+        lo = ep.layout
+        st["placement"] = Placement.default(lo.a2a_num_experts, tuple(range(ep.num_dies)))
+    return st["placement"]
+
+
+def _publish(ep: Endpoint, kind: int, half: int, dst: int, event_id, off, count, seq) -> None:
+    """Step 4: offset and count, then seq LAST, into dst's field for this source."""
+    w = ep.words[dst]
+    f = ep.layout.pull_field_word(kind, half, ep.die_id)
+    w[f + F_EVENT] = event_id
+    w[f + F_OFF] = off
+    w[f + F_COUNT] = count
+    w[f + F_SEQ] = seq
+
+
+def _poll_all(ep: Endpoint, kind: int, half: int, op: int, event_id: int) -> list[tuple]:
+    """Step 5: wait for every source's field of this operation; (off, count) per source."""
+    lw = ep.words[ep.die_id]
+    lo = ep.layout
+    out = []
+    name = "dispatch" if kind == DISPATCH else "combine"
+    for src in range(ep.num_dies):
+        f = lo.pull_field_word(kind, half, src)
+        ep.wait_ge(lw, f + F_SEQ, op, src, f"pull.{name}[{half}].seq")
+        if lw[f + F_SEQ] != op:
+            raise ProtocolError(
+                f"die {ep.die_id}: pull {name} field of die {src} carries operation"
+                f" {lw[f + F_SEQ]}, expected {op} (dispatch/combine calls out of step)"
+            )
+        if lw[f + F_EVENT] != event_id:
+            raise ProtocolError(
+                f"die {ep.die_id}: pull {name} from die {src}: expected event_id {event_id},"
+                f" the source published {lw[f + F_EVENT]} (calls mis-paired)"
+            )
+        out.append((lw[f + F_OFF], lw[f + F_COUNT]))
+    return out
+
+
+def _rows(ep: Endpoint, die: int, kind: int, half: int, start: int, count: int) -> np.ndarray:
+    """uint8 [count, stride] view of a die's pull send rows (its own or a peer's: remote read)."""
+    lo = ep.layout
+    stride = lo.pull_disp_stride if kind == DISPATCH else lo.pull_comb_stride
+    base = lo.pull_block_off(kind, half) + start * stride
+    arr = ep.regions[die].array
+    return arr[base : base + count * stride].reshape(count, stride)
+
+
+def dispatch(
+    ep: Endpoint,
+    x: np.ndarray,
+    topk_idx: np.ndarray,
+    topk_weights: np.ndarray,
+    protocol: str = "pull",
+    quant: str | None = None,
+    event_id: int = 0,
+    placement: Placement | None = None,
+) -> DispatchResult:
+    """Send every (token, expert) pair to the die that hosts the expert; every die calls it.
+
+    Arguments:
+        ep: the calling die.
+        x: float32 [batch, hidden], batch <= PodConfig.a2a_max_batch (0 allowed).
+        topk_idx: int [batch, a2a_topk] expert ids, -1 = not routed.
+        topk_weights: float [batch, a2a_topk] (kept for `combine`).
+        protocol: "pull" (XCCL, §6).
+        quant: None or "int8" (per-token scales; the output keeps INT8 + scales).
+        event_id: int naming the operation; every die must pass the same.
+        placement: expert -> die table (default expert // experts_per_die).
+    Returns:
+        DispatchResult with the rows this die's experts must process.
+    """
+    _a2a_state(ep)
+    _check_inputs(ep, x, topk_idx, topk_weights, protocol, quant)
+    quant = None if quant == "none" else quant
+    placement = _placement(ep, placement)
+    lay = get_dispatch_layout(topk_idx, placement)
+    st = ep._a2a
+    op = st["ops"][DISPATCH] = st["ops"][DISPATCH] + 1
+    half = op & 1
+    tr = ep.trace if ep.trace.enabled else None
+    t0 = now_ns()
+    # steps 1-2: load, quantize
+    if quant == "int8":
+        payload, scale = quantize_int8(x)
+    else:
+        payload, scale = x, np.ones(x.shape[0], np.float32)
+    pb = payload.shape[1] * payload.dtype.itemsize
+    t1 = now_ns()
+    # step 3: every message into this die's own send rows, blocks by destination
+    n = lay.num_msgs
+    rows = _rows(ep, ep.die_id, DISPATCH, half, 0, n)
+    stride = rows.shape[1]
+    rows[:, :pb] = payload[lay.msg_slot].view(np.uint8).reshape(n, pb)
+    meta = rows[:, stride - L.PULL_ROW_META :].view(np.int32)
+    meta[:, 0] = scale[lay.msg_slot].view(np.int32)
+    meta[:, 1] = lay.msg_slot
+    meta[:, 2] = lay.msg_k
+    meta[:, 3] = lay.msg_local_expert
+    t2 = now_ns()
+    # step 4: tell every destination where its block is
+    for p, d in enumerate(placement.dies):
+        a, b = int(lay.dest_offsets[p]), int(lay.dest_offsets[p + 1])
+        _publish(ep, DISPATCH, half, d, event_id, a, b - a, op)
+    for d in range(ep.num_dies):
+        if d not in placement.dies:
+            _publish(ep, DISPATCH, half, d, event_id, 0, 0, op)
+    t3 = now_ns()
+    # step 5: poll own fields; steps 6-7: pull every source's block, then group by expert
+    where = _poll_all(ep, DISPATCH, half, op, event_id)
+    t4 = now_ns()
+    total = sum(c for _, c in where)
+    got = np.empty((total, stride), np.uint8)
+    src_rank = np.empty(total, np.int64)
+    at = 0
+    for src, (off, count) in enumerate(where):
+        got[at : at + count] = _rows(ep, src, DISPATCH, half, off, count)  # remote read
+        src_rank[at : at + count] = src
+        at += count
+    result = _assemble(ep, got, src_rank, pb, quant, placement, lay, topk_idx, topk_weights, op)
+    if tr:
+        t5 = now_ns()
+        for step, a, b in ((2, t0, t1), (3, t1, t2), (4, t2, t3), (5, t3, t4), (6, t4, t5)):
+            tr.rec(a, b - a, "pull_dispatch", step, -1, 0, event_id, n * stride if step == 3 else 0)
+    return result
+
+
+def _assemble(ep, got, src_rank, pb, quant, placement, lay, topk_idx, topk_weights, op):
+    """Step 7: rows grouped by local expert; stable, so (src_rank, slot, k) order stays."""
+    stride = got.shape[1]
+    meta = got[:, stride - L.PULL_ROW_META :].view(np.int32)
+    local = meta[:, 3].astype(np.int64)
+    order = np.argsort(local, kind="stable")
+    hidden = ep.layout.a2a_hidden
+    dt = np.int8 if quant == "int8" else np.float32
+    x = np.ascontiguousarray(got[order, :pb]).view(dt).reshape(len(order), hidden)
+    scales = np.ascontiguousarray(meta[order, 0]).view(np.float32) if quant == "int8" else None
+    counts = np.bincount(local, minlength=placement.num_local(ep.die_id))
+    handle = DispatchHandle(
+        protocol="pull",
+        quant=quant,
+        placement=placement,
+        layout=lay,
+        topk_idx=np.asarray(topk_idx, np.int64),
+        topk_weights=np.asarray(topk_weights, np.float32),
+        recv_src_rank=src_rank[order],
+        op=op,
+    )
+    return DispatchResult(
+        x=x,
+        scales=scales,
+        src_rank=src_rank[order],
+        batch_slot=meta[order, 1].astype(np.int64),
+        k_index=meta[order, 2].astype(np.int64),
+        local_expert=local[order],
+        expert_counts=counts.astype(np.int64),
+        handle=handle,
+    )
+
+
+def combine(
+    ep: Endpoint, expert_out: np.ndarray, handle: DispatchHandle, event_id: int = 0
+) -> np.ndarray:
+    """Return every expert row to its token's die and reduce; every die calls it.
+
+    Arguments:
+        ep: the calling die.
+        expert_out: float32 [n_rows, hidden], row i the output for row i of the dispatch result.
+        handle: `DispatchResult.handle` of the dispatch being reversed.
+        event_id: int naming the operation; every die must pass the same.
+    Returns:
+        float32 [batch, hidden]: out[slot] = sum over routed k, ascending, of
+        topk_weights[slot, k] * row(slot, k), accumulated in float32 (zeros if none routed).
+    """
+    st = _a2a_state(ep)
+    n_rows = len(handle.recv_src_rank)
+    hidden = ep.layout.a2a_hidden
+    if not isinstance(expert_out, np.ndarray) or expert_out.dtype != np.float32:
+        raise TypeError(f"expert_out must be float32 [n_rows, hidden], got {_describe(expert_out)}")
+    if expert_out.shape != (n_rows, hidden):
+        raise ValueError(
+            f"expert_out has shape {list(expert_out.shape)}, the dispatch delivered"
+            f" {n_rows} rows of hidden {hidden}"
+        )
+    op = st["ops"][COMBINE] = st["ops"][COMBINE] + 1
+    half = op & 1
+    # own combine rows, blocks by source die in each source's send order
+    order = np.argsort(handle.recv_src_rank, kind="stable")
+    rows = _rows(ep, ep.die_id, COMBINE, half, 0, n_rows)
+    rows[:, : 4 * hidden] = expert_out[order].view(np.uint8).reshape(n_rows, 4 * hidden)
+    counts = np.bincount(handle.recv_src_rank, minlength=ep.num_dies)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    for src in range(ep.num_dies):
+        _publish(ep, COMBINE, half, src, event_id, int(starts[src]), int(counts[src]), op)
+    where = _poll_all(ep, COMBINE, half, op, event_id)
+    return _reduce(ep, handle, where, half)
+
+
+def _reduce(ep: Endpoint, handle: DispatchHandle, where: list[tuple], half: int) -> np.ndarray:
+    lay, placement = handle.layout, handle.placement
+    idx, w = handle.topk_idx, handle.topk_weights
+    batch, k_max = idx.shape
+    hidden = ep.layout.a2a_hidden
+    contrib = np.zeros((batch, k_max, hidden), np.float32)
+    for p, d in enumerate(placement.dies):
+        a, b = int(lay.dest_offsets[p]), int(lay.dest_offsets[p + 1])
+        off, count = where[d]
+        if count != b - a:
+            raise ProtocolError(
+                f"die {ep.die_id}: combine from die {d} returns {count} rows, this die sent it"
+                f" {b - a} (expert_out rows out of step with the dispatch)"
+            )
+        got = _rows(ep, d, COMBINE, half, off, count)[:, : 4 * hidden]  # remote read
+        contrib[lay.msg_slot[a:b], lay.msg_k[a:b]] = got.view(np.float32)
+    out = np.zeros((batch, hidden), np.float32)
+    for k in range(k_max):  # ascending k, float32, as comm.reference.combine_ref
+        m = idx[:, k] >= 0
+        out[m] = out[m] + w[m, k, None] * contrib[m, k]
+    return out

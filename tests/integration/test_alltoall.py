@@ -1,0 +1,224 @@
+"""Pull-based dispatch / combine (PROTOCOLS.md §6) against the numpy reference, bit for bit.
+
+Every die's tokens are built from (seed, die id), so rows name their sender, and every result is
+compared with `comm.reference` run over all dies' inputs in the launcher.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import comm
+from comm import reference as ref
+from comm.routing import Placement
+from runtime import Pod, PodConfig
+
+H, K, B = 48, 4, 16
+
+
+def make_inputs(seed: int, die_id: int, num_experts: int, case: str):
+    rng = np.random.default_rng(seed * 1009 + die_id)
+    b = B if case == "full" else int(rng.integers(0, B + 1))
+    if case == "sends-nothing" and die_id == 0:
+        b = 0
+    x = (rng.standard_normal((b, H)) + 100 * die_id).astype(np.float32)  # rows name the sender
+    idx = rng.integers(-1, num_experts, size=(b, K)).astype(np.int64)
+    if case == "one-expert":
+        idx[:] = 3
+    if case == "same-die":  # duplicate dies within one token's top-k (experts 0 and 1: die 0)
+        idx[:, 0], idx[:, 1] = 0, 1
+    if case == "unrouted":
+        idx[:, ::2] = -1
+    w = rng.random((b, K)).astype(np.float32)
+    return x, idx, w
+
+
+def expert_fn(die_id: int, rows: np.ndarray) -> np.ndarray:
+    return (rows * np.float32(1.5 + die_id) + np.float32(die_id)).astype(np.float32)
+
+
+def placement_for(case: str, num_dies: int, num_experts: int) -> Placement:
+    dies = tuple(range(num_dies))
+    if case == "receives-nothing":  # the last die hosts no expert
+        table = np.arange(num_experts) % (num_dies - 1)
+        return Placement.from_table(table, dies)
+    return Placement.default(num_experts, dies)
+
+
+def moe_step(die, seed, quant, case, num_experts, placement, sleep_s=0.0):
+    x, idx, w = make_inputs(seed, die.die_id, num_experts, case)
+    if sleep_s and die.die_id == 1:
+        time.sleep(sleep_s)
+    d = comm.dispatch(die, x, idx, w, quant=quant, event_id=seed, placement=placement)
+    rows = d.x.astype(np.float32) * d.scales[:, None] if quant == "int8" else d.x
+    if sleep_s and die.die_id == 1:
+        time.sleep(sleep_s)
+    out = comm.combine(die, expert_fn(die.die_id, rows), d.handle, event_id=seed)
+    return {
+        "x": d.x,
+        "scales": d.scales,
+        "src_rank": d.src_rank,
+        "batch_slot": d.batch_slot,
+        "k_index": d.k_index,
+        "local_expert": d.local_expert,
+        "expert_counts": d.expert_counts,
+        "out": out,
+    }
+
+
+def check_against_reference(res, seed, quant, case, num_dies, num_experts, placement):
+    ins = [make_inputs(seed, r, num_experts, case) for r in range(num_dies)]
+    douts = ref.dispatch_ref([i[0] for i in ins], [i[1] for i in ins], placement, quant=quant)
+    for r in range(num_dies):
+        o = douts[r]
+        assert np.array_equal(res[r]["x"], o.x), f"seed {seed} die {r}: dispatched rows differ"
+        if quant == "int8":
+            assert np.array_equal(res[r]["scales"], o.scales), f"seed {seed} die {r}: scales"
+        for f in ("src_rank", "batch_slot", "k_index", "local_expert", "expert_counts"):
+            assert np.array_equal(res[r][f], getattr(o, f)), f"seed {seed} die {r}: {f}"
+    rows = {
+        r: douts[r].x.astype(np.float32) * douts[r].scales[:, None]
+        if quant == "int8"
+        else douts[r].x
+        for r in douts
+    }
+    eouts = {r: expert_fn(r, rows[r]) for r in douts}
+    couts = ref.combine_ref(eouts, douts, [i[1] for i in ins], [i[2] for i in ins])
+    for r in range(num_dies):
+        assert res[r]["out"].dtype == np.float32
+        assert np.array_equal(res[r]["out"], couts[r]), f"seed {seed} die {r}: combine differs"
+
+
+@pytest.fixture(scope="module", params=[2, 4, 8], ids=lambda n: f"ep{n}")
+def ep_pod(request):
+    n = request.param
+    cfg = PodConfig(
+        num_dies=n,
+        a2a_max_batch=B,
+        a2a_hidden=H,
+        a2a_topk=K,
+        num_experts=2 * n,
+        a2a_max_local_experts=2 * n,  # any placement, e.g. one die hosting every expert
+        timeout_s=20,
+    )
+    with Pod.launch(cfg) as pod:
+        yield pod
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("quant", [None, "int8"])
+@pytest.mark.parametrize(
+    "case",
+    ["random", "full", "sends-nothing", "receives-nothing", "one-expert", "same-die", "unrouted"],
+)
+def test_pull_matches_reference(ep_pod, quant, case):
+    n = ep_pod.config.num_dies
+    e = ep_pod.config.num_experts
+    placement = placement_for(case, n, e)
+    for seed in range(3):
+        print(f"seed {seed}, ep{n}, {quant}, {case}")
+        res = ep_pod.run(moe_step, seed, quant, case, e, placement)
+        check_against_reference(res, seed, quant, case, n, e, placement)
+
+
+def back_to_back(die, seeds, num_experts, placement):
+    outs = []
+    for seed in seeds:  # no barrier: the two halves must keep consecutive operations apart
+        outs.append(moe_step(die, seed, "int8" if seed % 2 else None, "random", num_experts,
+                             placement))  # fmt: skip
+    return outs
+
+
+@pytest.mark.timeout(120)
+def test_back_to_back_alternating_quant_and_a_slow_die(ep_pod):
+    n, e = ep_pod.config.num_dies, ep_pod.config.num_experts
+    placement = placement_for("random", n, e)
+    seeds = list(range(10, 16))
+    res = ep_pod.run(back_to_back, seeds, e, placement)
+    for j, seed in enumerate(seeds):
+        quant = "int8" if seed % 2 else None
+        check_against_reference([r[j] for r in res], seed, quant, "random", n, e, placement)
+    res = ep_pod.run(moe_step, 20, None, "random", e, placement, 0.02)  # die 1 sleeps
+    check_against_reference(res, 20, None, "random", n, e, placement)
+
+
+def over_max(die):
+    x = np.zeros((B + 1, H), np.float32)
+    idx = np.zeros((B + 1, K), np.int64)
+    try:
+        comm.dispatch(die, x, idx, np.ones((B + 1, K), np.float32))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def bad_shapes(die, what):
+    x = np.zeros((2, H), np.float32)
+    idx = np.zeros((2, K), np.int64)
+    w = np.ones((2, K), np.float32)
+    if what == "dtype":
+        x = x.astype(np.float64)
+    elif what == "hidden":
+        x = np.zeros((2, H + 1), np.float32)
+    elif what == "topk":
+        idx = np.zeros((2, K + 1), np.int64)
+    elif what == "expert":
+        idx[0, 0] = 10_000
+    try:
+        comm.dispatch(die, x, idx, w)
+    except (TypeError, ValueError) as e:
+        return type(e).__name__
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_bad_input_is_refused_and_the_pod_stays_usable(ep_pod):
+    n, e = ep_pod.config.num_dies, ep_pod.config.num_experts
+    msgs = ep_pod.run(over_max)
+    assert all(f"maximum a2a_max_batch {B}" in m for m in msgs), msgs
+    for what, exc in (("dtype", "TypeError"), ("hidden", "ValueError"), ("topk", "ValueError"),
+                      ("expert", "ValueError")):  # fmt: skip
+        assert ep_pod.run(bad_shapes, what) == [exc] * n, what
+    placement = placement_for("random", n, e)
+    res = ep_pod.run(moe_step, 30, "int8", "random", e, placement)
+    check_against_reference(res, 30, "int8", "random", n, e, placement)
+
+
+def traced_step(die, num_experts, placement):
+    die.trace.clear()
+    die.trace.enabled = True
+    try:
+        moe_step(die, 40, None, "random", num_experts, placement)
+    finally:
+        die.trace.enabled = False
+    return comm.steps_of(die.trace.snapshot(), "pull_dispatch")
+
+
+@pytest.mark.timeout(120)
+def test_trace_shows_the_dispatch_steps_in_order(ep_pod):
+    n, e = ep_pod.config.num_dies, ep_pod.config.num_experts
+    steps = ep_pod.run(traced_step, e, placement_for("random", n, e))
+    for r in range(n):
+        assert [s for _, s in steps[r]] == [2, 3, 4, 5, 6], steps[r]
+
+
+def no_a2a(die):
+    try:
+        comm.dispatch(die, np.zeros((1, 4), np.float32), np.zeros((1, 2)), np.zeros((1, 2)))
+    except comm.ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_pod_without_a2a_areas_says_how_to_get_them(pod_factory):
+    pod = pod_factory(num_dies=2)
+    assert all("a2a_max_batch" in m for m in pod.run(no_a2a))
+
+
+def test_num_experts_must_divide_over_the_dies():
+    with pytest.raises(comm.ConfigError, match="num_experts"):
+        PodConfig(num_dies=4, a2a_max_batch=8, a2a_hidden=16, a2a_topk=2, num_experts=6)
