@@ -42,7 +42,7 @@ from comm.trace import now_ns
 from memory import layout as L
 from memory.errors import ConfigError, ProtocolError
 
-PROTOCOLS = ("pull",)
+PROTOCOLS = ("pull", "fused")
 QUANTS = (None, "none", "int8")
 DISPATCH, COMBINE = 0, 1
 F_EVENT, F_OFF, F_COUNT, F_SEQ = 0, 1, 2, 3
@@ -59,6 +59,7 @@ class DispatchHandle:
         topk_idx: int64 [batch, k]; topk_weights: float32 [batch, k] (this die's tokens).
         recv_src_rank: int64 [n_rows], the source die of each dispatched row this die received.
         op: the dispatch operation number.
+        recv_slot, recv_k: int64 [n_rows], each row's (batch_slot, k_index) at its source.
     """
 
     protocol: str
@@ -69,6 +70,8 @@ class DispatchHandle:
     topk_weights: np.ndarray
     recv_src_rank: np.ndarray
     op: int
+    recv_slot: np.ndarray | None = None
+    recv_k: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ def _a2a_state(ep: Endpoint) -> dict:
                 "a2a_max_batch: this pod has no all-to-all areas; launch it with"
                 " PodConfig(a2a_max_batch=..., a2a_hidden=..., a2a_topk=..., num_experts=...)"
             )
-        st = {"ops": [0, 0], "placement": None}
+        st = {"ops": [0, 0], "fused_ops": [0, 0], "placement": None}
         ep._a2a = st
     return st
 
@@ -222,6 +225,8 @@ def dispatch(
     quant = None if quant == "none" else quant
     placement = _placement(ep, placement)
     lay = get_dispatch_layout(topk_idx, placement)
+    if protocol == "fused":
+        return _fused_dispatch(ep, x, topk_idx, topk_weights, quant, event_id, placement, lay)
     st = ep._a2a
     op = st["ops"][DISPATCH] = st["ops"][DISPATCH] + 1
     half = op & 1
@@ -264,7 +269,9 @@ def dispatch(
         got[at : at + count] = _rows(ep, src, DISPATCH, half, off, count)  # remote read
         src_rank[at : at + count] = src
         at += count
-    result = _assemble(ep, got, src_rank, pb, quant, placement, lay, topk_idx, topk_weights, op)
+    result = _assemble(
+        ep, got, src_rank, pb, quant, placement, lay, topk_idx, topk_weights, op, "pull"
+    )
     if tr:
         t5 = now_ns()
         for step, a, b in ((2, t0, t1), (3, t1, t2), (4, t2, t3), (5, t3, t4), (6, t4, t5)):
@@ -272,7 +279,7 @@ def dispatch(
     return result
 
 
-def _assemble(ep, got, src_rank, pb, quant, placement, lay, topk_idx, topk_weights, op):
+def _assemble(ep, got, src_rank, pb, quant, placement, lay, topk_idx, topk_weights, op, proto):
     """Step 7: rows grouped by local expert; stable, so (src_rank, slot, k) order stays."""
     stride = got.shape[1]
     meta = got[:, stride - L.PULL_ROW_META :].view(np.int32)
@@ -284,7 +291,7 @@ def _assemble(ep, got, src_rank, pb, quant, placement, lay, topk_idx, topk_weigh
     scales = np.ascontiguousarray(meta[order, 0]).view(np.float32) if quant == "int8" else None
     counts = np.bincount(local, minlength=placement.num_local(ep.die_id))
     handle = DispatchHandle(
-        protocol="pull",
+        protocol=proto,
         quant=quant,
         placement=placement,
         layout=lay,
@@ -292,6 +299,8 @@ def _assemble(ep, got, src_rank, pb, quant, placement, lay, topk_idx, topk_weigh
         topk_weights=np.asarray(topk_weights, np.float32),
         recv_src_rank=src_rank[order],
         op=op,
+        recv_slot=meta[order, 1].astype(np.int64),
+        recv_k=meta[order, 2].astype(np.int64),
     )
     return DispatchResult(
         x=x,
@@ -329,6 +338,8 @@ def combine(
             f"expert_out has shape {list(expert_out.shape)}, the dispatch delivered"
             f" {n_rows} rows of hidden {hidden}"
         )
+    if handle.protocol == "fused":
+        return _fused_combine(ep, expert_out, handle, event_id)
     op = st["ops"][COMBINE] = st["ops"][COMBINE] + 1
     half = op & 1
     # own combine rows, blocks by source die in each source's send order
@@ -361,6 +372,142 @@ def _reduce(ep: Endpoint, handle: DispatchHandle, where: list[tuple], half: int)
         contrib[lay.msg_slot[a:b], lay.msg_k[a:b]] = got.view(np.float32)
     out = np.zeros((batch, hidden), np.float32)
     for k in range(k_max):  # ascending k, float32, as comm.reference.combine_ref
+        m = idx[:, k] >= 0
+        out[m] = out[m] + w[m, k, None] * contrib[m, k]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# FusedDispatch / FusedCombine with AIV-Direct (PROTOCOLS.md §7, 000 §4.2.1)
+# ------------------------------------------------------------------------------------------------
+
+
+def _words(ep: Endpoint, die: int, off: int, n: int) -> np.ndarray:
+    """int64 numpy view of n meta words of a die's region at byte offset off."""
+    return ep.regions[die].array[off : off + 8 * n].view(np.int64)
+
+
+def _fused_block(ep: Endpoint, die: int, half: int, src: int) -> np.ndarray:
+    """uint8 [fused_disp_rows, stride]: die's pre-allocated dispatch buffer block for src."""
+    lo = ep.layout
+    rows, stride = lo.fused_disp_rows, lo.pull_disp_stride
+    base = lo.fused_disp_off + (half * ep.num_dies + src) * rows * stride
+    return ep.regions[die].array[base : base + rows * stride].reshape(rows, stride)
+
+
+def _fused_comb(ep: Endpoint, die: int) -> np.ndarray:
+    """uint8 [max_batch, topk, stride]: die's combine buffer, indexed by (batch_slot, k)."""
+    lo = ep.layout
+    b, k, stride = lo.a2a_max_batch, lo.a2a_topk, lo.pull_comb_stride
+    arr = ep.regions[die].array
+    return arr[lo.fused_comb_off : lo.fused_comb_off + b * k * stride].reshape(b, k, stride)
+
+
+def _fused_dispatch(ep, x, topk_idx, topk_weights, quant, event_id, placement, lay):
+    """Steps 1-3 of FusedDispatch: packets written straight into each destination's buffer
+    (one vectorized copy per destination), counts then the completion flag LAST, poll, gather."""
+    lo = ep.layout
+    st = ep._a2a
+    op = st["fused_ops"][DISPATCH] = st["fused_ops"][DISPATCH] + 1
+    # Two halves by operation parity: a die that finished operation n (its tokens never touched
+    # some peer) may start n+1 before that peer read n; it cannot start n+2 before the peer
+    # finished n, since n+1's step 3 waits for the peer's n+1 flag.
+    half = op & 1
+    tr = ep.trace if ep.trace.enabled else None
+    t0 = now_ns()
+    payload, scale = quantize_int8(x) if quant == "int8" else (x, np.ones(len(x), np.float32))
+    pb = payload.shape[1] * payload.dtype.itemsize
+    stride = lo.pull_disp_stride
+    for p, d in enumerate(placement.dies):
+        a, b = int(lay.dest_offsets[p]), int(lay.dest_offsets[p + 1])
+        slots = lay.msg_slot[a:b]
+        block = _fused_block(ep, d, half, ep.die_id)  # remote: d's buffer, this source's block
+        block[: b - a, :pb] = payload[slots].view(np.uint8).reshape(b - a, pb)
+        meta = block[: b - a, stride - L.PULL_ROW_META :].view(np.int32)
+        meta[:, 0] = scale[slots].view(np.int32)
+        meta[:, 1] = slots
+        meta[:, 2] = lay.msg_k[a:b]
+        meta[:, 3] = lay.msg_local_expert[a:b]
+    t1 = now_ns()
+    for d in range(ep.num_dies):  # step 2: counts, then the completion flag LAST
+        p = placement.dies.index(d) if d in placement.dies else -1
+        a, b = (int(lay.dest_offsets[p]), int(lay.dest_offsets[p + 1])) if p >= 0 else (0, 0)
+        n_local = placement.num_local(d) if p >= 0 else 0
+        counts = np.bincount(lay.msg_local_expert[a:b], minlength=n_local)
+        _words(ep, d, lo.fused_counts_off_of(half, ep.die_id), n_local)[:] = counts
+        w = ep.words[d]
+        f = lo.fused_flag_word(half, ep.die_id)
+        w[f + F_EVENT] = event_id
+        w[f + 1] = b - a
+        w[f + 2] = op
+    t2 = now_ns()
+    # step 3: every source's flag, then the packets in per-expert order
+    lw, got, srcs = ep.words[ep.die_id], [], []
+    n_mine = placement.num_local(ep.die_id) if ep.die_id in placement.dies else 0
+    counts = np.zeros(n_mine, np.int64)
+    for src in range(ep.num_dies):
+        f = lo.fused_flag_word(half, src)
+        ep.wait_ge(lw, f + 2, op, src, f"fused.flag[{half}]")
+        if lw[f + F_EVENT] != event_id:
+            raise ProtocolError(
+                f"die {ep.die_id}: fused dispatch from die {src}: expected event_id {event_id},"
+                f" the source flagged {lw[f + F_EVENT]} (calls mis-paired)"
+            )
+        count = lw[f + 1]
+        counts += _words(ep, ep.die_id, lo.fused_counts_off_of(half, src), n_mine)
+        got.append(_fused_block(ep, ep.die_id, half, src)[:count])
+        srcs.append(np.full(count, src, np.int64))
+    t3 = now_ns()
+    rows = np.concatenate(got) if got else np.empty((0, stride), np.uint8)
+    res = _assemble(
+        ep, rows, np.concatenate(srcs), pb, quant, placement, lay, topk_idx, topk_weights, op,
+        "fused",
+    )  # fmt: skip
+    if not np.array_equal(res.expert_counts, counts):
+        raise ProtocolError(
+            f"die {ep.die_id}: fused dispatch counts {counts.tolist()} disagree with the packets"
+            f" received {res.expert_counts.tolist()}"
+        )
+    if tr:
+        t4 = now_ns()
+        for step, a, b in ((1, t0, t1), (2, t1, t2), (3, t2, t4)):
+            tr.rec(a, b - a, "fused_dispatch", step, -1, 0, event_id, 0)
+        tr.rec(t2, t3 - t2, "fused_dispatch", 3, -1, 1, event_id, 0)
+    return res
+
+
+def _fused_combine(ep, expert_out, handle, event_id):
+    """Steps 1-3 of FusedCombine: each row straight into its token die's buffer at
+    (batch_slot, k_index), then that slot's own completion word (the emulation's stand-in for
+    the hardware's atomic add, single writer per operation); wait for all routed slots."""
+    lo = ep.layout
+    st = ep._a2a
+    op = st["fused_ops"][COMBINE] = st["fused_ops"][COMBINE] + 1
+    hidden = lo.a2a_hidden
+    src_rank = handle.recv_src_rank
+    for s in np.unique(src_rank):
+        m = src_rank == s
+        slots, ks = handle.recv_slot[m], handle.recv_k[m]
+        buf = _fused_comb(ep, int(s))
+        buf[slots, ks, : 4 * hidden] = expert_out[m].view(np.uint8)  # step 1: remote write
+        flags = _words(ep, int(s), lo.fused_cflag_off, lo.a2a_max_batch * lo.a2a_topk)
+        flags.reshape(lo.a2a_max_batch, lo.a2a_topk)[slots, ks] = op  # step 2: LAST
+    idx, w = handle.topk_idx, handle.topk_weights
+    batch = idx.shape[0]
+    r_slot, r_k = np.nonzero(idx >= 0)
+    flags = _words(ep, ep.die_id, lo.fused_cflag_off, lo.a2a_max_batch * lo.a2a_topk)
+    lin = r_slot * lo.a2a_topk + r_k
+    base = lo.fused_cflag_off // 8
+    while True:  # step 3: every routed (slot, k) of this die's tokens carries this operation
+        pending = lin[flags[lin] < op]
+        if not len(pending):
+            break
+        i = int(pending[0])
+        owner = int(handle.placement.die_of[idx[i // lo.a2a_topk, i % lo.a2a_topk]])
+        ep.wait_ge(ep.words[ep.die_id], base + i, op, owner, f"fused.cflag[{i}]")
+    contrib = _fused_comb(ep, ep.die_id)[:batch, :, : 4 * hidden].view(np.float32)
+    out = np.zeros((batch, hidden), np.float32)
+    for k in range(idx.shape[1]):  # ascending k, float32, as comm.reference.combine_ref
         m = idx[:, k] >= 0
         out[m] = out[m] + w[m, k, None] * contrib[m, k]
     return out

@@ -126,6 +126,12 @@ class RegionLayout:
     pull_comb_off: int = 0
     pull_comb_rows: int = 0
     pull_comb_stride: int = 0
+    fused_flag_off: int = 0  # meta: [2 halves][num_dies] | event_id | count | seq | spare |
+    fused_counts_off: int = 0  # meta: [2][num_dies][experts_per_die] int64 per-expert rows
+    fused_cflag_off: int = 0  # meta: [max_batch][topk] int64 combine completion words
+    fused_disp_off: int = 0  # managed: [2][num_dies][fused_disp_rows] rows of pull_disp_stride
+    fused_disp_rows: int = 0  # per source: max_batch x min(topk, experts_per_die)
+    fused_comb_off: int = 0  # managed: [max_batch][topk] rows of pull_comb_stride
 
     @property
     def ring_bytes(self) -> int:
@@ -145,6 +151,25 @@ class RegionLayout:
         return (
             self.pull_field_off + ((kind * 2 + half) * self.num_dies + src) * FIELD_BYTES
         ) // WORD
+
+    def fused_flag_word(self, half: int, src: int) -> int:
+        return (self.fused_flag_off + (half * self.num_dies + src) * FIELD_BYTES) // WORD
+
+    def fused_counts_off_of(self, half: int, src: int) -> int:
+        return self.fused_counts_off + (half * self.num_dies + src) * self.a2a_experts_per_die * 8
+
+    def fused_buffer_bytes(self) -> dict[str, int]:
+        """The pre-allocated fused receive buffers of one die (the paper's formula, 000 §4.2.1:
+        n_ranks x max_tokens x msg_bytes for dispatch; combine rows here are float32 and
+        indexed by (batch_slot, k_index), so max_batch x topk of them)."""
+        return {
+            "dispatch": self.num_dies * self.fused_disp_rows * self.pull_disp_stride,
+            "dispatch_both_halves": 2
+            * self.num_dies
+            * self.fused_disp_rows
+            * self.pull_disp_stride,
+            "combine": self.a2a_max_batch * self.a2a_topk * self.pull_comb_stride,
+        }
 
     def pull_block_off(self, kind: int, half: int) -> int:
         """Byte offset of the pull send area of `kind` and `half` (rows of the kind's stride)."""
@@ -240,14 +265,23 @@ def compute(
     rdv_off = ack_off + block
     sync_off = rdv_off + block
     a2a = _a2a_sizes(num_dies, a2a_max_batch, a2a_hidden, a2a_topk, a2a_experts_per_die)
+    on = bool(a2a_max_batch)
     pull_field_off = sync_off + FIELD_BYTES
-    meta_end = pull_field_off + (4 * num_dies * FIELD_BYTES if a2a_max_batch else 0)
+    fused_flag_off = pull_field_off + (4 * num_dies * FIELD_BYTES if on else 0)
+    fused_counts_off = fused_flag_off + (2 * num_dies * FIELD_BYTES if on else 0)
+    fused_cflag_off = fused_counts_off + (2 * num_dies * a2a_experts_per_die * WORD if on else 0)
+    meta_end = fused_cflag_off + (a2a_max_batch * a2a_topk * WORD if on else 0)
     meta_bytes = _round_up(meta_end - meta_off, PAGE)
     managed_off = meta_off + meta_bytes
     rings = num_dies * lanes * ring_slots * slot_bytes
     pull_disp_off = managed_off + _round_up(rings, PAGE)
     pull_comb_off = pull_disp_off + _round_up(2 * a2a["disp_rows"] * a2a["disp_stride"], PAGE)
-    end = pull_comb_off + _round_up(2 * a2a["comb_rows"] * a2a["comb_stride"], PAGE)
+    fused_disp_off = pull_comb_off + _round_up(2 * a2a["comb_rows"] * a2a["comb_stride"], PAGE)
+    fused_disp_rows = a2a_max_batch * min(a2a_topk, a2a_experts_per_die) if on else 0
+    fused_comb_off = fused_disp_off + _round_up(
+        2 * num_dies * fused_disp_rows * a2a["disp_stride"], PAGE
+    )
+    end = fused_comb_off + _round_up(a2a_max_batch * a2a_topk * a2a["comb_stride"], PAGE)
     managed_bytes = _round_up(end - managed_off, PAGE)
     return RegionLayout(
         num_dies=num_dies,
@@ -277,6 +311,12 @@ def compute(
         pull_comb_off=pull_comb_off if a2a_max_batch else 0,
         pull_comb_rows=a2a["comb_rows"],
         pull_comb_stride=a2a["comb_stride"],
+        fused_flag_off=fused_flag_off if on else 0,
+        fused_counts_off=fused_counts_off if on else 0,
+        fused_cflag_off=fused_cflag_off if on else 0,
+        fused_disp_off=fused_disp_off if on else 0,
+        fused_disp_rows=fused_disp_rows,
+        fused_comb_off=fused_comb_off if on else 0,
     )
 
 

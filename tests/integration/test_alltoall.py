@@ -48,11 +48,13 @@ def placement_for(case: str, num_dies: int, num_experts: int) -> Placement:
     return Placement.default(num_experts, dies)
 
 
-def moe_step(die, seed, quant, case, num_experts, placement, sleep_s=0.0):
+def moe_step(die, seed, quant, case, num_experts, placement, sleep_s=0.0, protocol="pull"):
     x, idx, w = make_inputs(seed, die.die_id, num_experts, case)
     if sleep_s and die.die_id == 1:
         time.sleep(sleep_s)
-    d = comm.dispatch(die, x, idx, w, quant=quant, event_id=seed, placement=placement)
+    d = comm.dispatch(
+        die, x, idx, w, protocol=protocol, quant=quant, event_id=seed, placement=placement
+    )
     rows = d.x.astype(np.float32) * d.scales[:, None] if quant == "int8" else d.x
     if sleep_s and die.die_id == 1:
         time.sleep(sleep_s)
@@ -109,26 +111,28 @@ def ep_pod(request):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("protocol", ["pull", "fused"])
 @pytest.mark.parametrize("quant", [None, "int8"])
 @pytest.mark.parametrize(
     "case",
     ["random", "full", "sends-nothing", "receives-nothing", "one-expert", "same-die", "unrouted"],
 )
-def test_pull_matches_reference(ep_pod, quant, case):
+def test_matches_reference(ep_pod, protocol, quant, case):
     n = ep_pod.config.num_dies
     e = ep_pod.config.num_experts
     placement = placement_for(case, n, e)
     for seed in range(3):
-        print(f"seed {seed}, ep{n}, {quant}, {case}")
-        res = ep_pod.run(moe_step, seed, quant, case, e, placement)
+        print(f"seed {seed}, ep{n}, {protocol}, {quant}, {case}")
+        res = ep_pod.run(moe_step, seed, quant, case, e, placement, 0.0, protocol)
         check_against_reference(res, seed, quant, case, n, e, placement)
 
 
 def back_to_back(die, seeds, num_experts, placement):
     outs = []
-    for seed in seeds:  # no barrier: the two halves must keep consecutive operations apart
-        outs.append(moe_step(die, seed, "int8" if seed % 2 else None, "random", num_experts,
-                             placement))  # fmt: skip
+    for seed in seeds:  # no barrier in between; quantization and protocol alternate
+        quant = "int8" if seed % 2 else None
+        protocol = "fused" if seed % 3 else "pull"
+        outs.append(moe_step(die, seed, quant, "random", num_experts, placement, 0.0, protocol))
     return outs
 
 
@@ -136,13 +140,14 @@ def back_to_back(die, seeds, num_experts, placement):
 def test_back_to_back_alternating_quant_and_a_slow_die(ep_pod):
     n, e = ep_pod.config.num_dies, ep_pod.config.num_experts
     placement = placement_for("random", n, e)
-    seeds = list(range(10, 16))
+    seeds = list(range(10, 22))
     res = ep_pod.run(back_to_back, seeds, e, placement)
     for j, seed in enumerate(seeds):
         quant = "int8" if seed % 2 else None
         check_against_reference([r[j] for r in res], seed, quant, "random", n, e, placement)
-    res = ep_pod.run(moe_step, 20, None, "random", e, placement, 0.02)  # die 1 sleeps
-    check_against_reference(res, 20, None, "random", n, e, placement)
+    for protocol in ("pull", "fused"):  # die 1 sleeps between the steps
+        res = ep_pod.run(moe_step, 20, None, "random", e, placement, 0.02, protocol)
+        check_against_reference(res, 20, None, "random", n, e, placement)
 
 
 def over_max(die):
@@ -187,22 +192,24 @@ def test_bad_input_is_refused_and_the_pod_stays_usable(ep_pod):
     check_against_reference(res, 30, "int8", "random", n, e, placement)
 
 
-def traced_step(die, num_experts, placement):
+def traced_step(die, num_experts, placement, protocol):
     die.trace.clear()
     die.trace.enabled = True
     try:
-        moe_step(die, 40, None, "random", num_experts, placement)
+        moe_step(die, 40, None, "random", num_experts, placement, 0.0, protocol)
     finally:
         die.trace.enabled = False
-    return comm.steps_of(die.trace.snapshot(), "pull_dispatch")
+    recs = [r for r in die.trace.snapshot() if r[5] == 0]  # lane 0: the step spans
+    return comm.steps_of(recs, f"{protocol}_dispatch")
 
 
 @pytest.mark.timeout(120)
-def test_trace_shows_the_dispatch_steps_in_order(ep_pod):
+@pytest.mark.parametrize("protocol, steps", [("pull", [2, 3, 4, 5, 6]), ("fused", [1, 2, 3])])
+def test_trace_shows_the_dispatch_steps_in_order(ep_pod, protocol, steps):
     n, e = ep_pod.config.num_dies, ep_pod.config.num_experts
-    steps = ep_pod.run(traced_step, e, placement_for("random", n, e))
+    got = ep_pod.run(traced_step, e, placement_for("random", n, e), protocol)
     for r in range(n):
-        assert [s for _, s in steps[r]] == [2, 3, 4, 5, 6], steps[r]
+        assert [s for _, s in got[r]] == steps, got[r]
 
 
 def no_a2a(die):
