@@ -8,7 +8,7 @@ Every function takes the calling die first (`runtime.Die`, a `comm.Endpoint`):
     comm.barrier(die)
 """
 
-from comm.alltoall import DispatchHandle, DispatchResult, combine, dispatch
+from comm.alltoall import A2EHandle, DispatchHandle, DispatchResult, a2e, combine, dispatch, e2a
 from comm.endpoint import Endpoint, barrier
 from comm.p2p import VARIANTS, Request, irecv, isend, recv, resync, send
 from comm.trace import Trace, steps_of, to_chrome, write_chrome
@@ -17,6 +17,9 @@ from memory.errors import ConfigError, PeerTimeout, PodAborted, PodError, Protoc
 
 __all__ = [
     "VARIANTS",
+    "A2EHandle",
+    "a2e",
+    "e2a",
     "DispatchHandle",
     "DispatchResult",
     "combine",

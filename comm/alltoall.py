@@ -511,3 +511,238 @@ def _fused_combine(ep, expert_out, handle, event_id):
         m = idx[:, k] >= 0
         out[m] = out[m] + w[m, k, None] * contrib[m, k]
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# A2E / E2A with trampoline forwarding (PROTOCOLS.md §8, 001 §3.3, §5.2)
+# ------------------------------------------------------------------------------------------------
+
+DEST_SHIFT = 20  # a2e packets carry local_expert | dest_die << DEST_SHIFT in meta word 3
+
+
+@dataclass(frozen=True)
+class A2EHandle:
+    """What `e2a` needs from `a2e` (treat as opaque).
+
+    Attributes:
+        n_att: attention dies (0..n_att-1); expert dies are n_att..num_dies-1 and the first
+            n_att of them are the trampolines (trampoline of attention die i: n_att + i).
+        role: "attention" or "expert".
+        dispatch: an expert die's DispatchHandle (None on attention dies).
+        topk_idx, topk_weights: an attention die's routing (None on expert dies).
+        partner_slots: on a trampoline, the (batch_slot, k_index) pairs its attention die routed.
+        metadata_writes: fields this die wrote in other dies' meta areas during `a2e`.
+    """
+
+    n_att: int
+    role: str
+    dispatch: DispatchHandle | None
+    topk_idx: np.ndarray | None
+    topk_weights: np.ndarray | None
+    partner_slots: tuple[np.ndarray, np.ndarray] | None
+    metadata_writes: int
+
+
+def _a2e_rows(ep: Endpoint, die: int, half: int, count: int) -> np.ndarray:
+    lo = ep.layout
+    stride = lo.pull_disp_stride
+    base = lo.a2e_in_off + half * lo.pull_disp_rows * stride
+    return ep.regions[die].array[base : base + count * stride].reshape(count, stride)
+
+
+def a2e(
+    ep: Endpoint,
+    x: np.ndarray | None,
+    topk_idx: np.ndarray | None,
+    topk_weights: np.ndarray | None,
+    n_att: int,
+    quant: str | None = None,
+    event_id: int = 0,
+) -> tuple[DispatchResult | None, A2EHandle]:
+    """Attention dies -> expert dies through trampolines (two stages); every die calls it.
+
+    Arguments:
+        ep: the calling die. Dies 0..n_att-1 are attention dies, the rest expert dies
+            (n_exp = num_dies - n_att >= n_att); experts are placed over the expert dies.
+        x, topk_idx, topk_weights: an attention die's tokens, as for `dispatch` (None on
+            expert dies).
+        n_att: number of attention dies.
+        quant: None or "int8".
+        event_id: names the operation; every die passes the same.
+    Returns:
+        (DispatchResult on expert dies / None on attention dies, A2EHandle for `e2a`).
+    """
+    st = _a2a_state(ep)
+    lo = ep.layout
+    n_exp = ep.num_dies - n_att
+    if not 1 <= n_att <= n_exp:
+        raise ValueError(f"n_att {n_att}: need 1 <= n_att <= n_exp ({n_exp} expert dies)")
+    quant = None if quant == "none" else quant
+    exp_dies = tuple(range(n_att, ep.num_dies))
+    placement = st.get("a2e_placement")
+    if placement is None or placement.dies != exp_dies:
+        if lo.a2a_num_experts % n_exp or lo.a2a_num_experts // n_exp > lo.a2a_experts_per_die:
+            raise ConfigError(
+                f"a2a_max_local_experts: {lo.a2a_num_experts} experts over {n_exp} expert dies"
+                f" need {lo.a2a_num_experts / n_exp:g} per die (and must divide evenly); the"
+                f" pod's areas are sized for {lo.a2a_experts_per_die}"
+            )
+        placement = st["a2e_placement"] = Placement.default(lo.a2a_num_experts, exp_dies)
+    op = st["fused_ops"][DISPATCH] = st["fused_ops"][DISPATCH] + 1
+    half = op & 1
+    me = ep.die_id
+    if me < n_att:
+        _check_inputs(ep, x, topk_idx, topk_weights, "fused", quant)
+        lay = get_dispatch_layout(topk_idx, placement)
+        _a2e_stage1(ep, x, lay, placement, n_att + me, half, op, quant, event_id)
+        handle = A2EHandle(n_att, "attention", None, np.asarray(topk_idx, np.int64),
+                           np.asarray(topk_weights, np.float32), None, 1)  # fmt: skip
+        return None, handle
+    writes, partner = 0, None
+    if me < 2 * n_att:  # a trampoline: forward its attention die's packets (A2E')
+        partner, writes = _a2e_stage2(ep, me - n_att, half, op, event_id, placement)
+    res = _expert_gather(ep, half, op, event_id, n_att, placement, quant)
+    return res, A2EHandle(n_att, "expert", res.handle, None, None, partner, writes)
+
+
+def _a2e_stage1(ep, x, lay, placement, tramp, half, op, quant, event_id) -> None:
+    """A2E: every packet of this attention die, and one flag, to its trampoline only."""
+    lo = ep.layout
+    payload, scale = quantize_int8(x) if quant == "int8" else (x, np.ones(len(x), np.float32))
+    pb = payload.shape[1] * payload.dtype.itemsize
+    n, stride = lay.num_msgs, lo.pull_disp_stride
+    rows = _a2e_rows(ep, tramp, half, n)  # remote write into the trampoline
+    rows[:, :pb] = payload[lay.msg_slot].view(np.uint8).reshape(n, pb)
+    meta = rows[:, stride - L.PULL_ROW_META :].view(np.int32)
+    meta[:, 0] = scale[lay.msg_slot].view(np.int32)
+    meta[:, 1] = lay.msg_slot
+    meta[:, 2] = lay.msg_k
+    meta[:, 3] = lay.msg_local_expert | lay.msg_dest << DEST_SHIFT
+    w = ep.words[tramp]
+    f = (lo.a2e_flag_off + half * L.FIELD_BYTES) // L.WORD
+    w[f + F_EVENT] = event_id
+    w[f + 1] = n
+    w[f + 2] = op  # LAST: the one metadata write of this attention die
+
+
+def _a2e_stage2(ep, att, half, op, event_id, placement):
+    """A2E': the trampoline forwards its partner's packets to the dies owning the experts."""
+    lo = ep.layout
+    lw = ep.words[ep.die_id]
+    f = (lo.a2e_flag_off + half * L.FIELD_BYTES) // L.WORD
+    ep.wait_ge(lw, f + 2, op, att, f"a2e.flag[{half}]")
+    if lw[f + F_EVENT] != event_id:
+        raise ProtocolError(
+            f"die {ep.die_id} (trampoline): a2e from die {att}: expected event_id {event_id},"
+            f" got {lw[f + F_EVENT]}"
+        )
+    n, stride = lw[f + 1], lo.pull_disp_stride
+    rows = _a2e_rows(ep, ep.die_id, half, n)
+    meta = rows[:, stride - L.PULL_ROW_META :].view(np.int32)
+    dest = meta[:, 3] >> DEST_SHIFT
+    local = meta[:, 3] & ((1 << DEST_SHIFT) - 1)
+    for d in placement.dies:
+        sel = np.nonzero(dest == d)[0]
+        block = _fused_block(ep, d, half, att)  # the expert die's buffer block for source att
+        block[: len(sel)] = rows[sel]
+        block[: len(sel), stride - 4 : stride] = local[sel].view(np.uint8).reshape(-1, 4)
+        n_local = placement.num_local(d)
+        counts = np.bincount(local[sel], minlength=n_local)
+        _words(ep, d, lo.fused_counts_off_of(half, att), n_local)[:] = counts
+        w = ep.words[d]
+        g = lo.fused_flag_word(half, att)
+        w[g + F_EVENT] = event_id
+        w[g + 1] = len(sel)
+        w[g + 2] = op  # LAST
+    return (meta[:, 1].astype(np.int64), meta[:, 2].astype(np.int64)), len(placement.dies)
+
+
+def _expert_gather(ep, half, op, event_id, n_att, placement, quant) -> DispatchResult:
+    """An expert die waits for the forwarded flags of every attention die and groups rows."""
+    lo = ep.layout
+    lw, got, srcs = ep.words[ep.die_id], [], []
+    for src in range(n_att):
+        f = lo.fused_flag_word(half, src)
+        ep.wait_ge(lw, f + 2, op, src, f"fused.flag[{half}] (forwarded)")
+        if lw[f + F_EVENT] != event_id:
+            raise ProtocolError(
+                f"die {ep.die_id}: a2e from die {src}: expected event_id {event_id}, got"
+                f" {lw[f + F_EVENT]}"
+            )
+        got.append(_fused_block(ep, ep.die_id, half, src)[: lw[f + 1]])
+        srcs.append(np.full(lw[f + 1], src, np.int64))
+    stride = lo.pull_disp_stride
+    rows = np.concatenate(got) if got else np.empty((0, stride), np.uint8)
+    pb = lo.a2a_hidden * (1 if quant == "int8" else 4)
+    empty = get_dispatch_layout(np.zeros((0, lo.a2a_topk), np.int64), placement)
+    none = np.zeros((0, lo.a2a_topk))
+    return _assemble(ep, rows, np.concatenate(srcs), pb, quant, placement, empty, none, none,
+                     op, "a2e")  # fmt: skip
+
+
+def e2a(ep: Endpoint, expert_out: np.ndarray | None, handle: A2EHandle, event_id: int = 0):
+    """Expert dies -> attention dies through trampolines (two stages); every die calls it.
+
+    Arguments:
+        ep: the calling die.
+        expert_out: on expert dies, float32 [n_rows, hidden] aligned with the a2e result rows
+            (None on attention dies).
+        handle: the A2EHandle from `a2e`.
+        event_id: names the operation; every die passes the same.
+    Returns:
+        float32 [batch, hidden] on attention dies (ascending-k float32 reduction, as
+        `comm.reference.combine_ref`); None on expert dies.
+    """
+    st = _a2a_state(ep)
+    lo = ep.layout
+    op = st["fused_ops"][COMBINE] = st["fused_ops"][COMBINE] + 1
+    n_att, me, hidden = handle.n_att, ep.die_id, lo.a2a_hidden
+    if handle.role == "expert":
+        d = handle.dispatch
+        if not isinstance(expert_out, np.ndarray) or expert_out.shape != (
+            len(d.recv_src_rank), hidden
+        ) or expert_out.dtype != np.float32:  # fmt: skip
+            raise ValueError(
+                f"expert_out must be float32 [{len(d.recv_src_rank)}, {hidden}], got"
+                f" {_describe(expert_out)}"
+            )
+        for att in np.unique(d.recv_src_rank):  # E2A: rows to the attention die's trampoline
+            m = d.recv_src_rank == att
+            _write_slots(ep, n_att + int(att), d.recv_slot[m], d.recv_k[m], expert_out[m], op)
+        if handle.partner_slots is not None:  # E2A': a trampoline forwards to its partner
+            slots, ks = handle.partner_slots
+            _wait_slots(ep, slots, ks, op, "e2a")
+            rows = _fused_comb(ep, me)[slots, ks, : 4 * hidden].view(np.float32)
+            _write_slots(ep, me - n_att, slots, ks, rows.reshape(-1, hidden), op)
+        return None
+    idx, w = handle.topk_idx, handle.topk_weights
+    r_slot, r_k = np.nonzero(idx >= 0)
+    _wait_slots(ep, r_slot, r_k, op, "e2a'")
+    contrib = _fused_comb(ep, me)[: idx.shape[0], :, : 4 * hidden].view(np.float32)
+    out = np.zeros((idx.shape[0], hidden), np.float32)
+    for k in range(idx.shape[1]):
+        m = idx[:, k] >= 0
+        out[m] = out[m] + w[m, k, None] * contrib[m, k]
+    return out
+
+
+def _write_slots(ep, die, slots, ks, rows, op) -> None:
+    """Rows into `die`'s combine buffer at (batch_slot, k_index), then each slot's word LAST."""
+    lo = ep.layout
+    buf = _fused_comb(ep, die)
+    buf[slots, ks, : 4 * lo.a2a_hidden] = np.ascontiguousarray(rows).view(np.uint8)
+    flags = _words(ep, die, lo.fused_cflag_off, lo.a2a_max_batch * lo.a2a_topk)
+    flags.reshape(lo.a2a_max_batch, lo.a2a_topk)[slots, ks] = op
+
+
+def _wait_slots(ep, slots, ks, op, what) -> None:
+    lo = ep.layout
+    flags = _words(ep, ep.die_id, lo.fused_cflag_off, lo.a2a_max_batch * lo.a2a_topk)
+    lin = slots * lo.a2a_topk + ks
+    base = lo.fused_cflag_off // 8
+    while True:
+        pending = lin[flags[lin] < op]
+        if not len(pending):
+            return
+        i = int(pending[0])
+        ep.wait_ge(ep.words[ep.die_id], base + i, op, -1, f"{what}.cflag[{i}]")

@@ -132,6 +132,8 @@ class RegionLayout:
     fused_disp_off: int = 0  # managed: [2][num_dies][fused_disp_rows] rows of pull_disp_stride
     fused_disp_rows: int = 0  # per source: max_batch x min(topk, experts_per_die)
     fused_comb_off: int = 0  # managed: [max_batch][topk] rows of pull_comb_stride
+    a2e_in_off: int = 0  # managed: [2 halves][max_batch * topk] rows, a trampoline's inbound
+    a2e_flag_off: int = 0  # meta: [2 halves] one field | event_id | count | seq | spare |
 
     @property
     def ring_bytes(self) -> int:
@@ -270,7 +272,8 @@ def compute(
     fused_flag_off = pull_field_off + (4 * num_dies * FIELD_BYTES if on else 0)
     fused_counts_off = fused_flag_off + (2 * num_dies * FIELD_BYTES if on else 0)
     fused_cflag_off = fused_counts_off + (2 * num_dies * a2a_experts_per_die * WORD if on else 0)
-    meta_end = fused_cflag_off + (a2a_max_batch * a2a_topk * WORD if on else 0)
+    a2e_flag_off = fused_cflag_off + (a2a_max_batch * a2a_topk * WORD if on else 0)
+    meta_end = a2e_flag_off + (2 * FIELD_BYTES if on else 0)
     meta_bytes = _round_up(meta_end - meta_off, PAGE)
     managed_off = meta_off + meta_bytes
     rings = num_dies * lanes * ring_slots * slot_bytes
@@ -281,7 +284,8 @@ def compute(
     fused_comb_off = fused_disp_off + _round_up(
         2 * num_dies * fused_disp_rows * a2a["disp_stride"], PAGE
     )
-    end = fused_comb_off + _round_up(a2a_max_batch * a2a_topk * a2a["comb_stride"], PAGE)
+    a2e_in_off = fused_comb_off + _round_up(a2a_max_batch * a2a_topk * a2a["comb_stride"], PAGE)
+    end = a2e_in_off + _round_up(2 * a2a["disp_rows"] * a2a["disp_stride"], PAGE)
     managed_bytes = _round_up(end - managed_off, PAGE)
     return RegionLayout(
         num_dies=num_dies,
@@ -317,6 +321,8 @@ def compute(
         fused_disp_off=fused_disp_off if on else 0,
         fused_disp_rows=fused_disp_rows,
         fused_comb_off=fused_comb_off if on else 0,
+        a2e_in_off=a2e_in_off if on else 0,
+        a2e_flag_off=a2e_flag_off if on else 0,
     )
 
 

@@ -98,12 +98,13 @@ class PodConfig:
             _int_in("a2a_hidden", self.a2a_hidden, 1, 1 << 20)
             _int_in("num_experts", self.num_experts, 1, 1 << 20)
             _int_in("a2a_topk", self.a2a_topk, 1, self.num_experts)
-            if self.num_experts % self.num_dies:
+            _int_in("a2a_max_local_experts", self.a2a_max_local_experts, 0, self.num_experts)
+            if self.num_experts % self.num_dies and not self.a2a_max_local_experts:
                 raise ConfigError(
                     f"num_experts: {self.num_experts} experts do not divide over"
-                    f" {self.num_dies} dies"
+                    f" {self.num_dies} dies (set a2a_max_local_experts for another placement,"
+                    " e.g. experts on the expert dies of an A2E pod)"
                 )
-            _int_in("a2a_max_local_experts", self.a2a_max_local_experts, 0, self.num_experts)
         lo = self.layout()
         if lo.region_bytes > self.max_region_bytes:
             raise ConfigError(

@@ -229,3 +229,47 @@ def test_pod_without_a2a_areas_says_how_to_get_them(pod_factory):
 def test_num_experts_must_divide_over_the_dies():
     with pytest.raises(comm.ConfigError, match="num_experts"):
         PodConfig(num_dies=4, a2a_max_batch=8, a2a_hidden=16, a2a_topk=2, num_experts=6)
+
+
+# -- A2E / E2A with trampolines (PROTOCOLS.md §8) -------------------------------------------------
+
+
+def a2e_step(die, seed, n_att, num_experts, quant):
+    if die.die_id < n_att:
+        x, idx, w = make_inputs(seed, die.die_id, num_experts, "random")
+        res, h = comm.a2e(die, x, idx, w, n_att, quant=quant, event_id=seed)
+        out = comm.e2a(die, None, h, event_id=seed)
+        return {"out": out, "writes": h.metadata_writes}
+    res, h = comm.a2e(die, None, None, None, n_att, quant=quant, event_id=seed)
+    rows = res.x.astype(np.float32) * res.scales[:, None] if quant == "int8" else res.x
+    comm.e2a(die, expert_fn(die.die_id, rows), h, event_id=seed)
+    return {f: getattr(res, f) for f in ("x", "scales", "src_rank", "batch_slot", "k_index",
+                                         "local_expert", "expert_counts")}  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n_att, n_exp", [(2, 4), (4, 8)])
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_a2e_e2a_through_trampolines_match_reference(n_att, n_exp, quant):
+    n, e = n_att + n_exp, 2 * n_exp
+    cfg = PodConfig(num_dies=n, a2a_max_batch=B, a2a_hidden=H, a2a_topk=K, num_experts=e,
+                    a2a_max_local_experts=e // n_exp, timeout_s=20)  # fmt: skip
+    placement = Placement.default(e, tuple(range(n_att, n)))
+    att = list(range(n_att))
+    with Pod.launch(cfg) as pod:
+        for seed in range(4):  # back to back, no barrier between operations
+            print(f"seed {seed}, {n_att}+{n_exp}, {quant}")
+            res = pod.run(a2e_step, seed, n_att, e, quant)
+            ins = [make_inputs(seed, r, e, "random") for r in att]
+            douts = ref.a2e_ref([i[0] for i in ins], [i[1] for i in ins], placement, att, quant)
+            for d, o in douts.items():
+                for f in ("x", "src_rank", "batch_slot", "k_index", "local_expert",
+                          "expert_counts"):  # fmt: skip
+                    assert np.array_equal(res[d][f], getattr(o, f)), (seed, d, f)
+            rows = {d: o.x.astype(np.float32) * o.scales[:, None] if quant == "int8" else o.x
+                    for d, o in douts.items()}  # fmt: skip
+            eouts = {d: expert_fn(d, rows[d]) for d in douts}
+            couts = ref.e2a_ref(eouts, douts, [i[1] for i in ins], [i[2] for i in ins], att)
+            for r in att:
+                assert np.array_equal(res[r]["out"], couts[r]), (seed, r, "e2a")
+                assert res[r]["writes"] == 1, "one metadata write per attention die per step"
