@@ -7,6 +7,16 @@ Rank 0 pings (comm.Send then comm.Recv of numpy uint8 buffers) and times every r
 answers. Same iteration counts and warm-up as the other peers (`bench.peers.iters_for`). Rank 0
 prints one JSON row per size on stdout (`bench.common.p2p_row`, transport "mpi4py"); rank 1 sends
 it its CPU seconds so that `cpu_s_per_die` is the mean of both ranks.
+
+The all-to-all peer of `xpod bench alltoall`, run by `bench.peers.run_a2a_peer("mpi4py", ...)`:
+
+    mpirun -np N --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 \\
+        python -m bench.mpi_peer alltoall --spec cases.json
+
+Every rank moves the dispatch bytes of each case (`bench.peers` describes a case) with one
+comm.Alltoallv, then the combine bytes back with another; each iteration is barrier, dispatch,
+barrier, combine, timed on every rank. Rank 0 prints one JSON line per case: the per-iteration
+maximum over ranks of both phases (`bench.peers.a2a_merge_ranks`).
 """
 
 from __future__ import annotations
@@ -20,24 +30,46 @@ import traceback
 import numpy as np
 
 from bench.common import p2p_row, parse_sizes
-from bench.peers import SIDE_BYTE, iters_for, warmup_for
+from bench.peers import (
+    SIDE_BYTE,
+    a2a_block_bytes,
+    a2a_check,
+    a2a_merge_ranks,
+    a2a_send_buffer,
+    a2a_timed,
+    iters_for,
+    warmup_for,
+)
 
 TAG_PAYLOAD = 7
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.mpi_peer", description="mpi4py peer of xpod bench p2p"
+        prog="python -m bench.mpi_peer", description="mpi4py peer of xpod bench p2p / alltoall"
     )
-    parser.add_argument("bench", choices=["p2p"])
-    parser.add_argument("--sizes", type=parse_sizes, required=True, help="e.g. 8,4096,8M")
-    parser.add_argument("--iters-scale", type=float, default=1.0)
+    sub = parser.add_subparsers(dest="bench", required=True)
+    p2p = sub.add_parser("p2p", help="ping-pong between 2 ranks")
+    p2p.add_argument("--sizes", type=parse_sizes, required=True, help="e.g. 8,4096,8M")
+    p2p.add_argument("--iters-scale", type=float, default=1.0)
+    a2a = sub.add_parser("alltoall", help="Alltoallv dispatch + combine between N ranks")
+    a2a.add_argument("--spec", required=True, help="JSON file {'cases': [...]} (bench.peers)")
     args = parser.parse_args(argv)
+    cases = None
+    if args.bench == "alltoall":
+        with open(args.spec, encoding="utf-8") as f:
+            cases = json.load(f)["cases"]
 
     from mpi4py import MPI  # initialises MPI: only once the arguments are known to be good
 
     comm = MPI.COMM_WORLD
     try:
+        if args.bench == "alltoall":
+            for case in cases:
+                row = _alltoall(comm, MPI.BYTE, case)
+                if row is not None:
+                    print(json.dumps(row), flush=True)
+            return 0
         if comm.Get_size() != 2:
             raise RuntimeError(f"needs exactly 2 ranks, got {comm.Get_size()}: mpirun -np 2")
         for size in args.sizes:
@@ -45,12 +77,59 @@ def main(argv: list[str] | None = None) -> int:
             if row is not None:
                 print(json.dumps(row), flush=True)
     except BaseException:
-        # Without the abort the other rank would wait in Recv forever.
+        # Without the abort the other ranks would wait in Recv / Alltoallv forever.
         traceback.print_exc()
         sys.stderr.flush()
         comm.Abort(1)
         raise
     return 0
+
+
+def _alltoall(comm, mpi_byte, case: dict) -> dict | None:
+    """Time one case: Alltoallv of the dispatch bytes, then of the combine bytes back.
+    Rank 0 returns the merged result, the other ranks None."""
+    rank, n = comm.Get_rank(), comm.Get_size()
+    if len(case["counts"]) != n:
+        raise RuntimeError(f"case counts are {len(case['counts'])} x N, mpirun -np {n}")
+    phases = []
+    for phase, (msg_bytes, reverse) in enumerate(
+        ((case["dispatch_msg_bytes"], False), (case["combine_msg_bytes"], True))
+    ):
+        send_b, recv_b = a2a_block_bytes(case["counts"], rank, msg_bytes, reverse)
+        recv = np.zeros(int(recv_b.sum()), np.uint8)
+        phases.append(
+            (
+                _vspec(a2a_send_buffer(rank, send_b, phase), send_b, mpi_byte),
+                _vspec(recv, recv_b, mpi_byte),
+                recv,
+                recv_b,
+            )
+        )
+    (d_send, d_recv, *_), (c_send, c_recv, *_) = phases
+    barrier, alltoallv, now = comm.Barrier, comm.Alltoallv, time.perf_counter_ns
+
+    def step() -> tuple:
+        barrier()
+        t0 = now()
+        alltoallv(d_send, d_recv)
+        t1 = now()
+        barrier()
+        t2 = now()
+        alltoallv(c_send, c_recv)
+        return t1 - t0, now() - t2
+
+    res = a2a_timed(step, lambda v: comm.bcast(v, root=0), case)
+    for phase, (_, _, recv, recv_b) in enumerate(phases):
+        a2a_check("mpi4py", rank, recv, recv_b, phase)
+    every = comm.gather(res, root=0)
+    return a2a_merge_ranks(every) if rank == 0 else None
+
+
+def _vspec(buf: np.ndarray, block_bytes, mpi_byte) -> list:
+    """[buffer, (counts, displacements), MPI.BYTE] for Alltoallv (byte counts, int32)."""
+    counts = [int(b) for b in block_bytes]
+    displs = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(int).tolist()
+    return [buf, (counts, displs), mpi_byte]
 
 
 def _pingpong(comm, mpi_byte, size: int, iters_scale: float) -> dict | None:

@@ -23,7 +23,7 @@ from runtime import control
 from runtime.config import PodConfig
 from runtime.pod import Pod
 
-BENCHES = ("p2p", "ring")
+BENCHES = ("p2p", "ring", "alltoall")
 
 
 def _pod_flags(p: argparse.ArgumentParser) -> None:

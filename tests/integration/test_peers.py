@@ -127,7 +127,7 @@ def test_plot_p2p_writes_png(tmp_path):
     assert path.stat().st_size > 1000
     plot_rows(_synthetic_rows(), str(tmp_path / "again.png"))
     with pytest.raises(NotImplementedError):
-        plot_rows([{"bench": "alltoall"}], str(tmp_path / "no.png"))
+        plot_rows([{"bench": "ring"}], str(tmp_path / "no.png"))
 
 
 @pytest.mark.timeout(120)
