@@ -354,12 +354,29 @@ def combine(
     return _reduce(ep, handle, where, half)
 
 
+def _weighted_sum(contrib: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """out[slot] = sum over routed k, ascending, of w[slot, k] * contrib[slot, k], in float32:
+    the operation order of `comm.reference.combine_ref`, so results are bit for bit the same.
+    A column with every token routed is added in place without masks (no temporaries but the
+    product); unrouted entries of `contrib` may hold anything and are never read."""
+    out = np.zeros((idx.shape[0], contrib.shape[2]), np.float32)
+    prod = np.empty_like(out)
+    for k in range(idx.shape[1]):
+        m = idx[:, k] >= 0
+        if m.all():
+            np.multiply(w[:, k, None], contrib[:, k], out=prod)
+            out += prod
+        elif m.any():
+            out[m] = out[m] + w[m, k, None] * contrib[m, k]
+    return out
+
+
 def _reduce(ep: Endpoint, handle: DispatchHandle, where: list[tuple], half: int) -> np.ndarray:
     lay, placement = handle.layout, handle.placement
     idx, w = handle.topk_idx, handle.topk_weights
     batch, k_max = idx.shape
     hidden = ep.layout.a2a_hidden
-    contrib = np.zeros((batch, k_max, hidden), np.float32)
+    contrib = np.empty((batch, k_max, hidden), np.float32)  # unrouted entries are never read
     for p, d in enumerate(placement.dies):
         a, b = int(lay.dest_offsets[p]), int(lay.dest_offsets[p + 1])
         off, count = where[d]
@@ -370,11 +387,7 @@ def _reduce(ep: Endpoint, handle: DispatchHandle, where: list[tuple], half: int)
             )
         got = _rows(ep, d, COMBINE, half, off, count)[:, : 4 * hidden]  # remote read
         contrib[lay.msg_slot[a:b], lay.msg_k[a:b]] = got.view(np.float32)
-    out = np.zeros((batch, hidden), np.float32)
-    for k in range(k_max):  # ascending k, float32, as comm.reference.combine_ref
-        m = idx[:, k] >= 0
-        out[m] = out[m] + w[m, k, None] * contrib[m, k]
-    return out
+    return _weighted_sum(contrib, idx, w)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -506,11 +519,7 @@ def _fused_combine(ep, expert_out, handle, event_id):
         owner = int(handle.placement.die_of[idx[i // lo.a2a_topk, i % lo.a2a_topk]])
         ep.wait_ge(ep.words[ep.die_id], base + i, op, owner, f"fused.cflag[{i}]")
     contrib = _fused_comb(ep, ep.die_id)[:batch, :, : 4 * hidden].view(np.float32)
-    out = np.zeros((batch, hidden), np.float32)
-    for k in range(idx.shape[1]):  # ascending k, float32, as comm.reference.combine_ref
-        m = idx[:, k] >= 0
-        out[m] = out[m] + w[m, k, None] * contrib[m, k]
-    return out
+    return _weighted_sum(contrib, idx, w)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -719,11 +728,7 @@ def e2a(ep: Endpoint, expert_out: np.ndarray | None, handle: A2EHandle, event_id
     r_slot, r_k = np.nonzero(idx >= 0)
     _wait_slots(ep, r_slot, r_k, op, "e2a'")
     contrib = _fused_comb(ep, me)[: idx.shape[0], :, : 4 * hidden].view(np.float32)
-    out = np.zeros((idx.shape[0], hidden), np.float32)
-    for k in range(idx.shape[1]):
-        m = idx[:, k] >= 0
-        out[m] = out[m] + w[m, k, None] * contrib[m, k]
-    return out
+    return _weighted_sum(contrib, idx, w)
 
 
 def _write_slots(ep, die, slots, ks, rows, op) -> None:
