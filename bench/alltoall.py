@@ -841,14 +841,7 @@ def main(args: argparse.Namespace) -> int:
     columns = COLUMNS + ([("total_p50_spread", "spread", ".0%")] if opts.repeat > 1 else [])
     common.print_table(_table_rows(rows), columns)
     print_summary(rows)
-    if args.json:
-        common.write_jsonl(args.json, rows)
-        common.progress(f"wrote {len(rows)} rows to {args.json}")
-    if args.plot:
-        from bench.plot import plot_rows
-
-        plot_rows(rows, args.plot)
-        common.progress(f"wrote {args.plot}")
+    common.write_outputs(rows, args.json, args.plot)
     return 0
 
 

@@ -145,6 +145,18 @@ def write_jsonl(path: str, rows: Iterable[dict], append: bool = False) -> None:
             f.write(json.dumps(r, sort_keys=False) + "\n")
 
 
+def write_outputs(rows: list[dict], json_path: str | None, plot_path: str | None) -> None:
+    """The --json and --plot outputs every bench offers."""
+    if json_path:
+        write_jsonl(json_path, rows)
+        progress(f"wrote {len(rows)} rows to {json_path}")
+    if plot_path:
+        from bench.plot import plot_rows
+
+        plot_rows(rows, plot_path)
+        progress(f"wrote {plot_path}")
+
+
 def progress(msg: str) -> None:
     """A progress line on stderr, so stdout stays a clean table."""
     print(msg, file=sys.stderr, flush=True)

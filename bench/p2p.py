@@ -222,14 +222,7 @@ def main(args: argparse.Namespace) -> int:
         print("send steps and die 1's receive steps, as a share of the traced one-way p50 (steps")
         print("of the two sides overlap when they stream; polls are waits for the other side):")
         common.print_table(steps, BREAKDOWN_COLUMNS)
-    if args.json:
-        common.write_jsonl(args.json, rows)
-        common.progress(f"wrote {len(rows)} rows to {args.json}")
-    if args.plot:
-        from bench.plot import plot_rows
-
-        plot_rows(rows, args.plot)
-        common.progress(f"wrote {args.plot}")
+    common.write_outputs(rows, args.json, args.plot)
     return 0
 
 
