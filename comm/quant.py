@@ -42,9 +42,9 @@ def _as_f32_rows(x) -> np.ndarray:
         raise ValueError(f"x: expected shape [n, hidden], got shape {x.shape}")
     with np.errstate(over="ignore"):  # float64 beyond float32 range becomes inf, rejected below
         x32 = x.astype(np.float32, copy=False)
-    bad = np.argwhere(~np.isfinite(x32))
-    if bad.size:
-        row, col = (int(v) for v in bad[0])
+    finite = np.isfinite(x32)
+    if not finite.all():  # argwhere only on failure: it costs ~20x the check
+        row, col = (int(v) for v in np.argwhere(~finite)[0])
         raise ValueError(
             f"x[{row}, {col}] = {x[row, col]}: values must be finite and within float32 range"
         )

@@ -23,6 +23,7 @@ import numpy as np
 import comm
 from comm.trace import Trace
 from memory.alloc import AppAllocator
+from memory.heap import keep_freed_memory
 from memory.region import Region, RegionHandle, region_name
 from runtime import control as C
 from runtime.config import PodConfig
@@ -100,6 +101,7 @@ def die_main(die_id: int, cfg: dict, pod_id: str, conn, launcher_pid: int) -> No
     if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
         os._exit(3)
     logging.basicConfig(format=f"die {die_id} %(levelname)s %(name)s: %(message)s")
+    keep_freed_memory()  # numpy temporaries reuse heap pages instead of faulting (memory.heap)
     try:
         config = PodConfig.from_dict(cfg)
         _pin(die_id, config)
