@@ -433,6 +433,8 @@ def _pod_config(pt: Point, opts: Options) -> PodConfig:
         num_experts=pt.num_experts,
         a2a_max_local_experts=pt.num_experts // n_exp if pt.attention_dies else None,
         app_bytes=1 << 20,  # the all-to-all areas are separate; the app area stays unused
+        # INT8-only runs get the paper's INT8 row size (a quarter of the float32 rows)
+        a2a_dispatch_dtype="int8" if opts.quants == ["int8"] else "float32",
         trace=True if opts.trace else None,
         timeout_s=opts.timeout,
     )
@@ -576,23 +578,26 @@ def _print_buffers(xp: list[dict]) -> None:
             f" combine {_mib(r['fused_combine_buffer_bytes'])}"
         )
     p = PAPER_EP320
-    lo = L.compute(
-        num_dies=p["num_dies"],
-        lanes=4,
-        ring_slots=8,
-        slot_bytes=96 << 10,
-        app_bytes=0,
-        a2a_max_batch=p["a2a_max_batch"],
-        a2a_hidden=p["a2a_hidden"],
-        a2a_topk=p["a2a_topk"],
-        a2a_experts_per_die=p["experts"],
-        a2a_num_experts=p["num_dies"] * p["experts"],
-    ).fused_buffer_bytes()
-    print(
-        f"  this layout at the paper's EP320, batch 96, hidden 7168, 1 expert per die:"
-        f" dispatch {lo['dispatch'] / 2**20:.0f} MiB, combine {lo['combine'] / 2**20:.0f} MiB"
-        " (paper: 225 MB + 420 MB)"
-    )
+    for dtype, nbytes in (("int8", 1), ("float32", 4)):
+        lo = L.compute(
+            num_dies=p["num_dies"],
+            lanes=4,
+            ring_slots=8,
+            slot_bytes=96 << 10,
+            app_bytes=0,
+            a2a_max_batch=p["a2a_max_batch"],
+            a2a_hidden=p["a2a_hidden"],
+            a2a_topk=p["a2a_topk"],
+            a2a_experts_per_die=p["experts"],
+            a2a_num_experts=p["num_dies"] * p["experts"],
+            a2a_dispatch_bytes=nbytes,
+        ).fused_buffer_bytes()
+        print(
+            f"  this layout at the paper's EP320, batch 96, hidden 7168, 1 expert per die,"
+            f" a2a_dispatch_dtype={dtype}: dispatch {lo['dispatch'] / 1e6:.0f} MB,"
+            f" combine {lo['combine'] / 1e6:.0f} MB (paper: 225 MB + 420 MB; our combine"
+            " buffer is indexed by (slot, k) of this die's tokens, float32)"
+        )
 
 
 def _mib(n: int) -> str:

@@ -116,6 +116,11 @@ def _check_inputs(ep: Endpoint, x, topk_idx, topk_weights, protocol, quant) -> N
         raise ValueError(f"protocol {protocol!r}: supported here: {', '.join(PROTOCOLS)}")
     if quant not in QUANTS:
         raise ValueError(f"quant {quant!r}: choose None or 'int8'")
+    if quant in (None, "none") and lo.a2a_dispatch_bytes == 1:
+        raise ValueError(
+            "quant None: this pod's dispatch rows are laid out for INT8 only"
+            " (PodConfig.a2a_dispatch_dtype='int8'); pass quant='int8' or launch with 'float32'"
+        )
     if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2:
         raise TypeError(f"x must be a float32 array [batch, hidden], got {_describe(x)}")
     if x.shape[1] != lo.a2a_hidden:
@@ -261,17 +266,10 @@ def dispatch(
     # step 5: poll own fields; steps 6-7: pull every source's block, then group by expert
     where = _poll_all(ep, DISPATCH, half, op, event_id)
     t4 = now_ns()
-    total = sum(c for _, c in where)
-    got = np.empty((total, stride), np.uint8)
-    src_rank = np.empty(total, np.int64)
-    at = 0
-    for src, (off, count) in enumerate(where):
-        got[at : at + count] = _rows(ep, src, DISPATCH, half, off, count)  # remote read
-        src_rank[at : at + count] = src
-        at += count
-    result = _assemble(
-        ep, got, src_rank, pb, quant, placement, lay, topk_idx, topk_weights, op, "pull"
-    )
+    parts = [
+        (src, _rows(ep, src, DISPATCH, half, off, count)) for src, (off, count) in enumerate(where)
+    ]
+    result = _assemble(ep, parts, pb, quant, placement, lay, topk_idx, topk_weights, op, "pull")
     if tr:
         t5 = now_ns()
         for step, a, b in ((2, t0, t1), (3, t1, t2), (4, t2, t3), (5, t3, t4), (6, t4, t5)):
@@ -279,17 +277,40 @@ def dispatch(
     return result
 
 
-def _assemble(ep, got, src_rank, pb, quant, placement, lay, topk_idx, topk_weights, op, proto):
-    """Step 7: rows grouped by local expert; stable, so (src_rank, slot, k) order stays."""
-    stride = got.shape[1]
-    meta = got[:, stride - L.PULL_ROW_META :].view(np.int32)
-    local = meta[:, 3].astype(np.int64)
-    order = np.argsort(local, kind="stable")
+def _assemble(ep, parts, pb, quant, placement, lay, topk_idx, topk_weights, op, proto):
+    """Step 7: rows grouped by local expert, stable, so (src_rank, slot, k) order stays.
+
+    `parts` is a list of (src, uint8 [count, stride] rows), own or remote memory. Only the
+    16-byte row metadata is gathered first; then each part's payloads are copied once, straight
+    to their output positions (no concatenated temporary)."""
     hidden = ep.layout.a2a_hidden
     dt = np.int8 if quant == "int8" else np.float32
-    x = np.ascontiguousarray(got[order, :pb]).view(dt).reshape(len(order), hidden)
+    counts_per_part = [len(r) for _, r in parts]
+    total = sum(counts_per_part)
+    stride = ep.layout.pull_disp_stride
+    meta = np.empty((total, 4), np.int32)
+    src_of = np.empty(total, np.int64)
+    at = 0
+    for (src, rows), n in zip(parts, counts_per_part, strict=True):
+        meta[at : at + n] = rows[:, stride - L.PULL_ROW_META :].view(np.int32)
+        src_of[at : at + n] = src
+        at += n
+    local = meta[:, 3].astype(np.int64)
+    order = np.argsort(local, kind="stable")
+    pos = np.empty(total, np.int64)
+    pos[order] = np.arange(total)
+    x = np.empty((total, hidden), dt)
+    xb = x.view(np.uint8).reshape(total, pb)
+    at = 0
+    for (_, rows), n in zip(parts, counts_per_part, strict=True):
+        if n:
+            xb[pos[at : at + n]] = rows[:, :pb]  # the one copy (a pull: a remote read)
+        at += n
     scales = np.ascontiguousarray(meta[order, 0]).view(np.float32) if quant == "int8" else None
     counts = np.bincount(local, minlength=placement.num_local(ep.die_id))
+    src_rank = src_of[order]
+    slot = meta[order, 1].astype(np.int64)
+    k_index = meta[order, 2].astype(np.int64)
     handle = DispatchHandle(
         protocol=proto,
         quant=quant,
@@ -297,17 +318,17 @@ def _assemble(ep, got, src_rank, pb, quant, placement, lay, topk_idx, topk_weigh
         layout=lay,
         topk_idx=np.asarray(topk_idx, np.int64),
         topk_weights=np.asarray(topk_weights, np.float32),
-        recv_src_rank=src_rank[order],
+        recv_src_rank=src_rank,
         op=op,
-        recv_slot=meta[order, 1].astype(np.int64),
-        recv_k=meta[order, 2].astype(np.int64),
+        recv_slot=slot,
+        recv_k=k_index,
     )
     return DispatchResult(
         x=x,
         scales=scales,
-        src_rank=src_rank[order],
-        batch_slot=meta[order, 1].astype(np.int64),
-        k_index=meta[order, 2].astype(np.int64),
+        src_rank=src_rank,
+        batch_slot=slot,
+        k_index=k_index,
         local_expert=local[order],
         expert_counts=counts.astype(np.int64),
         handle=handle,
@@ -342,30 +363,39 @@ def combine(
         return _fused_combine(ep, expert_out, handle, event_id)
     op = st["ops"][COMBINE] = st["ops"][COMBINE] + 1
     half = op & 1
-    # own combine rows, blocks by source die in each source's send order
+    t0 = now_ns()
+    # step 3: own combine rows, blocks by source die in each source's send order
     order = np.argsort(handle.recv_src_rank, kind="stable")
     rows = _rows(ep, ep.die_id, COMBINE, half, 0, n_rows)
     rows[:, : 4 * hidden] = expert_out[order].view(np.uint8).reshape(n_rows, 4 * hidden)
+    t1 = now_ns()
     counts = np.bincount(handle.recv_src_rank, minlength=ep.num_dies)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    for src in range(ep.num_dies):
+    for src in range(ep.num_dies):  # step 4
         _publish(ep, COMBINE, half, src, event_id, int(starts[src]), int(counts[src]), op)
-    where = _poll_all(ep, COMBINE, half, op, event_id)
-    return _reduce(ep, handle, where, half)
+    t2 = now_ns()
+    where = _poll_all(ep, COMBINE, half, op, event_id)  # step 5
+    t3 = now_ns()
+    out = _reduce(ep, handle, where, half)  # steps 6-7
+    if ep.trace.enabled:
+        t4 = now_ns()
+        for step, a, b in ((3, t0, t1), (4, t1, t2), (5, t2, t3), (6, t3, t4)):
+            ep.trace.rec(a, b - a, "pull_combine", step, -1, 0, event_id, 0)
+    return out
 
 
 def _weighted_sum(contrib: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.ndarray:
     """out[slot] = sum over routed k, ascending, of w[slot, k] * contrib[slot, k], in float32:
     the operation order of `comm.reference.combine_ref`, so results are bit for bit the same.
-    A column with every token routed is added in place without masks (no temporaries but the
-    product); unrouted entries of `contrib` may hold anything and are never read."""
+    `contrib` is scratch (a receive buffer): each fully routed column is multiplied in place and
+    added, so no product temporary crosses the cache; unrouted entries are never read."""
     out = np.zeros((idx.shape[0], contrib.shape[2]), np.float32)
-    prod = np.empty_like(out)
     for k in range(idx.shape[1]):
         m = idx[:, k] >= 0
         if m.all():
-            np.multiply(w[:, k, None], contrib[:, k], out=prod)
-            out += prod
+            ck = contrib[:, k]
+            np.multiply(w[:, k, None], ck, out=ck)
+            out += ck
         elif m.any():
             out[m] = out[m] + w[m, k, None] * contrib[m, k]
     return out
@@ -408,14 +438,6 @@ def _fused_block(ep: Endpoint, die: int, half: int, src: int) -> np.ndarray:
     return ep.regions[die].array[base : base + rows * stride].reshape(rows, stride)
 
 
-def _fused_comb(ep: Endpoint, die: int) -> np.ndarray:
-    """uint8 [max_batch, topk, stride]: die's combine buffer, indexed by (batch_slot, k)."""
-    lo = ep.layout
-    b, k, stride = lo.a2a_max_batch, lo.a2a_topk, lo.pull_comb_stride
-    arr = ep.regions[die].array
-    return arr[lo.fused_comb_off : lo.fused_comb_off + b * k * stride].reshape(b, k, stride)
-
-
 def _fused_dispatch(ep, x, topk_idx, topk_weights, quant, event_id, placement, lay):
     """Steps 1-3 of FusedDispatch: packets written straight into each destination's buffer
     (one vectorized copy per destination), counts then the completion flag LAST, poll, gather."""
@@ -455,7 +477,7 @@ def _fused_dispatch(ep, x, topk_idx, topk_weights, quant, event_id, placement, l
         w[f + 2] = op
     t2 = now_ns()
     # step 3: every source's flag, then the packets in per-expert order
-    lw, got, srcs = ep.words[ep.die_id], [], []
+    lw, parts = ep.words[ep.die_id], []
     n_mine = placement.num_local(ep.die_id) if ep.die_id in placement.dies else 0
     counts = np.zeros(n_mine, np.int64)
     for src in range(ep.num_dies):
@@ -468,14 +490,9 @@ def _fused_dispatch(ep, x, topk_idx, topk_weights, quant, event_id, placement, l
             )
         count = lw[f + 1]
         counts += _words(ep, ep.die_id, lo.fused_counts_off_of(half, src), n_mine)
-        got.append(_fused_block(ep, ep.die_id, half, src)[:count])
-        srcs.append(np.full(count, src, np.int64))
+        parts.append((src, _fused_block(ep, ep.die_id, half, src)[:count]))
     t3 = now_ns()
-    rows = np.concatenate(got) if got else np.empty((0, stride), np.uint8)
-    res = _assemble(
-        ep, rows, np.concatenate(srcs), pb, quant, placement, lay, topk_idx, topk_weights, op,
-        "fused",
-    )  # fmt: skip
+    res = _assemble(ep, parts, pb, quant, placement, lay, topk_idx, topk_weights, op, "fused")
     if not np.array_equal(res.expert_counts, counts):
         raise ProtocolError(
             f"die {ep.die_id}: fused dispatch counts {counts.tolist()} disagree with the packets"
@@ -496,30 +513,63 @@ def _fused_combine(ep, expert_out, handle, event_id):
     lo = ep.layout
     st = ep._a2a
     op = st["fused_ops"][COMBINE] = st["fused_ops"][COMBINE] + 1
-    hidden = lo.a2a_hidden
-    src_rank = handle.recv_src_rank
-    for s in np.unique(src_rank):
-        m = src_rank == s
-        slots, ks = handle.recv_slot[m], handle.recv_k[m]
-        buf = _fused_comb(ep, int(s))
-        buf[slots, ks, : 4 * hidden] = expert_out[m].view(np.uint8)  # step 1: remote write
-        flags = _words(ep, int(s), lo.fused_cflag_off, lo.a2a_max_batch * lo.a2a_topk)
-        flags.reshape(lo.a2a_max_batch, lo.a2a_topk)[slots, ks] = op  # step 2: LAST
+    tr = ep.trace if ep.trace.enabled else None
+    t0 = now_ns()
+    _write_slots_by_src(ep, expert_out, handle.recv_src_rank, handle.recv_slot, handle.recv_k, op)
+    t1 = now_ns()
     idx, w = handle.topk_idx, handle.topk_weights
-    batch = idx.shape[0]
     r_slot, r_k = np.nonzero(idx >= 0)
-    flags = _words(ep, ep.die_id, lo.fused_cflag_off, lo.a2a_max_batch * lo.a2a_topk)
-    lin = r_slot * lo.a2a_topk + r_k
-    base = lo.fused_cflag_off // 8
-    while True:  # step 3: every routed (slot, k) of this die's tokens carries this operation
-        pending = lin[flags[lin] < op]
-        if not len(pending):
-            break
-        i = int(pending[0])
-        owner = int(handle.placement.die_of[idx[i // lo.a2a_topk, i % lo.a2a_topk]])
-        ep.wait_ge(ep.words[ep.die_id], base + i, op, owner, f"fused.cflag[{i}]")
-    contrib = _fused_comb(ep, ep.die_id)[:batch, :, : 4 * hidden].view(np.float32)
-    return _weighted_sum(contrib, idx, w)
+    _wait_slots(ep, r_slot, r_k, op, "fused", handle.placement.die_of[idx[r_slot, r_k]])
+    t2 = now_ns()
+    out = _weighted_sum(_comb_rows(ep, idx.shape[0]), idx, w)
+    if tr:
+        t3 = now_ns()
+        nbytes = 4 * lo.a2a_hidden * len(handle.recv_src_rank)
+        for step, a, b, nb in ((1, t0, t1, nbytes), (3, t1, t2, 0), (4, t2, t3, 0)):
+            tr.rec(a, b - a, "fused_combine", step, -1, 0, event_id, nb)
+    return out
+
+
+def _comb_f32(ep: Endpoint, die: int) -> np.ndarray:
+    """float32 [max_batch * topk, comb_stride / 4]: die's combine buffer, row slot * topk + k."""
+    views = ep._a2a.setdefault("comb_f32", {})
+    v = views.get(die)
+    if v is None:
+        lo = ep.layout
+        n, stride = lo.a2a_max_batch * lo.a2a_topk, lo.pull_comb_stride
+        raw = ep.regions[die].array[lo.fused_comb_off : lo.fused_comb_off + n * stride]
+        v = views[die] = raw.view(np.float32).reshape(n, stride // 4)
+    return v
+
+
+def _comb_rows(ep: Endpoint, batch: int) -> np.ndarray:
+    """float32 [batch, topk, hidden] view of this die's own combine buffer (unrouted entries
+    hold stale bytes that `_weighted_sum` never reads)."""
+    lo = ep.layout
+    v = _comb_f32(ep, ep.die_id)[: batch * lo.a2a_topk, : lo.a2a_hidden]
+    return v.reshape(batch, lo.a2a_topk, lo.a2a_hidden)
+
+
+def _write_slots_by_src(ep, rows, dest, slots, ks, op) -> None:
+    """Steps 1-2 of a fused combine (and of E2A): row i straight into die dest[i]'s combine
+    buffer at (slots[i], ks[i]), one row copy each and no gathered temporary; then, per
+    destination, the completion words of those (slot, k) LAST."""
+    n = len(dest)
+    if not n:
+        return
+    lo = ep.layout
+    hidden, topk = lo.a2a_hidden, lo.a2a_topk
+    order = np.argsort(dest, kind="stable")
+    ordered = dest[order]
+    cuts = (np.flatnonzero(ordered[1:] != ordered[:-1]) + 1).tolist()
+    for a, b in zip([0, *cuts], [*cuts, n], strict=True):
+        d = int(ordered[a])
+        sel = order[a:b]
+        lin = slots[sel] * topk + ks[sel]
+        buf = _comb_f32(ep, d)
+        for i, j in zip(sel.tolist(), lin.tolist(), strict=True):
+            buf[j, :hidden] = rows[i]  # remote write
+        _words(ep, d, lo.fused_cflag_off, lo.a2a_max_batch * topk)[lin] = op  # LAST
 
 
 # ------------------------------------------------------------------------------------------------
@@ -600,17 +650,26 @@ def a2e(
     op = st["fused_ops"][DISPATCH] = st["fused_ops"][DISPATCH] + 1
     half = op & 1
     me = ep.die_id
+    tr = ep.trace if ep.trace.enabled else None
+    t0 = now_ns()
     if me < n_att:
         _check_inputs(ep, x, topk_idx, topk_weights, "fused", quant)
         lay = get_dispatch_layout(topk_idx, placement)
         _a2e_stage1(ep, x, lay, placement, n_att + me, half, op, quant, event_id)
+        if tr:
+            tr.rec(t0, now_ns() - t0, "a2e", 1, n_att + me, 0, event_id, 0)
         handle = A2EHandle(n_att, "attention", None, np.asarray(topk_idx, np.int64),
                            np.asarray(topk_weights, np.float32), None, 1)  # fmt: skip
         return None, handle
     writes, partner = 0, None
     if me < 2 * n_att:  # a trampoline: forward its attention die's packets (A2E')
         partner, writes = _a2e_stage2(ep, me - n_att, half, op, event_id, placement)
+        if tr:
+            tr.rec(t0, now_ns() - t0, "a2e", 2, me - n_att, 0, event_id, 0)
+    t1 = now_ns()
     res = _expert_gather(ep, half, op, event_id, n_att, placement, quant)
+    if tr:
+        tr.rec(t1, now_ns() - t1, "a2e", 3, -1, 0, event_id, 0)
     return res, A2EHandle(n_att, "expert", res.handle, None, None, partner, writes)
 
 
@@ -669,7 +728,7 @@ def _a2e_stage2(ep, att, half, op, event_id, placement):
 def _expert_gather(ep, half, op, event_id, n_att, placement, quant) -> DispatchResult:
     """An expert die waits for the forwarded flags of every attention die and groups rows."""
     lo = ep.layout
-    lw, got, srcs = ep.words[ep.die_id], [], []
+    lw, parts = ep.words[ep.die_id], []
     for src in range(n_att):
         f = lo.fused_flag_word(half, src)
         ep.wait_ge(lw, f + 2, op, src, f"fused.flag[{half}] (forwarded)")
@@ -678,15 +737,11 @@ def _expert_gather(ep, half, op, event_id, n_att, placement, quant) -> DispatchR
                 f"die {ep.die_id}: a2e from die {src}: expected event_id {event_id}, got"
                 f" {lw[f + F_EVENT]}"
             )
-        got.append(_fused_block(ep, ep.die_id, half, src)[: lw[f + 1]])
-        srcs.append(np.full(lw[f + 1], src, np.int64))
-    stride = lo.pull_disp_stride
-    rows = np.concatenate(got) if got else np.empty((0, stride), np.uint8)
+        parts.append((src, _fused_block(ep, ep.die_id, half, src)[: lw[f + 1]]))
     pb = lo.a2a_hidden * (1 if quant == "int8" else 4)
     empty = get_dispatch_layout(np.zeros((0, lo.a2a_topk), np.int64), placement)
     none = np.zeros((0, lo.a2a_topk))
-    return _assemble(ep, rows, np.concatenate(srcs), pb, quant, placement, empty, none, none,
-                     op, "a2e")  # fmt: skip
+    return _assemble(ep, parts, pb, quant, placement, empty, none, none, op, "a2e")
 
 
 def e2a(ep: Endpoint, expert_out: np.ndarray | None, handle: A2EHandle, event_id: int = 0):
@@ -715,39 +770,47 @@ def e2a(ep: Endpoint, expert_out: np.ndarray | None, handle: A2EHandle, event_id
                 f"expert_out must be float32 [{len(d.recv_src_rank)}, {hidden}], got"
                 f" {_describe(expert_out)}"
             )
-        for att in np.unique(d.recv_src_rank):  # E2A: rows to the attention die's trampoline
-            m = d.recv_src_rank == att
-            _write_slots(ep, n_att + int(att), d.recv_slot[m], d.recv_k[m], expert_out[m], op)
+        tr = ep.trace if ep.trace.enabled else None
+        t0 = now_ns()
+        tramp = n_att + d.recv_src_rank  # E2A: each row to its attention die's trampoline
+        _write_slots_by_src(ep, expert_out, tramp, d.recv_slot, d.recv_k, op)
+        t1 = now_ns()
         if handle.partner_slots is not None:  # E2A': a trampoline forwards to its partner
             slots, ks = handle.partner_slots
             _wait_slots(ep, slots, ks, op, "e2a")
-            rows = _fused_comb(ep, me)[slots, ks, : 4 * hidden].view(np.float32)
-            _write_slots(ep, me - n_att, slots, ks, rows.reshape(-1, hidden), op)
+            t2 = now_ns()
+            rows = _comb_f32(ep, me)[slots * lo.a2a_topk + ks, :hidden]
+            partner = np.full(len(slots), me - n_att, np.int64)
+            _write_slots_by_src(ep, rows, partner, slots, ks, op)
+            if tr:
+                tr.rec(t1, t2 - t1, "e2a", 3, me - n_att, 0, event_id, 0)
+                tr.rec(t2, now_ns() - t2, "e2a", 4, me - n_att, 0, event_id, rows.nbytes)
+        if tr:
+            tr.rec(t0, t1 - t0, "e2a", 1, -1, 0, event_id, expert_out.nbytes)
         return None
     idx, w = handle.topk_idx, handle.topk_weights
     r_slot, r_k = np.nonzero(idx >= 0)
-    _wait_slots(ep, r_slot, r_k, op, "e2a'")
-    contrib = _fused_comb(ep, me)[: idx.shape[0], :, : 4 * hidden].view(np.float32)
-    return _weighted_sum(contrib, idx, w)
+    t0 = now_ns()
+    _wait_slots(ep, r_slot, r_k, op, "e2a'", me + n_att + 0 * r_slot)
+    t1 = now_ns()
+    out = _weighted_sum(_comb_rows(ep, idx.shape[0]), idx, w)
+    if ep.trace.enabled:
+        ep.trace.rec(t0, t1 - t0, "e2a", 5, me + n_att, 0, event_id, 0)
+        ep.trace.rec(t1, now_ns() - t1, "e2a", 6, -1, 0, event_id, 0)
+    return out
 
 
-def _write_slots(ep, die, slots, ks, rows, op) -> None:
-    """Rows into `die`'s combine buffer at (batch_slot, k_index), then each slot's word LAST."""
-    lo = ep.layout
-    buf = _fused_comb(ep, die)
-    buf[slots, ks, : 4 * lo.a2a_hidden] = np.ascontiguousarray(rows).view(np.uint8)
-    flags = _words(ep, die, lo.fused_cflag_off, lo.a2a_max_batch * lo.a2a_topk)
-    flags.reshape(lo.a2a_max_batch, lo.a2a_topk)[slots, ks] = op
-
-
-def _wait_slots(ep, slots, ks, op, what) -> None:
+def _wait_slots(ep, slots, ks, op, what, owners=None) -> None:
+    """Wait until the completion word of every (slot, k) of this die carries `op`."""
     lo = ep.layout
     flags = _words(ep, ep.die_id, lo.fused_cflag_off, lo.a2a_max_batch * lo.a2a_topk)
     lin = slots * lo.a2a_topk + ks
     base = lo.fused_cflag_off // 8
     while True:
-        pending = lin[flags[lin] < op]
+        pending = np.flatnonzero(flags[lin] < op)
         if not len(pending):
             return
-        i = int(pending[0])
-        ep.wait_ge(ep.words[ep.die_id], base + i, op, -1, f"{what}.cflag[{i}]")
+        j = int(pending[0])
+        peer = -1 if owners is None else int(owners[j])
+        i = int(lin[j])
+        ep.wait_ge(ep.words[ep.die_id], base + i, op, peer, f"{what}.cflag[{i}]")

@@ -119,6 +119,7 @@ class RegionLayout:
     a2a_topk: int = 0
     a2a_experts_per_die: int = 0
     a2a_num_experts: int = 0
+    a2a_dispatch_bytes: int = 4  # 4: float32 (or INT8) dispatch rows; 1: INT8-only rows
     pull_field_off: int = 0
     pull_disp_off: int = 0
     pull_disp_rows: int = 0
@@ -146,6 +147,8 @@ class RegionLayout:
         if self.a2a_max_batch:
             key += f",a2a:{self.a2a_max_batch},{self.a2a_hidden},{self.a2a_topk}"
             key += f",{self.a2a_experts_per_die},{self.a2a_num_experts}"
+            if self.a2a_dispatch_bytes != 4:
+                key += f",disp{self.a2a_dispatch_bytes}"
         return zlib.crc32(key.encode())
 
     def pull_field_word(self, kind: int, half: int, src: int) -> int:
@@ -235,6 +238,7 @@ def compute(
     a2a_topk: int = 0,
     a2a_experts_per_die: int = 0,
     a2a_num_experts: int = 0,
+    a2a_dispatch_bytes: int = 4,
 ) -> RegionLayout:
     """Compute the layout of one region from the pod's sizes.
 
@@ -248,6 +252,8 @@ def compute(
         a2a_max_batch, a2a_hidden, a2a_topk, a2a_experts_per_die, a2a_num_experts: the
             expert-parallel all-to-all areas (pull fields and send areas; experts_per_die is the
             most experts one die may host); none when a2a_max_batch is 0.
+        a2a_dispatch_bytes: bytes per element of a dispatch row: 4 (float32 or INT8 dispatch)
+            or 1 (INT8 only: rows of hidden + PULL_ROW_META bytes, the paper's buffer formula).
     Returns:
         RegionLayout with every offset; raises ConfigError naming the bad argument.
     """
@@ -266,7 +272,13 @@ def compute(
     ack_off = desc_off + block
     rdv_off = ack_off + block
     sync_off = rdv_off + block
-    a2a = _a2a_sizes(num_dies, a2a_max_batch, a2a_hidden, a2a_topk, a2a_experts_per_die)
+    if a2a_dispatch_bytes not in (1, 4):
+        raise ConfigError(
+            f"a2a_dispatch_bytes: {a2a_dispatch_bytes!r} must be 4 (float32) or 1 (int8)"
+        )
+    a2a = _a2a_sizes(
+        num_dies, a2a_max_batch, a2a_hidden, a2a_topk, a2a_experts_per_die, a2a_dispatch_bytes
+    )
     on = bool(a2a_max_batch)
     pull_field_off = sync_off + FIELD_BYTES
     fused_flag_off = pull_field_off + (4 * num_dies * FIELD_BYTES if on else 0)
@@ -308,6 +320,7 @@ def compute(
         a2a_topk=a2a_topk,
         a2a_experts_per_die=a2a_experts_per_die,
         a2a_num_experts=a2a_num_experts,
+        a2a_dispatch_bytes=a2a_dispatch_bytes,
         pull_field_off=pull_field_off if a2a_max_batch else 0,
         pull_disp_off=pull_disp_off if a2a_max_batch else 0,
         pull_disp_rows=a2a["disp_rows"],
@@ -329,11 +342,14 @@ def compute(
 PULL_ROW_META = 16  # bytes after a dispatch row's payload: scale f32, slot i32, k i32, expert i32
 
 
-def _a2a_sizes(num_dies: int, batch: int, hidden: int, topk: int, per_die: int) -> dict:
+def _a2a_sizes(
+    num_dies: int, batch: int, hidden: int, topk: int, per_die: int, disp_bytes: int = 4
+) -> dict:
     """Rows and strides of the pull send areas (PROTOCOLS.md §6), zeros when batch is 0.
 
     Dispatch: one half holds every message a die sends in one step, `batch x topk` rows, each a
-    float32 payload (INT8 uses the first `hidden` bytes) plus PULL_ROW_META. Combine: one half
+    float32 payload (INT8 uses the first `hidden` bytes; an INT8-only pod, `disp_bytes` 1, has
+    `hidden`-byte payloads) plus PULL_ROW_META. Combine: one half
     holds every row an expert die returns, at most `batch x min(topk, experts_per_die)` from
     each source die. Strides are rounded to 64 bytes (a cache line).
     """
@@ -344,7 +360,7 @@ def _a2a_sizes(num_dies: int, batch: int, hidden: int, topk: int, per_die: int) 
     _check("a2a_max_batch", batch, 1, 1 << 20)
     return {
         "disp_rows": batch * topk,
-        "disp_stride": _round_up(4 * hidden + PULL_ROW_META, 64),
+        "disp_stride": _round_up(disp_bytes * hidden + PULL_ROW_META, 64),
         "comb_rows": num_dies * batch * min(topk, per_die),
         "comb_stride": _round_up(4 * hidden, 64),
     }

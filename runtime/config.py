@@ -45,6 +45,9 @@ class PodConfig:
         a2a_max_local_experts: the most experts one die may host (sizes the combine areas);
             0 = num_experts // num_dies, the default placement. Raise it for load-balancing
             placements that put more experts on one die.
+        a2a_dispatch_dtype: "float32" (dispatch rows hold float32 payloads, so both quant=None
+            and quant="int8" work) or "int8" (rows of `hidden` bytes + 16 B of metadata, the
+            paper's buffer formula, a quarter of the memory; quant=None is then refused).
     """
 
     num_dies: int = 4
@@ -67,6 +70,7 @@ class PodConfig:
     a2a_topk: int = 0
     num_experts: int = 0
     a2a_max_local_experts: int = 0
+    a2a_dispatch_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.cores == 0:
@@ -94,6 +98,7 @@ class PodConfig:
         if not isinstance(self.trace, bool):
             raise ConfigError(f"trace: {self.trace!r} must be true or false")
         _int_in("a2a_max_batch", self.a2a_max_batch, 0, 1 << 20)
+        _choice("a2a_dispatch_dtype", self.a2a_dispatch_dtype, ("float32", "int8"))
         if self.a2a_max_batch:
             _int_in("a2a_hidden", self.a2a_hidden, 1, 1 << 20)
             _int_in("num_experts", self.num_experts, 1, 1 << 20)
@@ -129,6 +134,7 @@ class PodConfig:
             if self.a2a_max_batch
             else 0,
             a2a_num_experts=self.num_experts if self.a2a_max_batch else 0,
+            a2a_dispatch_bytes=1 if self.a2a_dispatch_dtype == "int8" else 4,
         )
 
     def wait_policy(self) -> WaitPolicy:

@@ -200,16 +200,53 @@ def traced_step(die, num_experts, placement, protocol):
     finally:
         die.trace.enabled = False
     recs = [r for r in die.trace.snapshot() if r[5] == 0]  # lane 0: the step spans
-    return comm.steps_of(recs, f"{protocol}_dispatch")
+    return {kind: comm.steps_of(recs, f"{protocol}_{kind}") for kind in ("dispatch", "combine")}
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("protocol, steps", [("pull", [2, 3, 4, 5, 6]), ("fused", [1, 2, 3])])
-def test_trace_shows_the_dispatch_steps_in_order(ep_pod, protocol, steps):
+@pytest.mark.parametrize(
+    "protocol, steps",
+    [
+        ("pull", {"dispatch": [2, 3, 4, 5, 6], "combine": [3, 4, 5, 6]}),
+        ("fused", {"dispatch": [1, 2, 3], "combine": [1, 3, 4]}),
+    ],
+)
+def test_trace_shows_the_dispatch_and_combine_steps_in_order(ep_pod, protocol, steps):
     n, e = ep_pod.config.num_dies, ep_pod.config.num_experts
     got = ep_pod.run(traced_step, e, placement_for("random", n, e), protocol)
     for r in range(n):
-        assert [s for _, s in got[r]] == steps, got[r]
+        for kind, want in steps.items():
+            assert [s for _, s in got[r][kind]] == want, (r, kind, got[r][kind])
+
+
+def int8_layout_step(die, seed, num_experts, placement):
+    try:
+        moe_step(die, seed, None, "random", num_experts, placement)
+    except ValueError as e:
+        refused = str(e)
+    else:
+        refused = "no error"
+    return refused, moe_step(die, seed, "int8", "random", num_experts, placement)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("protocol", ["pull", "fused"])
+def test_int8_only_layout_refuses_float32_and_stays_exact(protocol):
+    n, e = 4, 8
+    cfg = PodConfig(num_dies=n, a2a_max_batch=B, a2a_hidden=H, a2a_topk=K, num_experts=e,
+                    a2a_dispatch_dtype="int8", timeout_s=20)  # fmt: skip
+    f32 = PodConfig(**{**cfg.to_dict(), "a2a_dispatch_dtype": "float32"})
+    assert cfg.layout().pull_disp_stride < f32.layout().pull_disp_stride
+    assert (
+        cfg.layout().fused_buffer_bytes()["dispatch"] * 3
+        < f32.layout().fused_buffer_bytes()["dispatch"]
+    )
+    placement = placement_for("random", n, e)
+    with Pod.launch(cfg) as pod:
+        for seed in (50, 51):  # back to back, the second after every die refused a float32 call
+            got = pod.run(int8_layout_step, seed, e, placement)
+            assert all("a2a_dispatch_dtype" in m for m, _ in got), got
+            check_against_reference([r for _, r in got], seed, "int8", "random", n, e, placement)
 
 
 def no_a2a(die):
@@ -273,3 +310,23 @@ def test_a2e_e2a_through_trampolines_match_reference(n_att, n_exp, quant):
             for r in att:
                 assert np.array_equal(res[r]["out"], couts[r]), (seed, r, "e2a")
                 assert res[r]["writes"] == 1, "one metadata write per attention die per step"
+        steps = pod.run(traced_a2e_steps, n_att, e, quant)
+    tramp = set(range(n_att, 2 * n_att))
+    for d, got in enumerate(steps):
+        if d < n_att:
+            assert got == {"a2e": [1], "e2a": [5, 6]}, (d, got)
+        elif d in tramp:
+            assert got == {"a2e": [2, 3], "e2a": [1, 3, 4]}, (d, got)
+        else:
+            assert got == {"a2e": [3], "e2a": [1]}, (d, got)
+
+
+def traced_a2e_steps(die, n_att, num_experts, quant):
+    die.trace.clear()
+    die.trace.enabled = True
+    try:
+        a2e_step(die, 99, n_att, num_experts, quant)
+    finally:
+        die.trace.enabled = False
+    recs = die.trace.snapshot()
+    return {op: [s for _, s in comm.steps_of(recs, op)] for op in ("a2e", "e2a")}
