@@ -1,0 +1,239 @@
+"""Single-process reference of the toy model, grouping work exactly like a pod of D dies.
+
+`ReferencePod` holds one `DieModel` per die (die d builds the experts
+`Placement.default(num_experts, range(D)).experts_on(d)` and has its own `DictKV`) and runs every
+phase of every die in lockstep, with the plain-numpy collectives of `comm.reference` in between:
+
+    per layer:  attention on every die
+                dense layer: dense_ffn on every die
+                MoE layer:   gate on every die -> dispatch_ref(xn, topk_idx, quant)
+                             -> experts on every die (its DispatchOut rows, dequantized if INT8)
+                             -> combine_ref(expert outputs, topk_weights) -> finish_moe per die
+    logits of the last row of each segment, per die
+
+A distributed pod calling the same `DieModel` phases on the same batches, with protocols that
+deliver `dispatch_ref` / `combine_ref` results, must reproduce these logits bit for bit
+(quant=None) and the same INT8 results (quant="int8", deterministic per-token quantization).
+
+`mla_decompressed` is the textbook (non-absorbed) MLA the tests compare the absorbed form with.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from comm.reference import QUANT_MODES, combine_ref, dequantize_dispatch, dispatch_ref
+from comm.routing import Placement
+from memory.errors import ConfigError
+from runtime.model import (
+    DictKV,
+    DieModel,
+    LayerWeights,
+    ModelConfig,
+    Segment,
+    batch_rows,
+    build_weights,
+    last_rows,
+    sample,
+    softmax,
+)
+
+__all__ = ["GenerateResult", "ReferencePod", "mla_decompressed"]
+
+
+@dataclass(slots=True)
+class GenerateResult:
+    """What `ReferencePod.generate` produced.
+
+    Fields:
+        request_ids: `[die][i]`, the pod-wide id of die `d`'s i-th request.
+        tokens: `[die][i]`, the generated ids of that request: `steps + 1` of them, the first
+            sampled from the prefill logits, one more per decode step.
+        logits: `[die][step]`, float32 `[n_requests_of_die, vocab]` of step 0 (prefill, last
+            prompt row) .. `steps` (decode); the token of step s is sampled from `logits[d][s]`.
+        prefill_s, decode_s: wall seconds of the prefill step and of all decode steps.
+        num_decode_tokens: tokens produced by decode steps (`steps * total requests`).
+    """
+
+    request_ids: list[list[int]]
+    tokens: list[list[list[int]]]
+    logits: list[list[np.ndarray]]
+    prefill_s: float
+    decode_s: float
+    num_decode_tokens: int
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Decode throughput: `num_decode_tokens / decode_s` (0 when nothing was decoded)."""
+        return self.num_decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+class ReferencePod:
+    """D `DieModel`s in one process, stepped in lockstep with reference collectives.
+
+    Arguments:
+        cfg: model config; `cfg.validate(num_dies)` is checked first.
+        num_dies: dies of the pod; every die attends and hosts `num_experts / num_dies` experts.
+        quant: None (float32 dispatch) or "int8" (per-token INT8 dispatch payloads).
+    """
+
+    def __init__(self, cfg: ModelConfig, num_dies: int, quant: str | None = None):
+        cfg.validate(num_dies)
+        if quant not in QUANT_MODES:
+            raise ConfigError(f"quant: expected one of {QUANT_MODES}, got {quant!r}")
+        self.cfg, self.num_dies, self.quant = cfg, num_dies, quant
+        self.placement = Placement.default(cfg.num_experts, tuple(range(num_dies)))
+        self.dies = [
+            DieModel(
+                cfg,
+                build_weights(cfg, self.placement.experts_on(d).tolist()),
+                DictKV(cfg.kv_cache_dim),
+            )
+            for d in range(num_dies)
+        ]
+
+    def step(self, batches: Sequence[Sequence[Segment]]) -> list[np.ndarray]:
+        """One forward over every die.
+
+        Arguments:
+            batches: `[die]`, each a list of segments `(req_id, tokens, start_pos)` (may be
+                empty); a request's KV rows live on the die whose batch holds it.
+
+        Returns:
+            logits: `[die]`, float32 `[n_segments_of_die, vocab]`, at each segment's last row.
+        """
+        if len(batches) != self.num_dies:
+            raise ValueError(f"batches: expected {self.num_dies} (one per die), got {len(batches)}")
+        hs = [die.embed(batch_rows(b)[0]) for die, b in zip(self.dies, batches, strict=True)]
+        for layer in range(self.cfg.n_layers):
+            hs = [
+                die.attention(layer, h, b) for die, h, b in zip(self.dies, hs, batches, strict=True)
+            ]
+            if self.cfg.is_moe(layer):
+                hs = self._moe(layer, hs)
+            else:
+                hs = [die.dense_ffn(layer, h) for die, h in zip(self.dies, hs, strict=True)]
+        return [
+            die.logits(h[last_rows(b)]) for die, h, b in zip(self.dies, hs, batches, strict=True)
+        ]
+
+    def _moe(self, layer: int, hs: list[np.ndarray]) -> list[np.ndarray]:
+        gates = [die.gate(layer, h) for die, h in zip(self.dies, hs, strict=True)]
+        xns, idxs, ws = (list(g) for g in zip(*gates, strict=True))
+        dispatched = dispatch_ref(xns, idxs, self.placement, quant=self.quant)
+        expert_outs = {}
+        for d, out in dispatched.items():
+            rows = dequantize_dispatch(out).x
+            ids = self.placement.experts_on(d)
+            expert_outs[d] = self.dies[d].experts(layer, rows, out.expert_counts, ids)
+        routed = combine_ref(expert_outs, dispatched, idxs, ws)
+        return [
+            die.finish_moe(layer, h, xn, r)
+            for die, h, xn, r in zip(self.dies, hs, xns, routed, strict=True)
+        ]
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[Sequence[int]]],
+        steps: int,
+        temperature: float = 0.0,
+        seed: int = 0,
+    ) -> GenerateResult:
+        """Prefill every request in one step, then `steps` decode steps of one token each.
+
+        Request ids are assigned die by die in order: die 0's requests get 0..n0-1, die 1's
+        n0..n0+n1-1, and so on. The token of request `r` at step `s` (0 = from the prefill) is
+        `sample(logits, temperature, [np.random.default_rng([seed, r, s])])`.
+
+        Arguments:
+            prompts: `[die][i]`, the prompt token ids of die d's i-th request (>= 1 token each;
+                lengths may differ; a die may have no requests). The KV store must not already
+                hold these request ids (use a fresh `ReferencePod`).
+            steps: decode steps (>= 0); `len(prompt) + steps` must be <= `max_seq_len`.
+            temperature: 0 = greedy, > 0 = seeded sampling.
+            seed: sampling seed.
+
+        Returns:
+            result: a `GenerateResult`.
+        """
+        if len(prompts) != self.num_dies:
+            raise ValueError(f"prompts: expected {self.num_dies} lists (one per die)")
+        ids, nxt = [], 0
+        for d, reqs in enumerate(prompts):
+            ids.append(list(range(nxt, nxt + len(reqs))))
+            nxt += len(reqs)
+            for i, p in enumerate(reqs):
+                if len(p) == 0 or len(p) + steps > self.cfg.max_seq_len:
+                    raise ValueError(
+                        f"prompts[{d}][{i}]: {len(p)} tokens + {steps} steps must be in "
+                        f"[1, max_seq_len={self.cfg.max_seq_len}]"
+                    )
+        batches = [
+            [(r, list(p), 0) for r, p in zip(ids[d], prompts[d], strict=True)]
+            for d in range(len(ids))
+        ]
+        t0 = time.perf_counter()
+        logits = self.step(batches)
+        prefill_s = time.perf_counter() - t0
+        history = [[lg] for lg in logits]
+        tokens = [
+            [[int(t)] for t in self._sample(lg, ids[d], 0, temperature, seed)]
+            for d, lg in enumerate(logits)
+        ]
+        t0 = time.perf_counter()
+        for s in range(1, steps + 1):
+            batches = [
+                [(r, [tokens[d][i][-1]], len(prompts[d][i]) + s - 1) for i, r in enumerate(ids[d])]
+                for d in range(len(ids))
+            ]
+            logits = self.step(batches)
+            for d, lg in enumerate(logits):
+                history[d].append(lg)
+                for i, t in enumerate(self._sample(lg, ids[d], s, temperature, seed)):
+                    tokens[d][i].append(int(t))
+        decode_s = time.perf_counter() - t0
+        return GenerateResult(ids, tokens, history, prefill_s, decode_s, steps * nxt)
+
+    @staticmethod
+    def _sample(logits, req_ids, step: int, temperature: float, seed: int) -> np.ndarray:
+        rngs = [np.random.default_rng([seed, r, step]) for r in req_ids] if temperature else None
+        return sample(logits, temperature, rngs)
+
+
+def mla_decompressed(
+    cfg: ModelConfig,
+    lw: LayerWeights,
+    q_nope: np.ndarray,
+    q_pe: np.ndarray,
+    cache: np.ndarray,
+    start: int,
+) -> np.ndarray:
+    """Textbook MLA for one request: decompress K/V from the latent rows, standard attention.
+
+    Arguments:
+        cfg, lw: config and the layer's weights.
+        q_nope: float32 `[s, H, qk_nope_dim]`; q_pe: float32 `[s, H, qk_rope_dim]` (roped), the
+            request's queries at positions `start .. start + s - 1`.
+        cache: float32 `[T, kv_lora_rank + qk_rope_dim]`, `T = start + s`: `concat(c_kv, k_pe)`.
+        start: position of the first query.
+
+    Returns:
+        o: float32 `[s, hidden]`: per head `k = concat(c_kv @ W_UK[h]^T, k_pe)`,
+            `v = c_kv @ W_UV[h]`, causal softmax(q k^T / sqrt(d_qk)) v, then `W_O`.
+    """
+    r, nh = cfg.kv_lora_rank, cfg.n_heads
+    c_kv, k_pe = cache[:, :r], cache[:, r:]
+    s, t = q_nope.shape[0], cache.shape[0]
+    heads = []
+    for h in range(nh):
+        k = np.concatenate([c_kv @ lw.w_uk[h].T, k_pe], axis=1)  # [T, nope + rope]
+        v = c_kv @ lw.w_uv[h]  # [T, v]
+        q = np.concatenate([q_nope[:, h], q_pe[:, h]], axis=1)  # [s, nope + rope]
+        scores = (q @ k.T) / np.float32(np.sqrt(cfg.qk_head_dim))
+        scores[np.arange(t)[None, :] > np.arange(s)[:, None] + start] = -np.inf
+        heads.append(softmax(scores) @ v)
+    return np.concatenate(heads, axis=1) @ lw.wo
