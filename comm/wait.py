@@ -80,11 +80,13 @@ class WaitContext:
     (words, index, value) triple: the wait raises PodAborted once words[index] != value.
     """
 
-    __slots__ = ("die_id", "abort")
+    __slots__ = ("die_id", "abort", "waited_ns", "waits")
 
     def __init__(self, die_id: int, abort: tuple | None = None):
         self.die_id = die_id
         self.abort = abort
+        self.waited_ns = 0  # wall time spent in slow-path waits (the "waiting" share of a die)
+        self.waits = 0  # slow-path waits
 
 
 def wait_ge(
@@ -132,6 +134,8 @@ def _wait_slow(words, idx, target, policy, ctx, peer, field, probe=None) -> int:
     while True:
         v = words[idx]
         if v >= target:
+            ctx.waited_ns += _now() - start
+            ctx.waits += 1
             return v
         polls += 1
         if sleeping:

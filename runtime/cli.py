@@ -2,7 +2,8 @@
 
 ```
 xpod run   [--dies 4] [--size 1M]        launch a pod, move data between every pair, print a table
-xpod bench p2p|ring ...                  microbenchmarks (see `xpod bench p2p --help`)
+xpod decode [--dies 4] [--check] ...     toy-model decode over the pod (see runtime/decode.py)
+xpod bench p2p|ring|alltoall ...         microbenchmarks (see `xpod bench p2p --help`)
 xpod clean [--dry-run]                   remove segments of pods whose launcher is gone
 xpod layout [--dies 8] ...               print the region layout of a configuration
 ```
@@ -143,6 +144,12 @@ def cmd_layout(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_decode(args: argparse.Namespace) -> int:
+    from runtime import decode
+
+    return decode.main(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     mod = importlib.import_module(f"bench.{args.bench}")
     return mod.main(args)
@@ -158,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--rounds", type=int, default=5)
     r.set_defaults(fn=cmd_run, dies=4)
 
+    from runtime import decode
+
+    d = sub.add_parser("decode", help="distributed toy-model decode (DP attention + EP experts)")
+    decode.add_args(d)
+    d.set_defaults(fn=cmd_decode)
     b = sub.add_parser("bench", help="microbenchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     for name in BENCHES:

@@ -1,0 +1,149 @@
+"""Distributed decode (runtime/decode.py) against the single-process reference, in real pods.
+
+Without quantization the pod must give the reference's tokens and logits bit for bit; with INT8
+dispatch it must equal the INT8 reference bit for bit and stay within a stated tolerance of the
+float32 one. Every run prints its seed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from memory.errors import ConfigError
+from runtime import decode as D
+from runtime.decode import BlockKV, DecodeOptions, run_decode
+from runtime.model import DictKV, ModelConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# INT8 dispatch vs float32: logits of identical inputs (the prefill step and every step before a
+# request's first token mismatch) stay within this absolute bound; measured 0.8e-2..1.8e-2 with
+# |logits| up to ~4 on the tiny preset.
+INT8_LOGIT_TOL = 0.1
+
+
+def _run(**kw) -> dict:
+    opts = DecodeOptions(model="tiny", check=True, timeout_s=60, **kw)
+    print(f"decode {kw}")
+    return run_decode(opts)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "dies, batch, prompt_len, seed, protocol",
+    [
+        (2, 4, 12, 0, "fused"),
+        (4, 8, 9, 1, "fused"),
+        (4, 3, 7, 2, "pull"),  # die 3 has no request: it joins every step with an empty batch
+        (8, 5, 6, 3, "fused"),  # three dies idle
+    ],
+)
+def test_distributed_decode_equals_the_reference_bit_for_bit(
+    dies, batch, prompt_len, seed, protocol
+):
+    s = _run(dies=dies, batch=batch, prompt_len=prompt_len, steps=6, seed=seed, protocol=protocol,
+             overrides={"seed": seed})  # fmt: skip
+    assert s["mismatched_tokens"] == 0, s["first_mismatch"]
+    assert s["total_tokens"] == batch * 7
+    assert s["logits_bit_equal"], s["logits_max_abs_diff"]
+
+
+@pytest.mark.timeout(180)
+def test_prompts_of_different_lengths_and_sampling():
+    prompts = [[256, 72, 101], [256, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [256], [256, 40] * 6]
+    s = _run(dies=2, prompts=prompts, steps=5, temperature=0.8, seed=5, overrides={"seed": 5})
+    assert s["mismatched_tokens"] == 0 and s["logits_bit_equal"], s["first_mismatch"]
+    assert s["batch"] == 4
+
+
+@pytest.mark.timeout(180)
+def test_int8_dispatch_equals_the_int8_reference_and_stays_close_to_float32():
+    s = _run(dies=4, batch=8, prompt_len=10, steps=6, quant="int8", seed=7)
+    assert s["int8_ref_mismatched_tokens"] == 0
+    assert s["int8_ref_logits_bit_equal"]
+    assert not s["logits_bit_equal"], "INT8 must change something, or the test proves nothing"
+    assert s["logits_max_abs_diff"] < INT8_LOGIT_TOL, s["logits_max_abs_diff"]
+    print(f"INT8 token agreement {s['token_agreement']:.1%}")
+    assert 0.5 <= s["token_agreement"] <= 1.0
+
+
+@pytest.mark.timeout(120)
+def test_breakdown_and_wait_share_are_reported():
+    s = _run(dies=4, batch=4, prompt_len=5, steps=4, seed=8)
+    b = s["breakdown_us_per_step"]
+    assert set(b) == set(D.PHASES)
+    assert b["attention"] > 0 and b["dispatch"] > 0 and b["combine"] > 0 and b["experts"] > 0
+    layers = s["breakdown_us_per_layer"]
+    assert [r["moe"] for r in layers] == [False, True, True]
+    assert layers[0]["dispatch"] == 0 and layers[1]["dispatch"] > 0
+    assert 0 <= s["wait_share"] < 1 and len(s["wait_share_per_die"]) == 4
+    assert s["tokens_per_s"] > 0 and s["tpot_p99_ms"] >= s["tpot_p50_ms"] > 0
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        ({"dies": 3}, "num_experts"),  # 16 experts over 3 dies
+        ({"dies": 2, "overrides": {"topk": 32}}, "topk"),
+        ({"dies": 2, "model": "huge"}, "preset"),
+        ({"dies": 2, "prompt_len": 250, "steps": 10}, "max_seq_len"),
+        ({"dies": 2, "prompts": [[256, 999]]}, "prompts"),
+    ],
+)
+def test_invalid_model_or_run_is_refused_before_any_process_starts(monkeypatch, kw, field):
+    def no_launch(*a, **k):
+        raise AssertionError("a pod was launched for an invalid configuration")
+
+    monkeypatch.setattr(D.Pod, "launch", no_launch)
+    opts = DecodeOptions(**{"model": "tiny", **kw})
+    with pytest.raises(ConfigError, match=field):
+        run_decode(opts)
+
+
+def test_block_kv_matches_dict_kv_across_block_boundaries():
+    rng = np.random.default_rng(0)
+    pool = np.zeros((2, 6, 4, 3), np.float32)
+    kv, ref = BlockKV(pool, 4), DictKV(3)
+    for req, n in [(0, 5), (1, 3), (0, 1), (1, 6), (0, 4)]:
+        for layer in range(2):
+            rows = rng.standard_normal((n, 3)).astype(np.float32)
+            kv.append(req, layer, rows)
+            ref.append(req, layer, rows)
+    for req in (0, 1):
+        for layer in range(2):
+            assert np.array_equal(kv.get(req, layer), ref.get(req, layer))
+    with pytest.raises(MemoryError, match="KV pool exhausted"):
+        kv.append(0, 0, np.zeros((20, 3), np.float32))
+    kv.free(1)
+    assert kv.get(1, 0).shape == (0, 3)
+
+
+@pytest.mark.timeout(180)
+def test_cli_decode_check_json_and_trace(tmp_path):
+    out, trace = tmp_path / "d.jsonl", tmp_path / "d.json"
+    cmd = [sys.executable, "-m", "runtime.cli", "decode", "--dies", "2", "--batch", "3",
+           "--prompt-len", "8", "--steps", "3", "--model", "tiny", "--check",
+           "--json", str(out), "--trace", str(trace)]  # fmt: skip
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stderr
+    assert "tokens/s" in p.stdout and "bit-equal: True" in p.stdout
+    row = json.loads(out.read_text().splitlines()[-1])
+    keys = ("tokens_per_s", "ref_tokens_per_s", "tpot_p50_ms", "tpot_p99_ms", "mismatched_tokens")
+    for key in (*keys, "dies", "batch", "quant", "breakdown_us_per_step"):
+        assert key in row, key
+    assert row["mismatched_tokens"] == 0 and row["dies"] == 2 and row["quant"] == "none"
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e["name"] for e in events if e.get("cat") == "model"}
+    assert {"model attention", "model dispatch", "model experts", "model combine"} <= names
+    assert {e["pid"] for e in events if e.get("cat") == "model"} == {0, 1}
+
+
+def test_presets_validate_for_the_documented_pods():
+    for name, dies in (("tiny", 2), ("tiny", 8), ("tiny", 16), ("small", 4), ("small", 16)):
+        ModelConfig.preset(name).validate(dies)
