@@ -143,6 +143,8 @@ def _describe(a) -> str:
 
 def _placement(ep: Endpoint, placement: Placement | None) -> Placement:
     if placement is not None:
+        if ep._a2a.get("checked_placement") is placement:
+            return placement
         most = max(placement.num_local(d) for d in placement.dies)
         cap = ep.layout.a2a_experts_per_die
         if most > cap or max(placement.dies) >= ep.num_dies:
@@ -151,6 +153,7 @@ def _placement(ep: Endpoint, placement: Placement | None) -> Placement:
                 f" the pod's areas are sized for {cap} per die"
                 " (PodConfig.a2a_max_local_experts)"
             )
+        ep._a2a["checked_placement"] = placement
         return placement
     st = ep._a2a
     if st["placement"] is None:
@@ -307,7 +310,7 @@ def _assemble(ep, parts, pb, quant, placement, lay, topk_idx, topk_weights, op, 
             xb[pos[at : at + n]] = rows[:, :pb]  # the one copy (a pull: a remote read)
         at += n
     scales = np.ascontiguousarray(meta[order, 0]).view(np.float32) if quant == "int8" else None
-    counts = np.bincount(local, minlength=placement.num_local(ep.die_id))
+    counts = np.bincount(local, minlength=_place_info(ep, placement).num_local[ep.die_id])
     src_rank = src_of[order]
     slot = meta[order, 1].astype(np.int64)
     k_index = meta[order, 2].astype(np.int64)
@@ -438,6 +441,26 @@ def _fused_block(ep: Endpoint, die: int, half: int, src: int) -> np.ndarray:
     return ep.regions[die].array[base : base + rows * stride].reshape(rows, stride)
 
 
+@dataclass(frozen=True)
+class _PlaceInfo:
+    """Per-die facts of a placement, computed once per placement object (hot-path lookups)."""
+
+    placement: Placement
+    pos: list[int]  # [die] position in placement.dies, -1 if the die hosts no expert
+    num_local: list[int]  # [die] experts hosted
+
+
+def _place_info(ep: Endpoint, placement: Placement) -> _PlaceInfo:
+    info = ep._a2a.get("place_info")
+    if info is None or info.placement is not placement:
+        pos = [-1] * ep.num_dies
+        for p, d in enumerate(placement.dies):
+            pos[d] = p
+        counts = np.bincount(placement.die_of, minlength=ep.num_dies).tolist()
+        info = ep._a2a["place_info"] = _PlaceInfo(placement, pos, counts[: ep.num_dies])
+    return info
+
+
 def _fused_dispatch(ep, x, topk_idx, topk_weights, quant, event_id, placement, lay):
     """Steps 1-3 of FusedDispatch: packets written straight into each destination's buffer
     (one vectorized copy per destination), counts then the completion flag LAST, poll, gather."""
@@ -453,8 +476,12 @@ def _fused_dispatch(ep, x, topk_idx, topk_weights, quant, event_id, placement, l
     payload, scale = quantize_int8(x) if quant == "int8" else (x, np.ones(len(x), np.float32))
     pb = payload.shape[1] * payload.dtype.itemsize
     stride = lo.pull_disp_stride
+    info = _place_info(ep, placement)
+    offs = lay.dest_offsets.tolist()
     for p, d in enumerate(placement.dies):
-        a, b = int(lay.dest_offsets[p]), int(lay.dest_offsets[p + 1])
+        a, b = offs[p], offs[p + 1]
+        if a == b:
+            continue
         slots = lay.msg_slot[a:b]
         block = _fused_block(ep, d, half, ep.die_id)  # remote: d's buffer, this source's block
         block[: b - a, :pb] = payload[slots].view(np.uint8).reshape(b - a, pb)
@@ -465,11 +492,11 @@ def _fused_dispatch(ep, x, topk_idx, topk_weights, quant, event_id, placement, l
         meta[:, 3] = lay.msg_local_expert[a:b]
     t1 = now_ns()
     for d in range(ep.num_dies):  # step 2: counts, then the completion flag LAST
-        p = placement.dies.index(d) if d in placement.dies else -1
-        a, b = (int(lay.dest_offsets[p]), int(lay.dest_offsets[p + 1])) if p >= 0 else (0, 0)
-        n_local = placement.num_local(d) if p >= 0 else 0
-        counts = np.bincount(lay.msg_local_expert[a:b], minlength=n_local)
-        _words(ep, d, lo.fused_counts_off_of(half, ep.die_id), n_local)[:] = counts
+        p, n_local = info.pos[d], info.num_local[d]
+        a, b = (offs[p], offs[p + 1]) if p >= 0 else (0, 0)
+        if n_local:
+            counts = np.bincount(lay.msg_local_expert[a:b], minlength=n_local)
+            _words(ep, d, lo.fused_counts_off_of(half, ep.die_id), n_local)[:] = counts
         w = ep.words[d]
         f = lo.fused_flag_word(half, ep.die_id)
         w[f + F_EVENT] = event_id
@@ -478,7 +505,7 @@ def _fused_dispatch(ep, x, topk_idx, topk_weights, quant, event_id, placement, l
     t2 = now_ns()
     # step 3: every source's flag, then the packets in per-expert order
     lw, parts = ep.words[ep.die_id], []
-    n_mine = placement.num_local(ep.die_id) if ep.die_id in placement.dies else 0
+    n_mine = _place_info(ep, placement).num_local[ep.die_id]
     counts = np.zeros(n_mine, np.int64)
     for src in range(ep.num_dies):
         f = lo.fused_flag_word(half, src)
