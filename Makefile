@@ -18,6 +18,7 @@ install: $(STAMP)
 run: $(STAMP)
 	$(XPOD) run --dies 4
 	$(XPOD) bench p2p --dies 2 --quick --variants mte,zero-copy --cores 1
+	$(XPOD) decode --dies 4 --batch 8 --prompt-len 32 --steps 16 --model small --check
 
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -33,6 +34,8 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(XPOD) bench p2p --dies 2 --quick --peers
 	$(XPOD) bench ring --dies 8,16 --quick
+	$(XPOD) bench alltoall --dies 8 --quick --protocol fused --quant int8 --peers
+	$(XPOD) decode --dies 4 --batch 8 --prompt-len 64 --steps 32 --check
 
 bench-full: $(STAMP)
 	$(XPOD) bench p2p --dies 2 --peers --json p2p.jsonl --plot p2p.png

@@ -48,6 +48,8 @@ from comm.quant import dequantize_int8
 from comm.routing import Placement
 from comm.trace import STEP_NAMES
 from memory.errors import ConfigError
+from memory.heap import keep_freed_memory
+from runtime.blas import limit_blas_threads
 from runtime.config import PodConfig
 from runtime.model import (
     DieModel,
@@ -290,6 +292,8 @@ class DecodeOptions:
     timeout_s: float = 120.0
     overrides: dict = field(default_factory=dict)
     prompts: list[list[int]] | None = None  # explicit prompts (then batch = len(prompts))
+    pin: str = "auto"
+    wait: str = "auto"
 
 
 def make_prompts(batch: int, prompt_len: int, seed: int) -> list[list[int]]:
@@ -336,6 +340,8 @@ def pod_config(model: ModelConfig, spec_prompts, opts: DecodeOptions) -> PodConf
         trace=bool(opts.trace),
         trace_capacity=1 << 20 if opts.trace else 1 << 16,
         timeout_s=opts.timeout_s,
+        pin=opts.pin,
+        wait=opts.wait,
     )
 
 
@@ -439,6 +445,8 @@ def check(res: list[dict], per_die, opts: DecodeOptions, model: ModelConfig) -> 
     """Run the single-process reference on the same prompts; compare tokens and logits."""
     from runtime.reference_model import ReferencePod
 
+    limit_blas_threads(1)  # the reference is one process on one core (the pod's dies: the same)
+    keep_freed_memory()  # as every die does
     _progress("  --check: single-process reference (float32 dispatch) ...")
     ref = ReferencePod(model, opts.dies, quant=None).generate(
         per_die, opts.steps, opts.temperature, opts.seed
@@ -561,6 +569,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="append the summary as one JSON line to FILE")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block (tokens)")
     p.add_argument("--timeout", type=float, default=120.0, help="wait deadline, seconds")
+    p.add_argument("--pin", default="auto", choices=("auto", "on", "off"), help="PodConfig.pin")
+    p.add_argument(
+        "--wait", default="auto", choices=("auto", "spin", "yield"), help="PodConfig.wait"
+    )
 
 
 def options(args: argparse.Namespace) -> DecodeOptions:
@@ -580,6 +592,8 @@ def options(args: argparse.Namespace) -> DecodeOptions:
         block_size=args.block_size,
         timeout_s=args.timeout,
         overrides={"seed": args.seed},
+        pin=args.pin,
+        wait=args.wait,
     )
 
 

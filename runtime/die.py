@@ -26,6 +26,7 @@ from memory.alloc import AppAllocator
 from memory.heap import keep_freed_memory
 from memory.region import Region, RegionHandle, region_name
 from runtime import control as C
+from runtime.blas import limit_blas_threads
 from runtime.config import PodConfig
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ def die_main(die_id: int, cfg: dict, pod_id: str, conn, launcher_pid: int) -> No
         os._exit(3)
     logging.basicConfig(format=f"die {die_id} %(levelname)s %(name)s: %(message)s")
     keep_freed_memory()  # numpy temporaries reuse heap pages instead of faulting (memory.heap)
+    limit_blas_threads(1)  # a die's matmuls must not spin up workers on its peers' cores
     try:
         config = PodConfig.from_dict(cfg)
         _pin(die_id, config)
