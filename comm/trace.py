@@ -66,6 +66,9 @@ STEP_NAMES: dict[tuple[str, int], str] = {
     ("e2a", 6): "reduce",
 }
 
+# Names of tracks that are not AIV lanes (users register theirs, e.g. runtime.decode's "model").
+TRACK_NAMES: dict[int, str] = {}
+
 RECORD_FIELDS = ("t_ns", "dur_ns", "op", "step", "peer", "lane", "event_id", "nbytes")
 
 
@@ -118,7 +121,8 @@ def to_chrome(per_die: dict[int, Sequence[Sequence]]) -> dict:
         events.append(_meta("process_sort_index", die_id, 0, {"sort_index": die_id}))
         lanes = sorted({int(r[5]) for r in recs})
         for lane in lanes:
-            events.append(_meta("thread_name", die_id, lane, {"name": f"lane {lane}"}))
+            name = TRACK_NAMES.get(int(lane), f"lane {lane}")
+            events.append(_meta("thread_name", die_id, lane, {"name": name}))
         for t_ns, dur_ns, op, step, peer, lane, event_id, nbytes in recs:
             ev = {
                 "name": f"{op} {STEP_NAMES.get((op, step), step)}",

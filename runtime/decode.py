@@ -46,7 +46,7 @@ import numpy as np
 import comm
 from comm.quant import dequantize_int8
 from comm.routing import Placement
-from comm.trace import STEP_NAMES
+from comm.trace import STEP_NAMES, TRACK_NAMES
 from memory.errors import ConfigError
 from memory.heap import keep_freed_memory
 from runtime.blas import limit_blas_threads
@@ -66,6 +66,7 @@ PHASES = ("attention", "gate", "dispatch", "experts", "combine", "other")
 MODEL_LANE = 99  # trace track of the model phases (comm's steps use lanes 0..)
 TRACE_OP = "model"
 STEP_NAMES.update({(TRACE_OP, i): p for i, p in enumerate(PHASES)})
+TRACK_NAMES[MODEL_LANE] = "model"
 
 CORPUS = (
     "The pod is a set of dies that share one memory fabric. Each die owns a region of high"
@@ -471,7 +472,7 @@ def compare(res: list[dict], ref, exact: bool) -> dict:
     it the inputs differ and so do the logits, legitimately)."""
     total = mismatched = 0
     first = None
-    max_diff, scale, bit_equal = 0.0, 0.0, True
+    max_diff, scale, bit_equal, prefill_diff = 0.0, 0.0, True, 0.0
     for d, r in enumerate(res):
         for i, req in enumerate(r["request_ids"]):
             got, want = r["tokens"][i], ref.tokens[d][i]
@@ -490,7 +491,10 @@ def compare(res: list[dict], ref, exact: bool) -> dict:
             for s in range(stop):
                 a, b = r["logits"][s][i], ref.logits[d][s][i]
                 bit_equal &= bool(np.array_equal(a, b))
-                max_diff = max(max_diff, float(np.max(np.abs(a - b))))
+                diff = float(np.max(np.abs(a - b)))
+                max_diff = max(max_diff, diff)
+                if s == 0:
+                    prefill_diff = max(prefill_diff, diff)
                 scale = max(scale, float(np.max(np.abs(b))))
     return {
         "mismatched_tokens": mismatched,
@@ -499,6 +503,7 @@ def compare(res: list[dict], ref, exact: bool) -> dict:
         "first_mismatch": first,
         "logits_bit_equal": bit_equal,
         "logits_max_abs_diff": max_diff,
+        "logits_max_abs_diff_prefill": prefill_diff,
         "logits_max_abs": scale,
     }
 
@@ -540,7 +545,9 @@ def print_summary(s: dict) -> None:
         print(
             f"  tokens: {s['total_tokens'] - s['mismatched_tokens']}/{s['total_tokens']} equal"
             f" ({s['token_agreement']:.1%});  logits bit-equal: {s['logits_bit_equal']};  max"
-            f" |diff| {s['logits_max_abs_diff']:.3g} (max |logit| {s['logits_max_abs']:.3g})"
+            f" |diff| {s['logits_max_abs_diff']:.3g} over the steps before a request's first"
+            f" mismatch, {s['logits_max_abs_diff_prefill']:.3g} at the prefill step (max |logit|"
+            f" {s['logits_max_abs']:.3g})"
         )
         if fm:
             print(

@@ -22,9 +22,9 @@ from runtime.model import DictKV, ModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# INT8 dispatch vs float32: logits of identical inputs (the prefill step and every step before a
-# request's first token mismatch) stay within this absolute bound; measured 0.8e-2..1.8e-2 with
-# |logits| up to ~4 on the tiny preset.
+# INT8 dispatch vs float32: prefill logits (identical inputs) stay within this absolute bound;
+# measured 0.8e-2..1.8e-2 with |logits| up to ~4 on the tiny preset. Later steps drift further
+# (each step's quantization error also enters the KV cache): the test allows 5x over 6 steps.
 INT8_LOGIT_TOL = 0.1
 
 
@@ -68,7 +68,8 @@ def test_int8_dispatch_equals_the_int8_reference_and_stays_close_to_float32():
     assert s["int8_ref_mismatched_tokens"] == 0
     assert s["int8_ref_logits_bit_equal"]
     assert not s["logits_bit_equal"], "INT8 must change something, or the test proves nothing"
-    assert s["logits_max_abs_diff"] < INT8_LOGIT_TOL, s["logits_max_abs_diff"]
+    assert s["logits_max_abs_diff_prefill"] < INT8_LOGIT_TOL, s["logits_max_abs_diff_prefill"]
+    assert s["logits_max_abs_diff"] < 5 * INT8_LOGIT_TOL, s["logits_max_abs_diff"]
     print(f"INT8 token agreement {s['token_agreement']:.1%}")
     assert 0.5 <= s["token_agreement"] <= 1.0
 
