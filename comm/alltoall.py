@@ -818,7 +818,7 @@ def e2a(ep: Endpoint, expert_out: np.ndarray | None, handle: A2EHandle, event_id
     idx, w = handle.topk_idx, handle.topk_weights
     r_slot, r_k = np.nonzero(idx >= 0)
     t0 = now_ns()
-    _wait_slots(ep, r_slot, r_k, op, "e2a'", me + n_att + 0 * r_slot)
+    _wait_slots(ep, r_slot, r_k, op, "e2a'", np.full(len(r_slot), n_att + me))
     t1 = now_ns()
     out = _weighted_sum(_comb_rows(ep, idx.shape[0]), idx, w)
     if ep.trace.enabled:
