@@ -51,12 +51,11 @@ class Endpoint:
         self.ub_bytes = ub_bytes
         self._ub: list[tuple[memoryview, memoryview]] = []
         self._dma: DmaEngine | None = None
-        n, lanes = self.num_dies, self.lanes
-        # Messages this die has sent to (dst, lane); the receiver echoes it into ack.done.
-        self.tx_seq = [[0] * lanes for _ in range(n)]
-        # Zero-copy rendezvous: posted by this die as receiver / consumed by this die as sender.
-        self.rdv_posted = [[0] * lanes for _ in range(n)]
-        self.rdv_used = [[0] * lanes for _ in range(n)]
+        n = self.num_dies
+        # Messages this die has sent to dst (one cell per peer, shared by every lane and by the
+        # fast path's closure); every lane of a message carries it, the receiver echoes it into
+        # ack.done.
+        self.tx_seq = [[0] for _ in range(n)]
         # Outstanding async requests per peer, in issue order (a pair carries one message at once).
         self.tx_queue: list[list] = [[] for _ in range(n)]
         self.rx_queue: list[list] = [[] for _ in range(n)]

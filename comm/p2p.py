@@ -21,19 +21,29 @@ Variants:
 - `mte`: as drawn, staged through the lane's UB (two private copies around the ring).
 - `dma`: the die's DMA engine thread runs the lane loop: app <-> ring directly, as many contiguous
   free slots per copy as credits allow, while the caller blocks without CPU (`comm.dma`).
-- `zero-copy`: the receiver first publishes (step 0) `rdv`: event_id, region offset and size of its
-  destination stripe in its app area, then seq LAST; the sender writes straight into it; steps 3,
-  4, 7, 8 as above (one virtual chunk per lane, no ring slot).
+- `zero-copy`: a rendezvous in the MPI manner (ready-to-send, clear-to-send). The sender
+  announces the message on lane 0 (event_id, msg_info, then chunk_id = seq << 24 LAST, tail_ptr
+  untouched); the receiver, once it sees the announcement and has checked it against its own
+  call, publishes (step 0) on each lane `rdv`: event_id, region offset and size of that lane's
+  stripe of its destination buffer, then `seq` = the message's seq LAST; each sender lane waits
+  for `rdv.seq == seq` exactly, writes straight into the receiver's app area and publishes its
+  descriptor; steps 3, 4, 7, 8 as above (one virtual chunk per lane, no ring slot). A rendezvous
+  is tagged with the message it belongs to, so a lane can never write into another message's
+  buffer; a rejected announcement is answered with `rdv.event_id = RDV_REJECT`, tagged the same.
 - async: `isend` / `irecv` return a `Request`; `test()` advances without blocking, `wait()` blocks.
 
 `msg_info` (descriptor word 3) = nbytes | lanes << 40 | dtype.num << 48 | variant << 56, so the
 receiver checks size, lane count, dtype and variant of every message. `chunk_id` = seq << 24 |
-chunk index, where seq counts messages per (sender, receiver, lane) and is what the receiver
-echoes into `ack.done` (a monotonic word; caller event ids may repeat).
+chunk index, where seq counts the messages of the pair (sender, receiver), the same on every lane
+of a message, and is what the receiver echoes into `ack.done` (a monotonic word; caller event ids
+may repeat). A receive starts when lane 0's `chunk_id` carries a seq above its own `ack.done`;
+every lane it completes must carry that seq, event id and msg_info (checked per chunk), so a lane
+of another message can never be taken for this one.
 
 A mismatch found by the receiver (event id, size, lanes, dtype, variant) is answered by draining
-the sender's message and acking it with a non-zero `status`: both sides raise ProtocolError and
-the pair's counters stay consistent, so the pod stays usable.
+the sender's message (ring variants) or refusing its rendezvous (zero-copy) and acking every
+lane with a non-zero `status`: both sides raise ProtocolError and the pair's counters stay
+consistent, so the pod stays usable.
 """
 
 from __future__ import annotations
@@ -54,16 +64,16 @@ VARIANTS = {"mte": MTE, "dma": DMA, "zero-copy": ZC}
 VARIANT_NAMES = {v: k for k, v in VARIANTS.items()}
 
 OK, BAD_EVENT, BAD_SIZE, BAD_LANES, BAD_DTYPE, BAD_VARIANT = 0, 1, 2, 3, 4, 5
+ABORTED = 99  # ack.status of a message discarded by resync
 STATUS_TEXT = {
-    99: "discarded by resync after a failed pod.run",
+    ABORTED: "discarded by resync after a failed pod.run",
     BAD_EVENT: "event id mismatch",
     BAD_SIZE: "size mismatch",
     BAD_LANES: "lane-count (cores) mismatch",
     BAD_DTYPE: "dtype mismatch",
     BAD_VARIANT: "variant mismatch (zero-copy on one side only)",
 }
-RDV_CANCELLED = -(1 << 62)  # rdv.event_id of a rendezvous the receiver withdrew
-RDV_REJECT = RDV_CANCELLED + 1  # rdv.event_id: a plain receiver refuses a zero-copy sender
+RDV_REJECT = -(1 << 62)  # rdv.event_id: the receiver refused the announced zero-copy message
 
 SEQ_SHIFT = 24
 NBYTES_MASK = (1 << 40) - 1
@@ -135,12 +145,12 @@ class _TxRing:
         "dw", "desc", "aw", "ack", "ring", "ring_off", "tail", "dma", "op", "fin",
     )  # fmt: skip
 
-    def __init__(self, ep, dst, lane, src, lo, hi, event_id, info, dma):
+    def __init__(self, ep, dst, lane, src, lo, hi, seq, event_id, info, dma):
         lo_ = ep.layout
         self.ep, self.dst, self.lane, self.src, self.lo, self.hi = ep, dst, lane, src, lo, hi
         self.k = 0
         self.nchunks = max(1, -(-(hi - lo) // lo_.slot_bytes))
-        self.seq = ep.tx_seq[dst][lane] = ep.tx_seq[dst][lane] + 1
+        self.seq = seq
         self.event_id, self.info, self.dma = event_id, info, dma
         self.op = "dma_send" if dma else "send"
         t = ep.tables
@@ -248,17 +258,17 @@ def _trace_done(ep: Endpoint, op: str, dst: int, lane: int, event_id: int, nbyte
 
 
 class _TxZeroCopy:
-    """Sender lane of zero-copy: wait for the receiver's rendezvous, write into its app area."""
+    """Sender lane of zero-copy: wait for the receiver's rendezvous of THIS message (rdv.seq ==
+    seq), write straight into its app area, publish the descriptor."""
 
     __slots__ = (
         "ep", "dst", "lane", "src", "lo", "hi", "seq", "event_id", "info", "dw", "desc",
-        "aw", "ack", "rdv", "sent", "t_wait", "fin", "extra",
+        "aw", "ack", "rdv", "sent", "t_wait", "fin",
     )  # fmt: skip
 
-    def __init__(self, ep, dst, lane, src, lo, hi, event_id, info):
+    def __init__(self, ep, dst, lane, src, lo, hi, seq, event_id, info):
         self.ep, self.dst, self.lane, self.src, self.lo, self.hi = ep, dst, lane, src, lo, hi
-        self.seq = ep.tx_seq[dst][lane] = ep.tx_seq[dst][lane] + 1
-        self.event_id, self.info = event_id, info
+        self.seq, self.event_id, self.info = seq, event_id, info
         t = ep.tables
         self.dw = ep.words[dst]
         self.desc = t.desc[ep.die_id][lane]
@@ -267,33 +277,33 @@ class _TxZeroCopy:
         self.rdv = t.rdv[dst][lane]
         self.sent = self.fin = False
         self.t_wait = now_ns()
-        self.extra: list[int] = []  # lanes beyond `cores` whose rendezvous lane 0 consumes
         if lane == 0:
-            # Announce (chunk_id and msg_info, tail_ptr untouched): a plain receiver waiting for
-            # this message sees a zero-copy sender and rejects it instead of timing out. The
-            # previous message on this pair is acked already, so nobody reads these words now.
-            self.dw[self.desc + L.DESC_INFO] = info
-            self.dw[self.desc + L.DESC_CHUNK] = self.seq << SEQ_SHIFT
+            # Ready-to-send: event id, msg_info, then chunk_id LAST, tail_ptr untouched. The
+            # receiver starts its receive on the new seq and answers with a rendezvous tagged
+            # with it (or a rejection). The previous message of the pair is acked on every lane
+            # already, so nobody reads these words now.
+            dw, desc = self.dw, self.desc
+            dw[desc + L.DESC_EVENT] = event_id
+            dw[desc + L.DESC_INFO] = info
+            dw[desc + L.DESC_CHUNK] = seq << SEQ_SHIFT
 
     def pump(self) -> bool:
         if self.sent:
             return False
         ep, aw, rdv = self.ep, self.aw, self.rdv
-        if self.extra and not self._take_extra():
-            return False
-        seq = aw[rdv + L.RDV_SEQ]
-        used = ep.rdv_used[self.dst][self.lane]
-        if seq <= used:
-            return False
-        ep.rdv_used[self.dst][self.lane] = seq
-        if aw[rdv + L.RDV_EVENT] == RDV_REJECT and self.lane == 0:
+        tag = aw[rdv + L.RDV_SEQ]
+        if tag < self.seq:
+            return False  # a rendezvous of an earlier message, or none yet
+        if tag > self.seq:
             raise ProtocolError(
-                f"die {ep.die_id} send to die {self.dst} (event_id {self.event_id}): the"
-                f" receiver rejected it: {STATUS_TEXT[BAD_VARIANT]} (this send is zero-copy, the"
-                " recv is not); message discarded"
+                f"die {ep.die_id} send to die {self.dst} (event_id {self.event_id}), lane"
+                f" {self.lane}: the receiver posted a rendezvous for message {tag}, this is"
+                f" message {self.seq} (the pair is out of step); nothing written"
             )
-        if aw[rdv + L.RDV_EVENT] in (RDV_CANCELLED, RDV_REJECT):
-            return True  # a withdrawn rendezvous: consume it and wait for the next one
+        ev = aw[rdv + L.RDV_EVENT]
+        if ev == RDV_REJECT:
+            self.sent = True  # refused: ack.status (written before the tag) says why
+            return True
         tr = ep.trace if ep.trace.enabled else None
         if tr:
             tr.rec(self.t_wait, now_ns() - self.t_wait, "zc_send", 0, self.dst, self.lane,
@@ -302,12 +312,18 @@ class _TxZeroCopy:
         n = self.hi - self.lo
         lo_ = ep.layout
         in_app = lo_.app_off <= off and off + n <= lo_.app_off + lo_.app_bytes
-        if aw[rdv + L.RDV_EVENT] == self.event_id and nbytes == n and in_app:
-            t0 = now_ns()
-            _copy(ep.bytes[self.dst][off : off + n], self.src[self.lo : self.hi])
-            if tr:
-                tr.rec(t0, now_ns() - t0, "zc_send", 2, self.dst, self.lane, self.event_id, n)
-        # else: no copy; the receiver finds the mismatch in the descriptor and nacks it.
+        if ev != self.event_id or nbytes != n or not in_app:
+            raise ProtocolError(
+                f"die {ep.die_id} send to die {self.dst} (event_id {self.event_id}), lane"
+                f" {self.lane}: the rendezvous of message {self.seq} names event_id {ev},"
+                f" {nbytes} B at region offset {off}; this lane sends {n} B into the app area"
+                f" [{lo_.app_off}, {lo_.app_off + lo_.app_bytes}); nothing written"
+            )
+        t0 = now_ns()
+        _copy(ep.bytes[self.dst][off : off + n], self.src[self.lo : self.hi])
+        if tr:
+            tr.rec(t0, now_ns() - t0, "zc_send", 2, self.dst, self.lane, self.event_id, n)
+        # Payload first, descriptor next, tail_ptr LAST (the word the receiver lane polls).
         dw, desc = self.dw, self.desc
         dw[desc + L.DESC_EVENT] = self.event_id
         dw[desc + L.DESC_INFO] = self.info
@@ -318,26 +334,9 @@ class _TxZeroCopy:
         self.sent = True
         return True
 
-    def _take_extra(self) -> bool:
-        """Consume the rendezvous of the lanes this send does not use, all before any descriptor
-        is published: the receiver posts its next rendezvous only after this message, so none
-        of these can be swallowed from the next one. True once all are consumed."""
-        ep, used = self.ep, self.ep.rdv_used[self.dst]
-        while self.extra:
-            lane = self.extra[0]
-            seq = self.aw[ep.tables.rdv[self.dst][lane] + L.RDV_SEQ]
-            if seq <= used[lane]:
-                return False
-            used[lane] = seq
-            self.extra.pop(0)
-        return True
-
     def blocked(self):
         if not self.sent:
-            lane = self.extra[0] if self.extra else self.lane
-            used = self.ep.rdv_used[self.dst][lane]
-            rdv = self.ep.tables.rdv[self.dst][lane]
-            return self.aw, rdv + L.RDV_SEQ, used + 1, self.dst, "rdv.seq"
+            return self.aw, self.rdv + L.RDV_SEQ, self.seq, self.dst, "rdv.seq"
         return self.aw, self.ack + L.ACK_DONE, self.seq, self.dst, "ack.done"
 
     def finished(self) -> bool:
@@ -363,17 +362,30 @@ def _check_ack(ep: Endpoint, aw, ack: int, dst: int, event_id: int) -> None:
 
 
 class _Rx:
-    """Receiver lane: consume ring chunks (mte via UB, dma direct, or drain) or zero-copy."""
+    """Receiver lane: consume ring chunks (mte via UB, dma direct, or drain) or zero-copy.
+
+    Every chunk it takes must carry the message's seq, event id and msg_info in this lane's
+    descriptor (the sender stores them before tail_ptr): a lane holding another message's data
+    is a ProtocolError, never a silent success."""
 
     __slots__ = (
-        "ep", "src", "lane", "dst", "lo", "hi", "k", "nchunks", "event_id", "mode", "status",
-        "lw", "desc", "rw", "ack", "ring", "ring_off", "head", "acked", "t_wait", "op",
+        "ep", "src", "lane", "dst", "lo", "hi", "k", "nchunks", "seq", "event_id", "info", "mode",
+        "status", "ack_event", "lw", "desc", "rw", "ack", "ring", "ring_off", "head", "acked",
+        "t_wait", "op",
     )  # fmt: skip
 
-    def __init__(self, ep, src, lane, dst, lo, hi, nchunks, event_id, mode, status=OK):
+    def __init__(
+        self, ep, src, lane, dst, lo, hi, nchunks, seq, event_id, info, mode, status=OK,
+        ack_event=None,
+    ):  # fmt: skip
         self.ep, self.src, self.lane, self.dst, self.lo, self.hi = ep, src, lane, dst, lo, hi
-        self.k, self.nchunks, self.event_id = 0, nchunks, event_id
+        self.k, self.nchunks, self.seq = 0, nchunks, seq
+        # The sender's event id and msg_info, as read from lane 0 when the receive started:
+        # every chunk of every lane must carry them.
+        self.event_id, self.info = event_id, info
         self.mode, self.status = mode, status  # mode: MTE, DMA, ZC, or 0 = drain
+        # ack.event_id: what this receiver expected (a drain answers with its own event id)
+        self.ack_event = event_id if ack_event is None else ack_event
         self.op = {DMA: "dma_recv", ZC: "zc_recv"}.get(mode, "recv")
         t = ep.tables
         self.lw = ep.words[ep.die_id]
@@ -390,10 +402,17 @@ class _Rx:
         if self.acked:
             return False
         ep = self.ep
-        tail = self.lw[self.desc + L.DESC_TAIL]
+        lw, desc = self.lw, self.desc
+        tail = lw[desc + L.DESC_TAIL]
         head, k, nch = self.head, self.k, self.nchunks
         if head >= tail:
             return False
+        if (
+            lw[desc + L.DESC_CHUNK] >> SEQ_SHIFT != self.seq
+            or lw[desc + L.DESC_EVENT] != self.event_id
+            or lw[desc + L.DESC_INFO] != self.info
+        ):
+            raise self._foreign()
         tr = ep.trace if ep.trace.enabled else None
         if tr and k == 0:
             tr.rec(self.t_wait, now_ns() - self.t_wait, self.op, 5, self.src, self.lane,
@@ -422,6 +441,15 @@ class _Rx:
             self._ack(tr)
         return True
 
+    def _foreign(self) -> ProtocolError:
+        lw, desc = self.lw, self.desc
+        return ProtocolError(
+            f"die {self.ep.die_id} recv from die {self.src}: lane {self.lane} holds message"
+            f" {lw[desc + L.DESC_CHUNK] >> SEQ_SHIFT} (event_id {lw[desc + L.DESC_EVENT]}, info"
+            f" {lw[desc + L.DESC_INFO]:#x}), not message {self.seq} (event_id {self.event_id},"
+            f" info {self.info:#x}) that lane 0 started: lanes out of step, nothing acked"
+        )
+
     def _mte(self, a, b, off, k):
         ub = self.ep.ub(self.lane)
         half = len(ub[0])
@@ -436,11 +464,10 @@ class _Rx:
 
     def _ack(self, tr) -> None:
         # Step 7: event id and status first, done (the word the sender polls) LAST.
-        seq = self.lw[self.desc + L.DESC_CHUNK] >> SEQ_SHIFT
         rw, ack = self.rw, self.ack
-        rw[ack + L.ACK_EVENT] = self.event_id
+        rw[ack + L.ACK_EVENT] = self.ack_event
         rw[ack + L.ACK_STATUS] = self.status
-        rw[ack + L.ACK_DONE] = seq
+        rw[ack + L.ACK_DONE] = self.seq
         self.acked = True
         if tr:
             tr.rec(now_ns(), 0, self.op, 7, self.src, self.lane, self.event_id, self.hi - self.lo)
@@ -470,7 +497,6 @@ class Request:
 
     __slots__ = (
         "ep", "peer", "is_send", "event_id", "_start", "_lanes", "_job", "_queue", "done", "error",
-        "probe",
     )  # fmt: skip
 
     def __init__(self, ep: Endpoint, peer: int, is_send: bool, event_id: int, start):
@@ -483,7 +509,6 @@ class Request:
         ep.active.append(self)
         self.done = False
         self.error: BaseException | None = None
-        self.probe = None  # plain receives: detects a zero-copy sender while waiting to start
 
     def _advance(self) -> bool:
         """Move as far as possible without blocking; True if anything moved. Errors are kept in
@@ -547,12 +572,7 @@ class Request:
                 idle.reset()
             elif alone:
                 words, idx, target, peer, field = self.blocked()
-                probe = self.probe if self._lanes is None else None
-                try:
-                    ep.wait_ge(words, idx, target, peer, field, probe)
-                except ProtocolError:
-                    self._finish(None)
-                    raise
+                ep.wait_ge(words, idx, target, peer, field)
             else:
                 idle.idle(self)
 
@@ -562,9 +582,10 @@ class Request:
             if self._queue[0] is not self:
                 return self._queue[0].blocked()
             ep = self.ep
-            head = ep.words[self.peer][ep.tables.ack[ep.die_id][0] + L.ACK_HEAD]
-            desc = ep.tables.desc[self.peer][0] + L.DESC_TAIL
-            return ep.words[ep.die_id], desc, head + 1, self.peer, "desc.tail_ptr"
+            done = ep.words[self.peer][ep.tables.ack[ep.die_id][0] + L.ACK_DONE]
+            chunk = ep.tables.desc[self.peer][0] + L.DESC_CHUNK
+            field = f"desc.chunk_id (message {done + 1} << {SEQ_SHIFT})"
+            return ep.words[ep.die_id], chunk, (done + 1) << SEQ_SHIFT, self.peer, field
         for ln in self._lanes:
             if not ln.finished():
                 return ln.blocked()
@@ -602,12 +623,6 @@ class _Idler:
                     f" {peer} {field} >= {target} (seen {words[idx]})"
                 )
             self.check_abort(req)
-            if req.probe is not None and req._lanes is None:
-                try:
-                    req.probe()
-                except ProtocolError:
-                    req._finish(None)
-                    raise
 
     def check_abort(self, req: Request) -> None:
         ab = self.ep.ctx.abort
@@ -662,14 +677,14 @@ def isend(
 
     def start():
         spans = stripes(len(mv), cores)
+        seq = ep.tx_seq[dst][0] = ep.tx_seq[dst][0] + 1  # one seq per message of the pair
         if var == ZC:
-            lanes = [
-                _TxZeroCopy(ep, dst, i, mv, a, b, event_id, info) for i, (a, b) in enumerate(spans)
+            return [
+                _TxZeroCopy(ep, dst, i, mv, a, b, seq, event_id, info)
+                for i, (a, b) in enumerate(spans)
             ]
-            lanes[0].extra = list(range(cores, ep.lanes))
-            return lanes
         lanes = [
-            _TxRing(ep, dst, i, mv, a, b, event_id, info, var == DMA)
+            _TxRing(ep, dst, i, mv, a, b, seq, event_id, info, var == DMA)
             for i, (a, b) in enumerate(spans)
         ]
         if var == DMA:
@@ -690,31 +705,40 @@ def irecv(
     expect = pack_info(len(mv), cores, buf.dtype.num, var)
     if var == ZC:
         _app_offset(ep, buf, len(mv))  # refuse before anything is published
-    posted = [False]
+    t, me = ep.tables, ep.die_id
+    lw, rw = ep.words[me], ep.words[src]
+    chunk0, done0 = t.desc[src][0] + L.DESC_CHUNK, t.ack[me][0] + L.ACK_DONE
 
     def start():
-        if var == ZC and not posted[0]:
-            _post_rendezvous(ep, buf, mv, src, event_id, cores)
-            posted[0] = True
-        lo_ = ep.layout
-        desc = ep.tables.desc[src][0]
-        lw = ep.words[ep.die_id]
-        head = ep.words[src][ep.tables.ack[ep.die_id][0] + L.ACK_HEAD]
-        if lw[desc + L.DESC_TAIL] <= head:
-            return None  # step 5: nothing on lane 0 yet
-        got = lw[desc + L.DESC_INFO]
-        status = _verdict(expect, got, event_id, lw[desc + L.DESC_EVENT])
+        # Step 5: a message starts when lane 0's chunk_id carries a seq above the last one this
+        # die acked (a ring sender's first chunk, or a zero-copy sender's announcement); its
+        # event id and msg_info were stored before chunk_id, so they are visible now.
+        seq = lw[chunk0] >> SEQ_SHIFT
+        if seq <= rw[done0]:
+            return None
+        got, got_event = lw[chunk0 - L.DESC_CHUNK + L.DESC_INFO], lw[chunk0 - L.DESC_CHUNK]
+        status = _verdict(expect, got, event_id, got_event)
         if status:
-            if var == ZC and unpack_info(got)[3] != ZC:
-                _cancel_rendezvous(ep, src)  # before the drain acks: the sender sees it first
-            _drain(ep, src, got, event_id, status)
-            raise _rx_error(ep, src, event_id, expect, got, lw[desc + L.DESC_EVENT], status)
+            _reject(ep, src, seq, got, got_event, event_id, status)
+            raise _rx_error(ep, src, event_id, expect, got, got_event, status)
         spans = stripes(len(mv), cores)
-        slot = lo_.slot_bytes
+        if var == ZC:
+            _post_rendezvous(ep, buf, mv, src, seq, event_id, cores)
+        slot = ep.layout.slot_bytes
         lanes = [
             _Rx(
-                ep, src, i, mv, a, b, 1 if var == ZC else max(1, -(-(b - a) // slot)), event_id, var
-            )
+                ep,
+                src,
+                i,
+                mv,
+                a,
+                b,
+                1 if var == ZC else max(1, -(-(b - a) // slot)),
+                seq,
+                event_id,
+                got,
+                var,
+            )  # fmt: skip
             for i, (a, b) in enumerate(spans)
         ]
         if var == DMA:
@@ -722,8 +746,6 @@ def irecv(
         return lanes
 
     req = Request(ep, src, False, event_id, start)
-    if var != ZC:
-        req.probe = _zc_probe(ep, src, event_id)
     req.test()
     return req
 
@@ -811,14 +833,37 @@ def _dtype_of(num: int) -> str:
     return f"dtype#{num}"
 
 
-def _drain(ep: Endpoint, src: int, got: int, event_id: int, status: int) -> None:
-    """Consume and discard the sender's whole message (all its lanes), acking with `status`."""
-    n, lanes, _, var = unpack_info(got)
+def _reject(ep: Endpoint, src: int, seq: int, got: int, got_event: int, event_id: int,
+            status: int) -> None:  # fmt: skip
+    """Refuse message `seq` of `src` on all of its lanes with `status`, leaving the pair in step.
+
+    A ring sender has written (or is writing) its chunks: drain them and ack every lane. A
+    zero-copy sender only announced it and waits for rendezvous that will never come: ack every
+    lane, then answer each lane's rendezvous wait with RDV_REJECT tagged with `seq`."""
+    _, lanes, _, var = unpack_info(got)
+    lanes = max(1, min(lanes, ep.lanes))
+    if var != ZC:
+        _drain(ep, src, seq, got, got_event, event_id, status)
+        return
+    t, me, rw = ep.tables, ep.die_id, ep.words[src]
+    for i in range(lanes):
+        ack, rdv = t.ack[me][i], t.rdv[me][i]
+        rw[ack + L.ACK_EVENT] = event_id
+        rw[ack + L.ACK_STATUS] = status
+        rw[ack + L.ACK_DONE] = seq
+        rw[rdv + L.RDV_EVENT] = RDV_REJECT
+        rw[rdv + L.RDV_SEQ] = seq  # LAST: wakes that sender lane, which then reads the ack
+
+
+def _drain(ep: Endpoint, src: int, seq: int, got: int, got_event: int, event_id: int,
+           status: int) -> None:  # fmt: skip
+    """Consume and discard a ring sender's whole message (all its lanes), acking with `status`."""
+    n, lanes, _, _ = unpack_info(got)
     slot = ep.layout.slot_bytes
     rx = []
-    for i, (a, b) in enumerate(stripes(n, lanes)):
-        nch = 1 if var == ZC else max(1, -(-(b - a) // slot))
-        rx.append(_Rx(ep, src, i, None, a, b, nch, event_id, 0, status))
+    for i, (a, b) in enumerate(stripes(n, max(1, min(lanes, ep.lanes)))):
+        nch = max(1, -(-(b - a) // slot))
+        rx.append(_Rx(ep, src, i, None, a, b, nch, seq, got_event, got, 0, status, event_id))
     _run_lanes(rx, ep)
 
 
@@ -837,33 +882,30 @@ def _app_offset(ep: Endpoint, buf: np.ndarray, nbytes: int) -> int:
     return base
 
 
-def _post_rendezvous(ep, buf, mv, src, event_id, cores) -> None:
-    """Zero-copy step 0: tell the sender where each lane's stripe of `buf` lives.
+def _post_rendezvous(ep, buf, mv, src, seq, event_id, cores) -> None:
+    """Zero-copy step 0 (clear-to-send): tell each sender lane where its stripe of `buf` lives.
 
-    A rendezvous is posted on every lane of the die, lanes beyond `cores` marked unused
-    (dst_off -1), and a zero-copy sender consumes every lane's: so the two sides' rendezvous
-    counters advance together even when they disagree on `cores` (the receiver then rejects the
-    message from its descriptor, and the next transfer still pairs the right rendezvous).
+    Posted only after the sender announced message `seq` and the receiver checked it, and tagged
+    with `seq`: a sender lane takes exactly the rendezvous of its own message, never one left
+    over from an earlier (completed, rejected or aborted) transfer.
     """
     base = _app_offset(ep, buf, len(mv))
     sw = ep.words[src]
     tr = ep.trace if ep.trace.enabled else None
-    spans = stripes(len(mv), cores)
-    for i in range(ep.lanes):
-        a, b = spans[i] if i < cores else (0, 0)
+    for i, (a, b) in enumerate(stripes(len(mv), cores)):
         f = ep.tables.rdv[ep.die_id][i]
         sw[f + L.RDV_EVENT] = event_id
-        sw[f + L.RDV_OFF] = base + a if i < cores else -1
+        sw[f + L.RDV_OFF] = base + a
         sw[f + L.RDV_NBYTES] = b - a
-        ep.rdv_posted[src][i] += 1
-        sw[f + L.RDV_SEQ] = ep.rdv_posted[src][i]  # LAST
-        if tr and i < cores:
+        sw[f + L.RDV_SEQ] = seq  # LAST
+        if tr:
             tr.rec(now_ns(), 0, "zc_recv", 0, src, i, event_id, b - a)
 
 
 def _zc_probe(ep: Endpoint, src: int, event_id: int):
-    """For a plain (ring) receive waiting on `src`: raise ProtocolError, after rejecting the
-    sender's rendezvous wait, if `src` announced a zero-copy send of the next message."""
+    """For the fast path's plain receive waiting on `src`'s tail_ptr: raise ProtocolError,
+    after refusing it, if `src` announced a zero-copy send of the next message (a zero-copy
+    sender never moves tail_ptr before it has a rendezvous, so the wait would only time out)."""
     t, me = ep.tables, ep.die_id
     lw, rw = ep.words[me], ep.words[src]
     desc, ack = t.desc[src][0], t.ack[me][0]
@@ -873,34 +915,16 @@ def _zc_probe(ep: Endpoint, src: int, event_id: int):
         # chunk_id of a new message guarantees its msg_info is visible too (TSO). In the other
         # order a plain sender caught between its two stores would look like a zero-copy one.
         seq = lw[desc + L.DESC_CHUNK] >> SEQ_SHIFT
-        if seq <= rw[ack + L.ACK_DONE] or (lw[desc + L.DESC_INFO] >> 56) & 0x7F != ZC:
+        got = lw[desc + L.DESC_INFO]
+        if seq <= rw[ack + L.ACK_DONE] or unpack_info(got)[3] != ZC:
             return
-        sw = ep.words[src]
-        for i in range(ep.lanes):
-            f = t.rdv[me][i]
-            sw[f + L.RDV_EVENT] = RDV_REJECT
-            ep.rdv_posted[src][i] += 1
-            sw[f + L.RDV_SEQ] = ep.rdv_posted[src][i]
-        # Nack the announced message too, so its stale announcement never matches again.
-        rw[ack + L.ACK_EVENT] = event_id
-        rw[ack + L.ACK_STATUS] = BAD_VARIANT
-        rw[ack + L.ACK_DONE] = seq
+        _reject(ep, src, seq, got, lw[desc + L.DESC_EVENT], event_id, BAD_VARIANT)
         raise ProtocolError(
             f"die {me} recv from die {src} (event_id {event_id}): {STATUS_TEXT[BAD_VARIANT]}:"
             " the sender announced a zero-copy send, this recv is not zero-copy; rejected"
         )
 
     return probe
-
-
-def _cancel_rendezvous(ep, src) -> None:
-    """Withdraw the rendezvous of a receive whose sender turned out not to be zero-copy."""
-    sw = ep.words[src]
-    for i in range(ep.lanes):
-        f = ep.tables.rdv[ep.die_id][i]
-        sw[f + L.RDV_EVENT] = RDV_CANCELLED
-        ep.rdv_posted[src][i] += 1
-        sw[f + L.RDV_SEQ] = ep.rdv_posted[src][i]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1054,7 +1078,8 @@ def _small_rx(ep: Endpoint, src: int):
 def _small_rx_mismatch(ep, buf, src, event_id, expect, got, got_event) -> bool:
     status = _verdict(expect, got, event_id, got_event)
     if status:
-        _drain(ep, src, got, event_id, status)
+        seq = ep.words[ep.die_id][ep.tables.desc0[src] + L.DESC_CHUNK] >> SEQ_SHIFT
+        _reject(ep, src, seq, got, got_event, event_id, status)
         raise _rx_error(ep, src, event_id, expect, got, got_event, status)
     # compatible but not the fast shape (a dma sender, say): take the general path
     irecv(ep, buf, src, event_id).wait()
@@ -1064,8 +1089,6 @@ def _small_rx_mismatch(ep, buf, src, event_id, expect, got, got_event) -> bool:
 # ------------------------------------------------------------------------------------------------
 # Recovery
 # ------------------------------------------------------------------------------------------------
-
-ABORTED = 99  # ack.status of a message discarded by resync
 
 
 def resync(ep: Endpoint) -> int:
@@ -1100,5 +1123,4 @@ def resync(ep: Endpoint) -> int:
                 rw[ack + L.ACK_EVENT] = -1
                 rw[ack + L.ACK_STATUS] = ABORTED
                 rw[ack + L.ACK_DONE] = seq
-            ep.rdv_used[peer][lane] = lw[t.rdv[peer][lane] + L.RDV_SEQ]
     return dropped
