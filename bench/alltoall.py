@@ -39,7 +39,18 @@ import numpy as np
 import comm
 from bench import common, peers
 from comm.routing import Placement, get_dispatch_layout
+from memory.errors import ConfigError
 from runtime import Pod, PodConfig
+from runtime.argtypes import (
+    choice_list,
+    input_file,
+    int_list,
+    load_config,
+    nonneg_int,
+    output_file,
+    positive_float,
+    positive_int,
+)
 
 DEFAULT_BATCHES = "1,8,16,32,64,128"
 QUICK_BATCHES = "1,16,128"
@@ -269,6 +280,8 @@ class Options:
     trace: str | None
     config: str | None
     timeout: float | None
+    json: str | None = None
+    plot: str | None = None
 
 
 def memcpy_gbps(sizes: list[int], budget_s: float = 0.05) -> float:
@@ -423,9 +436,24 @@ def _want_rows(pt: Point, counts) -> np.ndarray:
 
 
 def _pod_config(pt: Point, opts: Options) -> PodConfig:
+    """The pod of `pt`; a ConfigError names the flag(s) that set the bad field."""
     n_exp = pt.dies - pt.attention_dies
-    return PodConfig.load(
+    dies_flag = "--attention-dies/--expert-dies" if pt.attention_dies else "--dies"
+    shape = "--batch/--hidden/--topk/" + dies_flag
+    flags = {
+        "num_dies": dies_flag,
+        "a2a_max_batch": "--batch",
+        "a2a_hidden": "--hidden",
+        "a2a_topk": "--topk",
+        "num_experts": "--experts/" + dies_flag,
+        "a2a_max_local_experts": "--experts/" + dies_flag,
+        "app_bytes": shape,  # the region's size is that of its all-to-all areas
+        "trace": "--trace",
+        "timeout_s": "--timeout",
+    }
+    return load_config(
         opts.config,
+        flags,
         num_dies=pt.dies,
         a2a_max_batch=pt.batch,
         a2a_hidden=pt.hidden,
@@ -711,91 +739,138 @@ def _print_a2e(xp: list[dict]) -> None:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dies", default="8", help="EP degrees, comma list, e.g. 4,8")
-    p.add_argument("--batch", default=None, help=f"tokens per die, default {DEFAULT_BATCHES}")
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--dies", type=int_list(1), default="8", help="EP degrees, comma list, e.g. 4,8")
+    p.add_argument(
+        "--batch",
+        type=int_list(1),
+        default=None,
+        help=f"tokens per die, comma list, default {DEFAULT_BATCHES}",
+    )
+    p.add_argument("--hidden", type=positive_int, default=7168, help="hidden size (default 7168)")
+    p.add_argument(
+        "--topk", type=positive_int, default=8, help="experts per token, <= experts (default 8)"
+    )
     p.add_argument(
         "--experts",
-        type=int,
+        type=positive_int,
         default=None,
         help="experts (default 256 if it divides over the expert dies, else 8 per die)",
     )
-    p.add_argument("--protocol", default="pull,fused", help="pull,fused,a2e")
-    p.add_argument("--quant", default="int8,none", help="int8,none")
+    p.add_argument(
+        "--protocol",
+        type=choice_list(PROTOCOLS),
+        default="pull,fused",
+        help=f"comma list of {','.join(PROTOCOLS)}",
+    )
+    p.add_argument(
+        "--quant",
+        type=choice_list(QUANTS),
+        default="int8,none",
+        help=f"comma list of {','.join(QUANTS)}",
+    )
     p.add_argument("--a2e", action="store_true", help="add A2E/E2A rows (protocol a2e)")
-    p.add_argument("--attention-dies", default="2", help="A2E attention dies, comma list")
-    p.add_argument("--expert-dies", default="4", help="A2E expert dies, paired with the above")
+    p.add_argument(
+        "--attention-dies", type=int_list(1), default="2", help="A2E attention dies, comma list"
+    )
+    p.add_argument(
+        "--expert-dies",
+        type=int_list(1),
+        default="4",
+        help="A2E expert dies (>= attention dies), paired with the above",
+    )
     p.add_argument("--peers", action="store_true", help="also mpi4py Alltoallv and pyzmq")
     p.add_argument("--quick", action="store_true", help=f"batches {QUICK_BATCHES}, few iters")
-    p.add_argument("--iters", type=int, default=0, help="timed iterations (default: by time)")
-    p.add_argument("--iters-scale", type=float, default=1.0, help="scale the time per row")
+    p.add_argument(
+        "--iters", type=nonneg_int, default=0, help="timed iterations (default 0: by time)"
+    )
+    p.add_argument("--iters-scale", type=positive_float, default=1.0, help="scale the time per row")
     p.add_argument(
         "--repeat",
-        type=int,
+        type=positive_int,
         default=1,
         help="measure everything R times, alternating xpod and peers; report medians",
     )
-    p.add_argument("--seed", type=int, default=0, help="routing and token seed")
-    p.add_argument("--json", default=None, help="write one JSON line per row to FILE")
-    p.add_argument("--plot", default=None, help="draw latency and bandwidth vs batch to FILE")
-    p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace per pod")
-    p.add_argument("--config", default=None, help="PodConfig TOML file")
-    p.add_argument("--timeout", type=float, default=None, help="wait deadline (PodConfig)")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="routing and token seed")
+    p.add_argument(
+        "--json", type=output_file, default=None, help="write one JSON line per row to FILE"
+    )
+    p.add_argument(
+        "--plot", type=output_file, default=None, help="draw latency and bandwidth vs batch to FILE"
+    )
+    p.add_argument(
+        "--trace", type=output_file, default=None, help="write a Chrome/Perfetto trace per pod"
+    )
+    p.add_argument("--config", type=input_file, default=None, help="PodConfig TOML file")
+    p.add_argument("--timeout", type=positive_float, default=None, help="wait deadline (PodConfig)")
 
 
-def _ints(text: str, name: str) -> list[int]:
-    try:
-        out = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise SystemExit(f"xpod bench alltoall: {name} {text!r}: expected integers") from None
-    if not out or min(out) < 1:
-        raise SystemExit(f"xpod bench alltoall: {name} {text!r}: expected positive integers")
-    return out
-
-
-def _words(text: str, allowed: tuple, name: str) -> list[str]:
-    out = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in out if v not in allowed]
-    if bad or not out:
-        raise SystemExit(f"xpod bench alltoall: {name} {bad or text!r}: choose from {allowed}")
-    return out
-
-
-def parse_options(args: argparse.Namespace) -> Options:
-    protocols = _words(args.protocol, PROTOCOLS, "--protocol")
-    if args.a2e and "a2e" not in protocols:
-        protocols.append("a2e")
-    att = _ints(args.attention_dies, "--attention-dies")
-    exp = _ints(args.expert_dies, "--expert-dies")
+def _a2e_pods(att: list[int], exp: list[int]) -> list[tuple[int, int]]:
+    """(attention dies, expert dies) pairs of --attention-dies and --expert-dies (a single
+    value pairs with every value of the other list)."""
     if len(att) != len(exp) and 1 not in (len(att), len(exp)):
-        raise SystemExit("xpod bench alltoall: --attention-dies and --expert-dies pair up")
+        raise ConfigError(
+            f"argument --attention-dies/--expert-dies: lists of {len(att)} and {len(exp)} values"
+            " do not pair up (give as many values in each, or one in either)"
+        )
     n = max(len(att), len(exp))
     pods = list(
         zip(att * n if len(att) == 1 else att, exp * n if len(exp) == 1 else exp, strict=True)
     )
-    if any(a > x for a, x in pods):
-        raise SystemExit("xpod bench alltoall: A2E needs attention dies <= expert dies")
+    bad = [(a, x) for a, x in pods if a > x]
+    if bad:
+        raise ConfigError(
+            f"argument --attention-dies/--expert-dies: A2E needs attention dies <= expert dies,"
+            f" got {bad[0][0]} > {bad[0][1]}"
+        )
+    return pods
+
+
+def parse_options(args: argparse.Namespace) -> Options:
+    """Options of the parsed flags, every pod of the run checked (experts, topk, PodConfig)
+    before any starts; a ConfigError names the flag(s)."""
+    protocols = list(args.protocol)
+    if args.a2e and "a2e" not in protocols:
+        protocols.append("a2e")
     quick = args.quick
-    return Options(
-        dies=_ints(args.dies, "--dies"),
-        batches=_ints(args.batch or (QUICK_BATCHES if quick else DEFAULT_BATCHES), "--batch"),
+    opts = Options(
+        dies=args.dies,
+        batches=args.batch or int_list(1)(QUICK_BATCHES if quick else DEFAULT_BATCHES),
         hidden=args.hidden,
         topk=args.topk,
         experts=args.experts,
         protocols=protocols,
-        quants=_words(args.quant, QUANTS, "--quant"),
-        a2e_pods=pods,
+        quants=args.quant,
+        a2e_pods=_a2e_pods(args.attention_dies, args.expert_dies),
         peers=args.peers,
         budget_s=(QUICK_BUDGET_S if quick else BUDGET_S) * args.iters_scale,
         iters_range=QUICK_ITERS_RANGE if quick else ITERS_RANGE,
-        iters=max(0, args.iters),
-        repeat=max(1, args.repeat),
+        iters=args.iters,
+        repeat=args.repeat,
         seed=args.seed,
         trace=args.trace,
         config=args.config,
         timeout=args.timeout,
+        json=args.json,
+        plot=args.plot,
     )
+    for pt, _ in plan(opts):
+        _check_point(pt, opts)
+    return opts
+
+
+def _check_point(pt: Point, opts: Options) -> None:
+    n_exp = pt.dies - pt.attention_dies
+    if pt.num_experts % n_exp:
+        raise ConfigError(
+            f"argument --experts: {pt.num_experts} experts do not divide over the {n_exp}"
+            f" expert dies of {pt.label}"
+        )
+    if pt.topk > pt.num_experts:
+        raise ConfigError(
+            f"argument --topk: {pt.topk} is more than the {pt.num_experts} experts of {pt.label}"
+            " (--experts)"
+        )
+    _pod_config(pt, opts)
 
 
 def plan(opts: Options) -> list[tuple[Point, list[str]]]:
@@ -826,7 +901,10 @@ def _trace_path(base: str | None, pt: Point, many: bool) -> str | None:
 
 
 def main(args: argparse.Namespace) -> int:
-    opts = parse_options(args)
+    return run(parse_options(args))
+
+
+def run(opts: Options) -> int:
     points = plan(opts)
     common.progress(
         f"xpod bench alltoall: {len(points)} pod(s), batches {opts.batches}, hidden {opts.hidden},"
@@ -846,16 +924,16 @@ def main(args: argparse.Namespace) -> int:
     columns = COLUMNS + ([("total_p50_spread", "spread", ".0%")] if opts.repeat > 1 else [])
     common.print_table(_table_rows(rows), columns)
     print_summary(rows)
-    common.write_outputs(rows, args.json, args.plot)
+    common.write_outputs(rows, opts.json, opts.plot)
     return 0
 
 
 if __name__ == "__main__":
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m bench.alltoall", description=__doc__)
-    add_args(parser)
-    sys.exit(main(parser.parse_args()))
+    from runtime import cli
+
+    sys.exit(cli.main(["bench", "alltoall", *sys.argv[1:]]))
 
 
 __all__ = ["Point", "a2a_row", "add_args", "counts_matrix", "main", "routing", "tokens"]

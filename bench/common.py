@@ -17,6 +17,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from runtime.argtypes import fmt_size, parse_size  # re-exported: bench code imports them from here
+
 _GIT_SHA: str | None = None
 
 
@@ -87,32 +89,8 @@ def p2p_row(
     return row
 
 
-def fmt_size(n: int) -> str:
-    for unit, div in (("M", 1 << 20), ("K", 1 << 10)):
-        if n >= div and n % div == 0:
-            return f"{n // div}{unit}"
-    return str(n)
-
-
-def parse_size(text: str) -> int:
-    """'8', '4096', '4k', '4K', '8M', '64MiB' -> bytes."""
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    mult = 1
-    if t and t[-1] in "kmg":
-        mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[t[-1]]
-        t = t[:-1]
-    try:
-        value = int(t) * mult
-    except ValueError:
-        raise ValueError(
-            f"bad size {text!r}: use bytes or a K/M/G suffix, e.g. 8,4096,8M"
-        ) from None
-    if value <= 0:
-        raise ValueError(f"bad size {text!r}: must be positive")
-    return value
-
-
 def parse_sizes(text: str) -> list[int]:
+    """'8,4K,1M' -> bytes (empty items skipped); ValueError on a bad size."""
     return [parse_size(s) for s in text.split(",") if s.strip()]
 
 

@@ -11,12 +11,25 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 import comm
 from bench import common
+from bench.common import parse_sizes
 from runtime import Pod, PodConfig
+from runtime.argtypes import (
+    choice_list,
+    input_file,
+    int_list,
+    int_range,
+    load_config,
+    output_file,
+    positive_float,
+    positive_int,
+    size_list,
+)
 
 DEFAULT_SIZES = "8,64,512,4K,32K,256K,1M,8M,64M"
 QUICK_SIZES = "8,4K,64K,1M,8M"
@@ -147,83 +160,148 @@ def measure_peers(sizes, scale: float, which=None) -> list[dict]:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dies", type=int, default=2, help="dies in the pod (die 0 and 1 ping-pong)")
-    p.add_argument("--sizes", default=None, help=f"comma list, default {DEFAULT_SIZES}")
-    p.add_argument("--variants", default=",".join(ALL_VARIANTS), help="mte,dma,zero-copy,async")
-    p.add_argument("--cores", default="1,2,4", help="lane counts to measure, e.g. 1,4")
+    p.add_argument(
+        "--dies",
+        type=int_range(2),
+        default=2,
+        help="dies in the pod, >= 2 (die 0 and 1 ping-pong)",
+    )
+    p.add_argument(
+        "--sizes", type=size_list, default=None, help=f"comma list, default {DEFAULT_SIZES}"
+    )
+    p.add_argument(
+        "--variants",
+        type=choice_list(ALL_VARIANTS),
+        default=",".join(ALL_VARIANTS),
+        help=",".join(ALL_VARIANTS),
+    )
+    p.add_argument(
+        "--cores",
+        type=int_list(1),
+        default=None,
+        help="lane counts to measure, e.g. 1,4 (default 1,2,4; 1,2 with --quick)",
+    )
     p.add_argument("--peers", action="store_true", help="also measure shm-floor/zmq/pipe/mpi4py")
     p.add_argument("--quick", action="store_true", help="fewer sizes and iterations (~20 s)")
-    p.add_argument("--iters-scale", type=float, default=1.0, help="scale iteration counts")
+    p.add_argument("--iters-scale", type=positive_float, default=1.0, help="scale iteration counts")
     p.add_argument(
         "--repeat",
-        type=int,
+        type=positive_int,
         default=1,
         help="measure everything R times, alternating xpod and peers; report medians and spread",
     )
-    p.add_argument("--json", default=None, help="write one JSON line per row to FILE")
-    p.add_argument("--plot", default=None, help="draw latency and bandwidth vs size to FILE")
-    p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the run")
+    p.add_argument(
+        "--json", type=output_file, default=None, help="write one JSON line per row to FILE"
+    )
+    p.add_argument(
+        "--plot", type=output_file, default=None, help="draw latency and bandwidth vs size to FILE"
+    )
+    p.add_argument(
+        "--trace", type=output_file, default=None, help="write a Chrome/Perfetto trace of the run"
+    )
     p.add_argument(
         "--breakdown",
         action="store_true",
         help="also trace a few transfers per row and print where the time goes, step by step",
     )
-    p.add_argument("--config", default=None, help="PodConfig TOML file")
-    p.add_argument("--slot-bytes", type=int, default=None, help="ring slot size (PodConfig)")
-    p.add_argument("--ring-slots", type=int, default=None, help="slots per ring (PodConfig)")
+    p.add_argument("--config", type=input_file, default=None, help="PodConfig TOML file")
+    p.add_argument(
+        "--slot-bytes", type=positive_int, default=None, help="ring slot size (PodConfig)"
+    )
+    p.add_argument(
+        "--ring-slots", type=positive_int, default=None, help="slots per ring (PodConfig)"
+    )
 
 
-def main(args: argparse.Namespace) -> int:
-    sizes = common.parse_sizes(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    for v in variants:
-        if v not in ALL_VARIANTS:
-            raise SystemExit(f"xpod bench p2p: unknown variant {v!r}; choose from {ALL_VARIANTS}")
-    cores_list = [int(c) for c in args.cores.split(",")]
-    if args.quick and args.cores == "1,2,4":
-        cores_list = [1, 2]
-    scale = args.iters_scale * (0.2 if args.quick else 1.0)
-    if args.dies < 2:
-        raise SystemExit("xpod bench p2p: --dies must be >= 2")
-    max_size = max(sizes)
-    cfg = PodConfig.load(
+P2P_FLAGS = {
+    "num_dies": "--dies",
+    "lanes": "--cores",
+    "app_bytes": "--sizes",
+    "trace": "--trace",
+    "slot_bytes": "--slot-bytes",
+    "ring_slots": "--ring-slots",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    config: PodConfig
+    sizes: list[int]
+    variants: list[str]
+    cores: list[int]
+    scale: float
+    repeat: int
+    peers: bool
+    breakdown: bool
+    trace: str | None
+    json: str | None
+    plot: str | None
+
+
+def parse_options(args: argparse.Namespace) -> Options:
+    """Options of the parsed flags, the pod's PodConfig checked (ConfigError names the flag)."""
+    sizes = args.sizes or parse_sizes(QUICK_SIZES if args.quick else DEFAULT_SIZES)
+    cores = args.cores or ([1, 2] if args.quick else [1, 2, 4])
+    cfg = load_config(
         args.config,
+        P2P_FLAGS,
         num_dies=args.dies,
-        lanes=max(4, max(cores_list)),
-        app_bytes=2 * max_size + (4 << 20),
+        lanes=max(4, max(cores)),
+        app_bytes=2 * max(sizes) + (4 << 20),
         trace=bool(args.trace),
         slot_bytes=args.slot_bytes,
         ring_slots=args.ring_slots,
     )
+    return Options(
+        config=cfg,
+        sizes=sizes,
+        variants=args.variants,
+        cores=cores,
+        scale=args.iters_scale * (0.2 if args.quick else 1.0),
+        repeat=args.repeat,
+        peers=args.peers,
+        breakdown=args.breakdown,
+        trace=args.trace,
+        json=args.json,
+        plot=args.plot,
+    )
+
+
+def run(opts: Options) -> int:
+    cfg, sizes, variants, cores_list = opts.config, opts.sizes, opts.variants, opts.cores
     common.progress(
-        f"xpod bench p2p: {args.dies} dies, wait={cfg.wait_policy().name},"
+        f"xpod bench p2p: {cfg.num_dies} dies, wait={cfg.wait_policy().name},"
         f" pinned={cfg.pinned()}, sizes {','.join(map(common.fmt_size, sizes))},"
         f" variants {','.join(variants)}, cores {cores_list}"
     )
     runs: list[list[dict]] = []
     with Pod.launch(cfg) as pod:
-        for rep in range(args.repeat):
-            if args.repeat > 1:
-                common.progress(f"repeat {rep + 1}/{args.repeat}")
+        for rep in range(opts.repeat):
+            if opts.repeat > 1:
+                common.progress(f"repeat {rep + 1}/{opts.repeat}")
             # xpod and the peers alternate, so slow phases of a noisy machine hit both
-            runs.append(measure_xpod(pod, sizes, variants, cores_list, scale))
-            if args.peers:
-                runs[-1] += measure_peers(sizes, scale)
-        if args.trace:
-            n = pod.write_trace(args.trace)
-            common.progress(f"wrote {n} trace events to {args.trace}")
-        if args.breakdown:
+            runs.append(measure_xpod(pod, sizes, variants, cores_list, opts.scale))
+            if opts.peers:
+                runs[-1] += measure_peers(sizes, opts.scale)
+        if opts.trace:
+            n = pod.write_trace(opts.trace)
+            common.progress(f"wrote {n} trace events to {opts.trace}")
+        if opts.breakdown:
             steps = breakdown(pod, sizes, variants, cores_list[0])
     rows = runs[0] if len(runs) == 1 else merge_repeats(runs)
     common.print_table(rows, COLUMNS + ([("p50_spread", "spread", ".0%")] if len(runs) > 1 else []))
     _print_ratios(rows)
-    if args.breakdown:
+    if opts.breakdown:
         print("\nwhere the time goes: a traced ping-pong per row; mean us per message of die 0's")
         print("send steps and die 1's receive steps, as a share of the traced one-way p50 (steps")
         print("of the two sides overlap when they stream; polls are waits for the other side):")
         common.print_table(steps, BREAKDOWN_COLUMNS)
-    common.write_outputs(rows, args.json, args.plot)
+    common.write_outputs(rows, opts.json, opts.plot)
     return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    return run(parse_options(args))
 
 
 BREAKDOWN_COLUMNS = [

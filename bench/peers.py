@@ -855,19 +855,20 @@ def _zmq_phase(a2a: _ZmqAllToAll, rank: int, send_b, recv_b, phase: int) -> tupl
 
 
 if __name__ == "__main__":
-    import argparse
+    from bench.common import print_table
+    from runtime.argtypes import Parser, choice_list, positive_float, size_list
 
-    from bench.common import parse_sizes, print_table
-
-    parser = argparse.ArgumentParser(description="peer baselines of xpod bench p2p")
-    parser.add_argument("--transports", default=",".join(PEER_TRANSPORTS))
-    parser.add_argument("--sizes", default="8,4096,64K,1M,8M")
-    parser.add_argument("--iters-scale", type=float, default=1.0)
+    parser = Parser(prog="python -m bench.peers", description="peer baselines of xpod bench p2p")
+    parser.add_argument(
+        "--transports", type=choice_list(PEER_TRANSPORTS), default=",".join(PEER_TRANSPORTS)
+    )
+    parser.add_argument("--sizes", type=size_list, default="8,4096,64K,1M,8M")
+    parser.add_argument("--iters-scale", type=positive_float, default=1.0)
     parser.add_argument("--no-pin", action="store_true")
     cli = parser.parse_args()
     all_rows = []
-    for name in cli.transports.split(","):
-        all_rows += run_peer(name, parse_sizes(cli.sizes), cli.iters_scale, not cli.no_pin)
+    for name in cli.transports:
+        all_rows += run_peer(name, cli.sizes, cli.iters_scale, not cli.no_pin)
     columns = [("transport", "transport", ""), ("size_bytes", "size", "size")]
     columns += [("p50_us", "p50_us", ".2f"), ("p99_us", "p99_us", ".2f")]
     columns += [("min_us", "min_us", ".2f"), ("gbps", "GB/s", ".3f")]

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 import comm
 from bench import common
 from runtime import Pod, PodConfig
+from runtime.argtypes import input_file, int_list, load_config, output_file, positive_int
+from runtime.argtypes import size as size_arg
 
 COLUMNS = [
     ("dies", "dies", "d"),
@@ -53,10 +56,24 @@ def token_ring(die, size: int, rounds: int, warmup: int) -> tuple:
     return samples, time.process_time() - cpu0
 
 
+RING_FLAGS = {"num_dies": "--dies", "app_bytes": "--size", "trace": "--trace"}
+
+
+def ring_config(
+    dies: int, size: int = 8, config: str | None = None, trace: bool = False
+) -> PodConfig:
+    """The PodConfig of a ring of `dies` dies passing a `size`-byte token; a ConfigError names
+    the flag (`--dies`, `--size`, `--config`)."""
+    app_bytes = 1 << 20 if size <= 256 << 10 else 2 * size + (1 << 20)  # room for the token
+    return load_config(
+        config, RING_FLAGS, num_dies=dies, app_bytes=app_bytes, trace=True if trace else None
+    )
+
+
 def run_ring(
     dies: int, rounds: int, size: int = 8, config: str | None = None, trace: str | None = None
 ) -> dict:
-    cfg = PodConfig.load(config, num_dies=dies, app_bytes=1 << 20, trace=bool(trace) or None)
+    cfg = ring_config(dies, size, config, bool(trace))
     with Pod.launch(cfg) as pod:
         res = pod.run(token_ring, size, rounds, max(5, rounds // 10))
         if trace:
@@ -81,23 +98,54 @@ def run_ring(
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dies", default="8", help="comma list of pod sizes, e.g. 8,16,32")
-    p.add_argument("--rounds", type=int, default=None, help="timed rounds (default by size)")
-    p.add_argument("--size", default="8", help="token bytes")
+    p.add_argument(
+        "--dies", type=int_list(2), default="8", help="comma list of pod sizes (>= 2), e.g. 8,16,32"
+    )
+    p.add_argument(
+        "--rounds", type=positive_int, default=None, help="timed rounds (default by pod size)"
+    )
+    p.add_argument("--size", type=size_arg, default="8", help="token bytes, e.g. 8, 4K (default 8)")
     p.add_argument("--quick", action="store_true", help="fewer rounds")
-    p.add_argument("--json", default=None, help="write one JSON line per row to FILE")
-    p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace (last pod size)")
-    p.add_argument("--config", default=None, help="PodConfig TOML file")
+    p.add_argument(
+        "--json", type=output_file, default=None, help="write one JSON line per row to FILE"
+    )
+    p.add_argument(
+        "--trace",
+        type=output_file,
+        default=None,
+        help="write a Chrome/Perfetto trace (last pod size)",
+    )
+    p.add_argument("--config", type=input_file, default=None, help="PodConfig TOML file")
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    pods: list[tuple[int, int]]  # (dies, rounds), in run order
+    size: int
+    config: str | None
+    trace: str | None
+    json: str | None
+
+
+def parse_options(args: argparse.Namespace) -> Options:
+    """Options of the parsed flags, every pod's PodConfig checked (ConfigError names the flag)."""
+    pods = []
+    for dies in args.dies:
+        ring_config(dies, args.size, args.config, bool(args.trace))
+        pods.append((dies, args.rounds or max(20, (400 if args.quick else 2000) // dies)))
+    return Options(pods, args.size, args.config, args.trace, args.json)
+
+
+def run(opts: Options) -> int:
+    rows = []
+    for dies, rounds in opts.pods:
+        common.progress(f"xpod bench ring: {dies} dies, {rounds} rounds ...")
+        rows.append(run_ring(dies, rounds, opts.size, opts.config, opts.trace))
+    common.print_table(rows, COLUMNS)
+    if opts.json:
+        common.write_jsonl(opts.json, rows)
+    return 0
 
 
 def main(args: argparse.Namespace) -> int:
-    rows = []
-    size = common.parse_size(args.size)
-    for dies in [int(d) for d in str(args.dies).split(",")]:
-        rounds = args.rounds or max(20, (400 if args.quick else 2000) // dies)
-        common.progress(f"xpod bench ring: {dies} dies, {rounds} rounds ...")
-        rows.append(run_ring(dies, rounds, size, args.config, args.trace))
-    common.print_table(rows, COLUMNS)
-    if args.json:
-        common.write_jsonl(args.json, rows)
-    return 0
+    return run(parse_options(args))
