@@ -13,7 +13,14 @@ from comm.endpoint import Endpoint, barrier
 from comm.p2p import VARIANTS, Request, irecv, isend, recv, resync, send
 from comm.trace import Trace, steps_of, to_chrome, write_chrome
 from comm.wait import WaitContext, WaitPolicy, wait_ge
-from memory.errors import ConfigError, PeerTimeout, PodAborted, PodError, ProtocolError
+from memory.errors import (
+    ConfigError,
+    PeerRefused,
+    PeerTimeout,
+    PodAborted,
+    PodError,
+    ProtocolError,
+)
 
 __all__ = [
     "VARIANTS",
@@ -26,6 +33,7 @@ __all__ = [
     "dispatch",
     "ConfigError",
     "Endpoint",
+    "PeerRefused",
     "PeerTimeout",
     "PodAborted",
     "PodError",

@@ -1,4 +1,4 @@
-"""Expert-parallel all-to-all: XCCL pull-based dispatch and combine (PROTOCOLS.md §6, 001 §3.2).
+"""Expert-parallel all-to-all: XCCL pull-based dispatch / combine (docs/protocols.md §6, 001 §3.2).
 
 ```python
 d = comm.dispatch(die, x, topk_idx, topk_weights, protocol="pull", quant="int8", event_id=n)
@@ -26,12 +26,23 @@ k in float32, the exact operation order of `comm.reference.combine_ref`.
 
 Reuse of a half: a die starts operation n+2 (overwriting half n % 2) only after step 5 of n+1,
 which needs every peer's step 4 of n+1, which each peer does only after finishing its pulls of
-n. Dispatch and combine have separate fields and areas.
+n. Dispatch and combine have separate fields and areas. A die that finds a problem (a peer's
+refusal, a mis-paired event id) still waits for every peer's field of the operation before it
+raises, so this argument holds after errors too.
+
+Bad input on one die (issue 8.2): the die validates everything before it publishes. If its input
+is invalid it still takes part in the operation as a *refusing* participant: it publishes
+`count = COUNT_REFUSED` (no rows) to every peer, waits for every peer's field as usual, and
+raises its own error (ValueError / TypeError); every peer raises `PeerRefused` naming it. Every
+die's operation counter moves by one, so the next operation is in step on every die, inside the
+same `pod.run` or after it. (An unknown `protocol` string cannot say which operation it is
+refusing: that die raises at once and its peers time out, or are aborted by the launcher, whose
+resync realigns every die's counters.)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -40,12 +51,16 @@ from comm.quant import quantize_int8
 from comm.routing import DispatchLayout, Placement, get_dispatch_layout
 from comm.trace import now_ns
 from memory import layout as L
-from memory.errors import ConfigError, ProtocolError
+from memory.errors import ConfigError, PeerRefused, PodError, ProtocolError
 
 PROTOCOLS = ("pull", "fused")
 QUANTS = (None, "none", "int8")
 DISPATCH, COMBINE = 0, 1
-F_EVENT, F_OFF, F_COUNT, F_SEQ = 0, 1, 2, 3
+EVENT_LIMIT = 1 << 62
+F_EVENT, F_OFF, F_COUNT, F_SEQ = L.PULL_EVENT, L.PULL_OFF, L.PULL_COUNT, L.PULL_SEQ
+G_EVENT, G_COUNT, G_SEQ = L.FLAG_EVENT, L.FLAG_COUNT, L.FLAG_SEQ
+REFUSED = L.COUNT_REFUSED
+BAD_EVENT = -1  # the event_id word published by a die whose own event_id was invalid
 
 
 @dataclass(frozen=True)
@@ -96,24 +111,88 @@ class DispatchResult:
     handle: DispatchHandle
 
 
-def _a2a_state(ep: Endpoint) -> dict:
-    st = getattr(ep, "_a2a", None)
+@dataclass(slots=True)
+class A2AState:
+    """A die's all-to-all state (`ep.a2a`), the same numbers on every die while in step.
+
+    Attributes:
+        pull_ops: [dispatch, combine] operation numbers of the pull protocol (field seq words).
+        fused_ops: [dispatch, combine] operation numbers of fused dispatch / A2E and fused
+            combine / E2A (flag seq words and combine completion words).
+        placement: the default placement; a2e_placement: the A2E placement over expert dies.
+        checked: the last caller placement that passed the capacity check.
+        place_info: per-die facts of the last placement used; comb_f32: combine buffer views.
+    """
+
+    pull_ops: list[int] = field(default_factory=lambda: [0, 0])
+    fused_ops: list[int] = field(default_factory=lambda: [0, 0])
+    placement: Placement | None = None
+    a2e_placement: Placement | None = None
+    checked: Placement | None = None
+    place_info: _PlaceInfo | None = None
+    comb_f32: dict = field(default_factory=dict)
+
+    def counters(self) -> list[int]:
+        return [*self.pull_ops, *self.fused_ops]
+
+    def realign(self, counters: list[int]) -> None:
+        """Set the operation numbers (the launcher's resync passes the maximum over dies)."""
+        self.pull_ops[:] = counters[:2]
+        self.fused_ops[:] = counters[2:4]
+
+
+def _a2a_state(ep: Endpoint) -> A2AState:
+    st = getattr(ep, "a2a", None)
     if st is None:
-        lo = ep.layout
-        if not lo.a2a_max_batch:
+        if not ep.layout.a2a_max_batch:
             raise ConfigError(
                 "a2a_max_batch: this pod has no all-to-all areas; launch it with"
                 " PodConfig(a2a_max_batch=..., a2a_hidden=..., a2a_topk=..., num_experts=...)"
             )
-        st = {"ops": [0, 0], "fused_ops": [0, 0], "placement": None}
-        ep._a2a = st
+        st = ep.a2a = A2AState()
     return st
 
 
-def _check_inputs(ep: Endpoint, x, topk_idx, topk_weights, protocol, quant) -> None:
-    lo = ep.layout
+def a2a_counters(ep: Endpoint) -> list[int] | None:
+    """This die's operation numbers (None if it never ran an all-to-all); for resync."""
+    st = getattr(ep, "a2a", None)
+    return None if st is None else st.counters()
+
+
+def a2a_realign(ep: Endpoint, counters: list[int]) -> None:
+    """Resync after a failed pod.run: every die takes the same (maximum) operation numbers, so
+    the next operation is in step whatever each die had done; every field and completion word
+    holds at most these numbers, so none of them can satisfy the next wait."""
+    if ep.layout.a2a_max_batch:
+        _a2a_state(ep).realign(counters)
+
+
+def _check_event(event_id) -> int:
+    """The event id as an int; ValueError (as for p2p) unless an int in [0, 2**62)."""
+    ok = not isinstance(event_id, bool) and isinstance(event_id, int | np.integer)
+    if not ok or not 0 <= event_id < EVENT_LIMIT:
+        raise ValueError(f"event_id {event_id!r} must be an int in [0, 2**62)")
+    return int(event_id)
+
+
+def _event_word(event_id) -> int:
+    """The event_id word a refusing die publishes: its own if valid, else BAD_EVENT."""
+    try:
+        return _check_event(event_id)
+    except (TypeError, ValueError):
+        return BAD_EVENT
+
+
+def _check_protocol(protocol) -> None:
     if protocol not in PROTOCOLS:
-        raise ValueError(f"protocol {protocol!r}: supported here: {', '.join(PROTOCOLS)}")
+        raise ValueError(
+            f"protocol {protocol!r}: supported here: {', '.join(PROTOCOLS)} (this die cannot"
+            " take part in its peers' operation: they time out or are aborted)"
+        )
+
+
+def _check_inputs(ep: Endpoint, x, topk_idx, topk_weights, quant) -> None:
+    lo = ep.layout
     if quant not in QUANTS:
         raise ValueError(f"quant {quant!r}: choose None or 'int8'")
     if quant in (None, "none") and lo.a2a_dispatch_bytes == 1:
@@ -133,6 +212,8 @@ def _check_inputs(ep: Endpoint, x, topk_idx, topk_weights, protocol, quant) -> N
     for name, arr in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
         if not isinstance(arr, np.ndarray) or arr.shape != want:
             raise ValueError(f"{name} must have shape {want}, got {_describe(arr)}")
+    if topk_weights.dtype.kind != "f":
+        raise TypeError(f"topk_weights must be a float array, got {_describe(topk_weights)}")
 
 
 def _describe(a) -> str:
@@ -142,9 +223,14 @@ def _describe(a) -> str:
 
 
 def _placement(ep: Endpoint, placement: Placement | None) -> Placement:
+    st = ep.a2a
     if placement is not None:
-        if ep._a2a.get("checked_placement") is placement:
+        if st.checked is placement:
             return placement
+        if not isinstance(placement, Placement):
+            raise TypeError(
+                f"placement must be a comm.routing.Placement, got {_describe(placement)}"
+            )
         most = max(placement.num_local(d) for d in placement.dies)
         cap = ep.layout.a2a_experts_per_die
         if most > cap or max(placement.dies) >= ep.num_dies:
@@ -153,13 +239,39 @@ def _placement(ep: Endpoint, placement: Placement | None) -> Placement:
                 f" the pod's areas are sized for {cap} per die"
                 " (PodConfig.a2a_max_local_experts)"
             )
-        ep._a2a["checked_placement"] = placement
+        if placement.num_experts != ep.layout.a2a_num_experts:
+            raise ValueError(
+                f"placement has {placement.num_experts} experts, the pod was laid out for"
+                f" {ep.layout.a2a_num_experts}"
+            )
+        st.checked = placement
         return placement
-    st = ep._a2a
-    if st["placement"] is None:
+    if st.placement is None:
         lo = ep.layout
-        st["placement"] = Placement.default(lo.a2a_num_experts, tuple(range(ep.num_dies)))
-    return st["placement"]
+        st.placement = Placement.default(lo.a2a_num_experts, tuple(range(ep.num_dies)))
+    return st.placement
+
+
+def _check_capacity(ep: Endpoint, lay: DispatchLayout, placement: Placement) -> None:
+    """Refuse a dispatch whose rows for one destination would not fit its receive area (only a
+    routing that names more experts of one die per token than the layout allows could)."""
+    per_src = ep.layout.fused_disp_rows
+    most = int(lay.num_tokens_per_die.max()) if lay.num_tokens_per_die.size else 0
+    if most > per_src:
+        p = int(np.argmax(lay.num_tokens_per_die))
+        raise ValueError(
+            f"dispatch sends {most} rows to die {placement.dies[p]}, more than its receive area"
+            f" holds per source ({per_src} = a2a_max_batch x min(a2a_topk, experts per die))"
+        )
+
+
+def _area_check(ep: Endpoint, what: str, start: int, count: int, capacity: int) -> None:
+    """The last line of defence: never read or write rows outside an area."""
+    if start < 0 or count < 0 or start + count > capacity:
+        raise ProtocolError(
+            f"die {ep.die_id}: {what}: rows [{start}, {start + count}) outside the area of"
+            f" {capacity} rows; nothing written"
+        )
 
 
 def _publish(ep: Endpoint, kind: int, half: int, dst: int, event_id, off, count, seq) -> None:
@@ -173,10 +285,12 @@ def _publish(ep: Endpoint, kind: int, half: int, dst: int, event_id, off, count,
 
 
 def _poll_all(ep: Endpoint, kind: int, half: int, op: int, event_id: int) -> list[tuple]:
-    """Step 5: wait for every source's field of this operation; (off, count) per source."""
+    """Step 5: wait for every source's field of this operation; (off, count) per source.
+
+    Every source is waited for before any problem is raised (see the module docstring)."""
     lw = ep.words[ep.die_id]
     lo = ep.layout
-    out = []
+    out, problems = [], []
     name = "dispatch" if kind == DISPATCH else "combine"
     for src in range(ep.num_dies):
         f = lo.pull_field_word(kind, half, src)
@@ -186,19 +300,37 @@ def _poll_all(ep: Endpoint, kind: int, half: int, op: int, event_id: int) -> lis
                 f"die {ep.die_id}: pull {name} field of die {src} carries operation"
                 f" {lw[f + F_SEQ]}, expected {op} (dispatch/combine calls out of step)"
             )
-        if lw[f + F_EVENT] != event_id:
-            raise ProtocolError(
-                f"die {ep.die_id}: pull {name} from die {src}: expected event_id {event_id},"
-                f" the source published {lw[f + F_EVENT]} (calls mis-paired)"
+        count = lw[f + F_COUNT]
+        if count == REFUSED:
+            problems.append(_refused(ep, src, f"pull {name}", op))
+        elif lw[f + F_EVENT] != event_id:
+            problems.append(
+                ProtocolError(
+                    f"die {ep.die_id}: pull {name} from die {src}: expected event_id {event_id},"
+                    f" the source published {lw[f + F_EVENT]} (calls mis-paired)"
+                )
             )
-        out.append((lw[f + F_OFF], lw[f + F_COUNT]))
+        out.append((lw[f + F_OFF], count))
+    if problems:
+        raise problems[0]
     return out
+
+
+def _refused(ep: Endpoint, src: int, what: str, op: int) -> PeerRefused:
+    return PeerRefused(
+        f"die {ep.die_id}: die {src} refused its input to {what} operation {op} (its own error"
+        " says why); this die's part was discarded, the pod stays in step"
+    )
 
 
 def _rows(ep: Endpoint, die: int, kind: int, half: int, start: int, count: int) -> np.ndarray:
     """uint8 [count, stride] view of a die's pull send rows (its own or a peer's: remote read)."""
     lo = ep.layout
-    stride = lo.pull_disp_stride if kind == DISPATCH else lo.pull_comb_stride
+    if kind == DISPATCH:
+        stride, cap = lo.pull_disp_stride, lo.pull_disp_rows
+    else:
+        stride, cap = lo.pull_comb_stride, lo.pull_comb_rows
+    _area_check(ep, f"pull {('dispatch', 'combine')[kind]} rows of die {die}", start, count, cap)
     base = lo.pull_block_off(kind, half) + start * stride
     arr = ep.regions[die].array
     return arr[base : base + count * stride].reshape(count, stride)
@@ -219,24 +351,35 @@ def dispatch(
     Arguments:
         ep: the calling die.
         x: float32 [batch, hidden], batch <= PodConfig.a2a_max_batch (0 allowed).
-        topk_idx: int [batch, a2a_topk] expert ids, -1 = not routed.
+        topk_idx: int [batch, a2a_topk] expert ids, -1 = not routed; a token's routed ids must
+            be distinct.
         topk_weights: float [batch, a2a_topk] (kept for `combine`).
-        protocol: "pull" (XCCL, §6).
+        protocol: "pull" (XCCL, §6) or "fused" (AIV-Direct, §7).
         quant: None or "int8" (per-token scales; the output keeps INT8 + scales).
-        event_id: int naming the operation; every die must pass the same.
+        event_id: int in [0, 2**62) naming the operation; every die must pass the same.
         placement: expert -> die table (default expert // experts_per_die).
     Returns:
         DispatchResult with the rows this die's experts must process.
+    Raises:
+        ValueError / TypeError for this die's bad input (after taking part as a refusing die,
+        so the pod stays in step); PeerRefused if another die refused its input; ProtocolError
+        for mis-paired calls; PeerTimeout / PodAborted from the waits.
     """
-    _a2a_state(ep)
-    _check_inputs(ep, x, topk_idx, topk_weights, protocol, quant)
-    quant = None if quant == "none" else quant
-    placement = _placement(ep, placement)
-    lay = get_dispatch_layout(topk_idx, placement)
+    st = _a2a_state(ep)
+    _check_protocol(protocol)
+    try:
+        event_id = _check_event(event_id)
+        _check_inputs(ep, x, topk_idx, topk_weights, quant)
+        quant = None if quant == "none" else quant
+        placement = _placement(ep, placement)
+        lay = get_dispatch_layout(topk_idx, placement)
+        _check_capacity(ep, lay, placement)
+    except (ValueError, TypeError) as e:
+        _refuse_dispatch(ep, protocol, _event_word(event_id), e)
+        raise
     if protocol == "fused":
         return _fused_dispatch(ep, x, topk_idx, topk_weights, quant, event_id, placement, lay)
-    st = ep._a2a
-    op = st["ops"][DISPATCH] = st["ops"][DISPATCH] + 1
+    op = st.pull_ops[DISPATCH] = st.pull_ops[DISPATCH] + 1
     half = op & 1
     tr = ep.trace if ep.trace.enabled else None
     t0 = now_ns()
@@ -347,24 +490,31 @@ def combine(
         ep: the calling die.
         expert_out: float32 [n_rows, hidden], row i the output for row i of the dispatch result.
         handle: `DispatchResult.handle` of the dispatch being reversed.
-        event_id: int naming the operation; every die must pass the same.
+        event_id: int in [0, 2**62) naming the operation; every die must pass the same.
     Returns:
         float32 [batch, hidden]: out[slot] = sum over routed k, ascending, of
         topk_weights[slot, k] * row(slot, k), accumulated in float32 (zeros if none routed).
+    Raises:
+        as `dispatch`: this die's bad input after taking part as a refusing die, PeerRefused if
+        a die this die's tokens depend on refused.
     """
     st = _a2a_state(ep)
-    n_rows = len(handle.recv_src_rank)
-    hidden = ep.layout.a2a_hidden
-    if not isinstance(expert_out, np.ndarray) or expert_out.dtype != np.float32:
-        raise TypeError(f"expert_out must be float32 [n_rows, hidden], got {_describe(expert_out)}")
-    if expert_out.shape != (n_rows, hidden):
-        raise ValueError(
-            f"expert_out has shape {list(expert_out.shape)}, the dispatch delivered"
-            f" {n_rows} rows of hidden {hidden}"
+    if not isinstance(handle, DispatchHandle) or handle.protocol not in PROTOCOLS:
+        raise TypeError(
+            f"handle must be the DispatchHandle of a dispatch or a2e, got {_describe(handle)}"
+            " (this die cannot take part in its peers' combine: they time out or are aborted)"
         )
+    try:
+        event_id = _check_event(event_id)
+        _check_expert_out(ep, expert_out, len(handle.recv_src_rank))
+    except (ValueError, TypeError) as e:
+        _refuse_combine(ep, handle, _event_word(event_id), e)
+        raise
     if handle.protocol == "fused":
         return _fused_combine(ep, expert_out, handle, event_id)
-    op = st["ops"][COMBINE] = st["ops"][COMBINE] + 1
+    n_rows = len(handle.recv_src_rank)
+    hidden = ep.layout.a2a_hidden
+    op = st.pull_ops[COMBINE] = st.pull_ops[COMBINE] + 1
     half = op & 1
     t0 = now_ns()
     # step 3: own combine rows, blocks by source die in each source's send order
@@ -385,6 +535,98 @@ def combine(
         for step, a, b in ((3, t0, t1), (4, t1, t2), (5, t2, t3), (6, t3, t4)):
             ep.trace.rec(a, b - a, "pull_combine", step, -1, 0, event_id, 0)
     return out
+
+
+def _check_expert_out(ep: Endpoint, expert_out, n_rows: int) -> None:
+    hidden = ep.layout.a2a_hidden
+    if n_rows > ep.layout.pull_comb_rows:
+        raise ValueError(
+            f"combine would return {n_rows} rows, more than this die's combine area holds"
+            f" ({ep.layout.pull_comb_rows} = dies x a2a_max_batch x min(a2a_topk, experts per"
+            " die)): the dispatch routed a token to one expert more than once"
+        )
+    if not isinstance(expert_out, np.ndarray) or expert_out.dtype != np.float32:
+        raise TypeError(f"expert_out must be float32 [n_rows, hidden], got {_describe(expert_out)}")
+    if expert_out.shape != (n_rows, hidden):
+        raise ValueError(
+            f"expert_out has shape {list(expert_out.shape)}, the dispatch delivered"
+            f" {n_rows} rows of hidden {hidden}"
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# Refusal: a die with bad input still takes part, so that every die's counters stay in step
+# ------------------------------------------------------------------------------------------------
+
+
+def _refuse_dispatch(ep: Endpoint, protocol: str, event_word: int, err: BaseException) -> None:
+    """Take part in this dispatch with no rows: COUNT_REFUSED to every die, then wait for every
+    die's field or flag of the operation (as a good die would) so the halves stay safe."""
+    st = ep.a2a
+    lo = ep.layout
+    if protocol == "pull":
+        op = st.pull_ops[DISPATCH] = st.pull_ops[DISPATCH] + 1
+        half = op & 1
+        for d in range(ep.num_dies):
+            _publish(ep, DISPATCH, half, d, event_word, 0, REFUSED, op)
+        _wait_fields(ep, lambda src: lo.pull_field_word(DISPATCH, half, src) + F_SEQ, op, err)
+        return
+    op = st.fused_ops[DISPATCH] = st.fused_ops[DISPATCH] + 1
+    half = op & 1
+    for d in range(ep.num_dies):
+        _flag(ep, d, lo.fused_flag_word(half, ep.die_id), event_word, REFUSED, op)
+    _wait_fields(ep, lambda src: lo.fused_flag_word(half, src) + G_SEQ, op, err)
+
+
+def _refuse_combine(ep: Endpoint, handle: DispatchHandle, event_word: int, err) -> None:
+    """Take part in this combine without rows. Pull: COUNT_REFUSED to every die and wait for
+    every die's field. Fused: fused_refuse = op in every die this die owes rows, then those
+    rows' completion words (no payload), then wait for this die's own tokens' words."""
+    st = ep.a2a
+    lo = ep.layout
+    if handle.protocol == "pull":
+        op = st.pull_ops[COMBINE] = st.pull_ops[COMBINE] + 1
+        half = op & 1
+        for d in range(ep.num_dies):
+            _publish(ep, COMBINE, half, d, event_word, 0, REFUSED, op)
+        _wait_fields(ep, lambda src: lo.pull_field_word(COMBINE, half, src) + F_SEQ, op, err)
+        return
+    op = st.fused_ops[COMBINE] = st.fused_ops[COMBINE] + 1
+    _refuse_slots(ep, handle.recv_src_rank, handle.recv_slot, handle.recv_k, op)
+    idx = handle.topk_idx
+    r_slot, r_k = np.nonzero(idx >= 0)
+    _wait_slots(ep, r_slot, r_k, op, "fused", handle.placement.die_of[idx[r_slot, r_k]])
+
+
+def _refuse_slots(ep: Endpoint, dest: np.ndarray, slots: np.ndarray, ks: np.ndarray, op: int):
+    """Mark this die refused for fused-combine operation `op` in every die of `dest`, then set
+    the completion words it owes there (no rows): waiters wake, see the refusal and raise."""
+    lo = ep.layout
+    topk = lo.a2a_topk
+    for d in np.unique(dest).tolist():
+        _words(ep, d, lo.fused_refuse_off, ep.num_dies)[ep.die_id] = op
+        sel = dest == d
+        _words(ep, d, lo.fused_cflag_off, lo.a2a_max_batch * topk)[slots[sel] * topk + ks[sel]] = (
+            op  # after the refusal word: a waiter that sees op sees the refusal too
+        )
+
+
+def _wait_fields(ep: Endpoint, word_of, op: int, err: BaseException) -> None:
+    """A refusing die waits for every die's polled word of the operation, like a good die."""
+    lw = ep.words[ep.die_id]
+    for src in range(ep.num_dies):
+        try:
+            ep.wait_ge(lw, word_of(src), op, src, "all-to-all field (refusing die)")
+        except Exception as e:
+            raise e from err
+
+
+def _flag(ep: Endpoint, dst: int, f: int, event_word: int, count: int, op: int) -> None:
+    """A fused / a2e flag: event id, count, then the operation number LAST."""
+    w = ep.words[dst]
+    w[f + G_EVENT] = event_word
+    w[f + G_COUNT] = count
+    w[f + G_SEQ] = op
 
 
 def _weighted_sum(contrib: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -424,7 +666,7 @@ def _reduce(ep: Endpoint, handle: DispatchHandle, where: list[tuple], half: int)
 
 
 # ------------------------------------------------------------------------------------------------
-# FusedDispatch / FusedCombine with AIV-Direct (PROTOCOLS.md §7, 000 §4.2.1)
+# FusedDispatch / FusedCombine with AIV-Direct (docs/protocols.md §7, 000 §4.2.1)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -433,12 +675,14 @@ def _words(ep: Endpoint, die: int, off: int, n: int) -> np.ndarray:
     return ep.regions[die].array[off : off + 8 * n].view(np.int64)
 
 
-def _fused_block(ep: Endpoint, die: int, half: int, src: int) -> np.ndarray:
-    """uint8 [fused_disp_rows, stride]: die's pre-allocated dispatch buffer block for src."""
+def _fused_rows(ep: Endpoint, die: int, half: int, src: int, count: int) -> np.ndarray:
+    """uint8 [count, stride]: the first `count` rows of die's pre-allocated dispatch buffer
+    block for src (the bound is checked: never a row outside the block)."""
     lo = ep.layout
     rows, stride = lo.fused_disp_rows, lo.pull_disp_stride
+    _area_check(ep, f"fused dispatch block of die {die} for source {src}", 0, count, rows)
     base = lo.fused_disp_off + (half * ep.num_dies + src) * rows * stride
-    return ep.regions[die].array[base : base + rows * stride].reshape(rows, stride)
+    return ep.regions[die].array[base : base + count * stride].reshape(count, stride)
 
 
 @dataclass(frozen=True)
@@ -451,13 +695,14 @@ class _PlaceInfo:
 
 
 def _place_info(ep: Endpoint, placement: Placement) -> _PlaceInfo:
-    info = ep._a2a.get("place_info")
+    st = ep.a2a
+    info = st.place_info
     if info is None or info.placement is not placement:
         pos = [-1] * ep.num_dies
         for p, d in enumerate(placement.dies):
             pos[d] = p
         counts = np.bincount(placement.die_of, minlength=ep.num_dies).tolist()
-        info = ep._a2a["place_info"] = _PlaceInfo(placement, pos, counts[: ep.num_dies])
+        info = st.place_info = _PlaceInfo(placement, pos, counts[: ep.num_dies])
     return info
 
 
@@ -465,8 +710,8 @@ def _fused_dispatch(ep, x, topk_idx, topk_weights, quant, event_id, placement, l
     """Steps 1-3 of FusedDispatch: packets written straight into each destination's buffer
     (one vectorized copy per destination), counts then the completion flag LAST, poll, gather."""
     lo = ep.layout
-    st = ep._a2a
-    op = st["fused_ops"][DISPATCH] = st["fused_ops"][DISPATCH] + 1
+    st = ep.a2a
+    op = st.fused_ops[DISPATCH] = st.fused_ops[DISPATCH] + 1
     # Two halves by operation parity: a die that finished operation n (its tokens never touched
     # some peer) may start n+1 before that peer read n; it cannot start n+2 before the peer
     # finished n, since n+1's step 3 waits for the peer's n+1 flag.
@@ -483,9 +728,9 @@ def _fused_dispatch(ep, x, topk_idx, topk_weights, quant, event_id, placement, l
         if a == b:
             continue
         slots = lay.msg_slot[a:b]
-        block = _fused_block(ep, d, half, ep.die_id)  # remote: d's buffer, this source's block
-        block[: b - a, :pb] = payload[slots].view(np.uint8).reshape(b - a, pb)
-        meta = block[: b - a, stride - L.PULL_ROW_META :].view(np.int32)
+        block = _fused_rows(ep, d, half, ep.die_id, b - a)  # remote: d's block for this source
+        block[:, :pb] = payload[slots].view(np.uint8).reshape(b - a, pb)
+        meta = block[:, stride - L.PULL_ROW_META :].view(np.int32)
         meta[:, 0] = scale[slots].view(np.int32)
         meta[:, 1] = slots
         meta[:, 2] = lay.msg_k[a:b]
@@ -497,28 +742,10 @@ def _fused_dispatch(ep, x, topk_idx, topk_weights, quant, event_id, placement, l
         if n_local:
             counts = np.bincount(lay.msg_local_expert[a:b], minlength=n_local)
             _words(ep, d, lo.fused_counts_off_of(half, ep.die_id), n_local)[:] = counts
-        w = ep.words[d]
-        f = lo.fused_flag_word(half, ep.die_id)
-        w[f + F_EVENT] = event_id
-        w[f + 1] = b - a
-        w[f + 2] = op
+        _flag(ep, d, lo.fused_flag_word(half, ep.die_id), event_id, b - a, op)
     t2 = now_ns()
     # step 3: every source's flag, then the packets in per-expert order
-    lw, parts = ep.words[ep.die_id], []
-    n_mine = _place_info(ep, placement).num_local[ep.die_id]
-    counts = np.zeros(n_mine, np.int64)
-    for src in range(ep.num_dies):
-        f = lo.fused_flag_word(half, src)
-        ep.wait_ge(lw, f + 2, op, src, f"fused.flag[{half}]")
-        if lw[f + F_EVENT] != event_id:
-            raise ProtocolError(
-                f"die {ep.die_id}: fused dispatch from die {src}: expected event_id {event_id},"
-                f" the source flagged {lw[f + F_EVENT]} (calls mis-paired)"
-            )
-        count = lw[f + 1]
-        counts += _words(ep, ep.die_id, lo.fused_counts_off_of(half, src), n_mine)
-        parts.append((src, _fused_block(ep, ep.die_id, half, src)[:count]))
-    t3 = now_ns()
+    parts, counts, t3 = _fused_gather(ep, half, op, event_id, range(ep.num_dies), placement, "")
     res = _assemble(ep, parts, pb, quant, placement, lay, topk_idx, topk_weights, op, "fused")
     if not np.array_equal(res.expert_counts, counts):
         raise ProtocolError(
@@ -533,20 +760,51 @@ def _fused_dispatch(ep, x, topk_idx, topk_weights, quant, event_id, placement, l
     return res
 
 
+def _fused_gather(ep, half, op, event_id, sources, placement, what):
+    """Wait for the flag of every source (all of them before raising anything), then return
+    ([(src, rows)], per-local-expert counts, time the last flag was seen)."""
+    lo = ep.layout
+    lw, parts, problems = ep.words[ep.die_id], [], []
+    n_mine = _place_info(ep, placement).num_local[ep.die_id]
+    counts = np.zeros(n_mine, np.int64)
+    name = "a2e" if what else "fused dispatch"
+    for src in sources:
+        f = lo.fused_flag_word(half, src)
+        ep.wait_ge(lw, f + G_SEQ, op, src, f"fused.flag[{half}]{what}")
+        count = lw[f + G_COUNT]
+        if count == REFUSED:
+            problems.append(_refused(ep, src, name, op))
+        elif lw[f + G_EVENT] != event_id:
+            problems.append(
+                ProtocolError(
+                    f"die {ep.die_id}: {name} from die {src}: expected event_id {event_id},"
+                    f" the source flagged {lw[f + G_EVENT]} (calls mis-paired)"
+                )
+            )
+        if count != REFUSED and not problems:
+            counts += _words(ep, ep.die_id, lo.fused_counts_off_of(half, src), n_mine)
+            parts.append((src, _fused_rows(ep, ep.die_id, half, src, count)))
+    if problems:
+        raise problems[0]
+    return parts, counts, now_ns()
+
+
 def _fused_combine(ep, expert_out, handle, event_id):
     """Steps 1-3 of FusedCombine: each row straight into its token die's buffer at
     (batch_slot, k_index), then that slot's own completion word (the emulation's stand-in for
     the hardware's atomic add, single writer per operation); wait for all routed slots."""
     lo = ep.layout
-    st = ep._a2a
-    op = st["fused_ops"][COMBINE] = st["fused_ops"][COMBINE] + 1
+    st = ep.a2a
+    op = st.fused_ops[COMBINE] = st.fused_ops[COMBINE] + 1
     tr = ep.trace if ep.trace.enabled else None
     t0 = now_ns()
     _write_slots_by_src(ep, expert_out, handle.recv_src_rank, handle.recv_slot, handle.recv_k, op)
     t1 = now_ns()
     idx, w = handle.topk_idx, handle.topk_weights
     r_slot, r_k = np.nonzero(idx >= 0)
-    _wait_slots(ep, r_slot, r_k, op, "fused", handle.placement.die_of[idx[r_slot, r_k]])
+    owners = handle.placement.die_of[idx[r_slot, r_k]]
+    _wait_slots(ep, r_slot, r_k, op, "fused", owners)
+    _check_refusals(ep, owners, op, "fused combine")
     t2 = now_ns()
     out = _weighted_sum(_comb_rows(ep, idx.shape[0]), idx, w)
     if tr:
@@ -557,9 +815,19 @@ def _fused_combine(ep, expert_out, handle, event_id):
     return out
 
 
+def _check_refusals(ep: Endpoint, owners: np.ndarray, op: int, what: str) -> None:
+    """After the completion words of `op`: PeerRefused if a die that owed rows refused."""
+    if not len(owners):
+        return
+    refuse = _words(ep, ep.die_id, ep.layout.fused_refuse_off, ep.num_dies)
+    for d in np.unique(owners).tolist():
+        if refuse[d] == op:
+            raise _refused(ep, d, what, op)
+
+
 def _comb_f32(ep: Endpoint, die: int) -> np.ndarray:
     """float32 [max_batch * topk, comb_stride / 4]: die's combine buffer, row slot * topk + k."""
-    views = ep._a2a.setdefault("comb_f32", {})
+    views = ep.a2a.comb_f32
     v = views.get(die)
     if v is None:
         lo = ep.layout
@@ -593,6 +861,8 @@ def _write_slots_by_src(ep, rows, dest, slots, ks, op) -> None:
         d = int(ordered[a])
         sel = order[a:b]
         lin = slots[sel] * topk + ks[sel]
+        if lin.min() < 0 or lin.max() >= lo.a2a_max_batch * topk:
+            _area_check(ep, f"combine buffer of die {d}", int(lin.min()), 1, 0)
         buf = _comb_f32(ep, d)
         for i, j in zip(sel.tolist(), lin.tolist(), strict=True):
             buf[j, :hidden] = rows[i]  # remote write
@@ -600,7 +870,7 @@ def _write_slots_by_src(ep, rows, dest, slots, ks, op) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# A2E / E2A with trampoline forwarding (PROTOCOLS.md §8, 001 §3.3, §5.2)
+# A2E / E2A with trampoline forwarding (docs/protocols.md §8, 001 §3.3, §5.2)
 # ------------------------------------------------------------------------------------------------
 
 DEST_SHIFT = 20  # a2e packets carry local_expert | dest_die << DEST_SHIFT in meta word 3
@@ -630,8 +900,10 @@ class A2EHandle:
 
 
 def _a2e_rows(ep: Endpoint, die: int, half: int, count: int) -> np.ndarray:
+    """uint8 [count, stride]: the first rows of a trampoline's inbound A2E area (bound checked)."""
     lo = ep.layout
     stride = lo.pull_disp_stride
+    _area_check(ep, f"a2e inbound area of die {die}", 0, count, lo.pull_disp_rows)
     base = lo.a2e_in_off + half * lo.pull_disp_rows * stride
     return ep.regions[die].array[base : base + count * stride].reshape(count, stride)
 
@@ -654,18 +926,22 @@ def a2e(
             expert dies).
         n_att: number of attention dies.
         quant: None or "int8".
-        event_id: names the operation; every die passes the same.
+        event_id: int in [0, 2**62) naming the operation; every die passes the same.
     Returns:
         (DispatchResult on expert dies / None on attention dies, A2EHandle for `e2a`).
+    Raises:
+        an attention die's bad input on that die (after it flagged its trampoline REFUSED);
+        PeerRefused on every expert die then. Attention dies do not wait in `a2e`: a refusal
+        reaches the other attention dies only through their peers' errors (in a `pod.run`,
+        the launcher aborts them).
     """
     st = _a2a_state(ep)
     lo = ep.layout
     n_exp = ep.num_dies - n_att
-    if not 1 <= n_att <= n_exp:
-        raise ValueError(f"n_att {n_att}: need 1 <= n_att <= n_exp ({n_exp} expert dies)")
-    quant = None if quant == "none" else quant
+    if not isinstance(n_att, int) or not 1 <= n_att <= n_exp:
+        raise ValueError(f"n_att {n_att!r}: need 1 <= n_att <= n_exp ({n_exp} expert dies)")
     exp_dies = tuple(range(n_att, ep.num_dies))
-    placement = st.get("a2e_placement")
+    placement = st.a2e_placement
     if placement is None or placement.dies != exp_dies:
         if lo.a2a_num_experts % n_exp or lo.a2a_num_experts // n_exp > lo.a2a_experts_per_die:
             raise ConfigError(
@@ -673,15 +949,29 @@ def a2e(
                 f" need {lo.a2a_num_experts / n_exp:g} per die (and must divide evenly); the"
                 f" pod's areas are sized for {lo.a2a_experts_per_die}"
             )
-        placement = st["a2e_placement"] = Placement.default(lo.a2a_num_experts, exp_dies)
-    op = st["fused_ops"][DISPATCH] = st["fused_ops"][DISPATCH] + 1
-    half = op & 1
+        placement = st.a2e_placement = Placement.default(lo.a2a_num_experts, exp_dies)
     me = ep.die_id
+    bad: BaseException | None = None
+    try:
+        event_id = _check_event(event_id)
+        if quant not in QUANTS:
+            raise ValueError(f"quant {quant!r}: choose None or 'int8'")
+        quant = None if quant == "none" else quant
+        if me < n_att:
+            _check_inputs(ep, x, topk_idx, topk_weights, quant)
+            lay = get_dispatch_layout(topk_idx, placement)
+            _check_capacity(ep, lay, placement)
+    except (ValueError, TypeError) as e:
+        bad, event_id = e, _event_word(event_id)
+    op = st.fused_ops[DISPATCH] = st.fused_ops[DISPATCH] + 1
+    half = op & 1
     tr = ep.trace if ep.trace.enabled else None
     t0 = now_ns()
     if me < n_att:
-        _check_inputs(ep, x, topk_idx, topk_weights, "fused", quant)
-        lay = get_dispatch_layout(topk_idx, placement)
+        if bad is not None:
+            f = (lo.a2e_flag_off + half * L.FIELD_BYTES) // L.WORD
+            _flag(ep, n_att + me, f, event_id, REFUSED, op)
+            raise bad
         _a2e_stage1(ep, x, lay, placement, n_att + me, half, op, quant, event_id)
         if tr:
             tr.rec(t0, now_ns() - t0, "a2e", 1, n_att + me, 0, event_id, 0)
@@ -690,11 +980,18 @@ def a2e(
         return None, handle
     writes, partner = 0, None
     if me < 2 * n_att:  # a trampoline: forward its attention die's packets (A2E')
-        partner, writes = _a2e_stage2(ep, me - n_att, half, op, event_id, placement)
+        partner, writes = _a2e_stage2(ep, me - n_att, half, op, placement)
         if tr:
             tr.rec(t0, now_ns() - t0, "a2e", 2, me - n_att, 0, event_id, 0)
     t1 = now_ns()
-    res = _expert_gather(ep, half, op, event_id, n_att, placement, quant)
+    try:
+        res = _expert_gather(ep, half, op, event_id, n_att, placement, quant)
+    except PodError as e:
+        if bad is not None:
+            raise bad from e
+        raise
+    if bad is not None:
+        raise bad
     if tr:
         tr.rec(t1, now_ns() - t1, "a2e", 3, -1, 0, event_id, 0)
     return res, A2EHandle(n_att, "expert", res.handle, None, None, partner, writes)
@@ -713,58 +1010,42 @@ def _a2e_stage1(ep, x, lay, placement, tramp, half, op, quant, event_id) -> None
     meta[:, 1] = lay.msg_slot
     meta[:, 2] = lay.msg_k
     meta[:, 3] = lay.msg_local_expert | lay.msg_dest << DEST_SHIFT
-    w = ep.words[tramp]
     f = (lo.a2e_flag_off + half * L.FIELD_BYTES) // L.WORD
-    w[f + F_EVENT] = event_id
-    w[f + 1] = n
-    w[f + 2] = op  # LAST: the one metadata write of this attention die
+    _flag(ep, tramp, f, event_id, n, op)  # the one metadata write of this attention die
 
 
-def _a2e_stage2(ep, att, half, op, event_id, placement):
-    """A2E': the trampoline forwards its partner's packets to the dies owning the experts."""
+def _a2e_stage2(ep, att, half, op, placement):
+    """A2E': the trampoline forwards its partner's packets to the dies owning the experts, with
+    its partner's event id (each expert die checks it) or its refusal."""
     lo = ep.layout
     lw = ep.words[ep.die_id]
     f = (lo.a2e_flag_off + half * L.FIELD_BYTES) // L.WORD
-    ep.wait_ge(lw, f + 2, op, att, f"a2e.flag[{half}]")
-    if lw[f + F_EVENT] != event_id:
-        raise ProtocolError(
-            f"die {ep.die_id} (trampoline): a2e from die {att}: expected event_id {event_id},"
-            f" got {lw[f + F_EVENT]}"
-        )
-    n, stride = lw[f + 1], lo.pull_disp_stride
+    ep.wait_ge(lw, f + G_SEQ, op, att, f"a2e.flag[{half}]")
+    event, n, stride = lw[f + G_EVENT], lw[f + G_COUNT], lo.pull_disp_stride
+    if n == REFUSED:
+        for d in placement.dies:
+            _flag(ep, d, lo.fused_flag_word(half, att), event, REFUSED, op)
+        return (np.zeros(0, np.int64), np.zeros(0, np.int64)), len(placement.dies)
     rows = _a2e_rows(ep, ep.die_id, half, n)
     meta = rows[:, stride - L.PULL_ROW_META :].view(np.int32)
     dest = meta[:, 3] >> DEST_SHIFT
     local = meta[:, 3] & ((1 << DEST_SHIFT) - 1)
     for d in placement.dies:
         sel = np.nonzero(dest == d)[0]
-        block = _fused_block(ep, d, half, att)  # the expert die's buffer block for source att
-        block[: len(sel)] = rows[sel]
-        block[: len(sel), stride - 4 : stride] = local[sel].view(np.uint8).reshape(-1, 4)
+        block = _fused_rows(ep, d, half, att, len(sel))  # the expert die's block for att
+        block[:] = rows[sel]
+        block[:, stride - 4 : stride] = local[sel].view(np.uint8).reshape(-1, 4)
         n_local = placement.num_local(d)
         counts = np.bincount(local[sel], minlength=n_local)
         _words(ep, d, lo.fused_counts_off_of(half, att), n_local)[:] = counts
-        w = ep.words[d]
-        g = lo.fused_flag_word(half, att)
-        w[g + F_EVENT] = event_id
-        w[g + 1] = len(sel)
-        w[g + 2] = op  # LAST
+        _flag(ep, d, lo.fused_flag_word(half, att), event, len(sel), op)
     return (meta[:, 1].astype(np.int64), meta[:, 2].astype(np.int64)), len(placement.dies)
 
 
 def _expert_gather(ep, half, op, event_id, n_att, placement, quant) -> DispatchResult:
     """An expert die waits for the forwarded flags of every attention die and groups rows."""
     lo = ep.layout
-    lw, parts = ep.words[ep.die_id], []
-    for src in range(n_att):
-        f = lo.fused_flag_word(half, src)
-        ep.wait_ge(lw, f + 2, op, src, f"fused.flag[{half}] (forwarded)")
-        if lw[f + F_EVENT] != event_id:
-            raise ProtocolError(
-                f"die {ep.die_id}: a2e from die {src}: expected event_id {event_id}, got"
-                f" {lw[f + F_EVENT]}"
-            )
-        parts.append((src, _fused_block(ep, ep.die_id, half, src)[: lw[f + 1]]))
+    parts, _, _ = _fused_gather(ep, half, op, event_id, range(n_att), placement, " (forwarded)")
     pb = lo.a2a_hidden * (1 if quant == "int8" else 4)
     empty = get_dispatch_layout(np.zeros((0, lo.a2a_topk), np.int64), placement)
     none = np.zeros((0, lo.a2a_topk))
@@ -779,52 +1060,77 @@ def e2a(ep: Endpoint, expert_out: np.ndarray | None, handle: A2EHandle, event_id
         expert_out: on expert dies, float32 [n_rows, hidden] aligned with the a2e result rows
             (None on attention dies).
         handle: the A2EHandle from `a2e`.
-        event_id: names the operation; every die passes the same.
+        event_id: int in [0, 2**62) naming the operation; every die passes the same.
     Returns:
         float32 [batch, hidden] on attention dies (ascending-k float32 reduction, as
         `comm.reference.combine_ref`); None on expert dies.
+    Raises:
+        an expert die's bad `expert_out` on that die (it still marks the rows it owes as
+        refused); PeerRefused on the attention dies whose trampoline forwarded a refusal.
     """
     st = _a2a_state(ep)
-    lo = ep.layout
-    op = st["fused_ops"][COMBINE] = st["fused_ops"][COMBINE] + 1
-    n_att, me, hidden = handle.n_att, ep.die_id, lo.a2a_hidden
+    if not isinstance(handle, A2EHandle) or handle.role not in ("attention", "expert"):
+        raise TypeError(f"handle must be the A2EHandle of a2e, got {_describe(handle)}")
+    bad: BaseException | None = None
+    try:
+        event_id = _check_event(event_id)
+        if handle.role == "expert":
+            _check_expert_out(ep, expert_out, len(handle.dispatch.recv_src_rank))
+    except (ValueError, TypeError) as e:
+        bad, event_id = e, _event_word(event_id)
+    op = st.fused_ops[COMBINE] = st.fused_ops[COMBINE] + 1
     if handle.role == "expert":
-        d = handle.dispatch
-        if not isinstance(expert_out, np.ndarray) or expert_out.shape != (
-            len(d.recv_src_rank), hidden
-        ) or expert_out.dtype != np.float32:  # fmt: skip
-            raise ValueError(
-                f"expert_out must be float32 [{len(d.recv_src_rank)}, {hidden}], got"
-                f" {_describe(expert_out)}"
-            )
-        tr = ep.trace if ep.trace.enabled else None
-        t0 = now_ns()
-        tramp = n_att + d.recv_src_rank  # E2A: each row to its attention die's trampoline
-        _write_slots_by_src(ep, expert_out, tramp, d.recv_slot, d.recv_k, op)
-        t1 = now_ns()
-        if handle.partner_slots is not None:  # E2A': a trampoline forwards to its partner
-            slots, ks = handle.partner_slots
-            _wait_slots(ep, slots, ks, op, "e2a")
-            t2 = now_ns()
-            rows = _comb_f32(ep, me)[slots * lo.a2a_topk + ks, :hidden]
-            partner = np.full(len(slots), me - n_att, np.int64)
-            _write_slots_by_src(ep, rows, partner, slots, ks, op)
-            if tr:
-                tr.rec(t1, t2 - t1, "e2a", 3, me - n_att, 0, event_id, 0)
-                tr.rec(t2, now_ns() - t2, "e2a", 4, me - n_att, 0, event_id, rows.nbytes)
-        if tr:
-            tr.rec(t0, t1 - t0, "e2a", 1, -1, 0, event_id, expert_out.nbytes)
+        _e2a_expert(ep, expert_out, handle, op, event_id, bad)
+        if bad is not None:
+            raise bad
         return None
+    n_att, me = handle.n_att, ep.die_id
     idx, w = handle.topk_idx, handle.topk_weights
     r_slot, r_k = np.nonzero(idx >= 0)
     t0 = now_ns()
-    _wait_slots(ep, r_slot, r_k, op, "e2a'", np.full(len(r_slot), n_att + me))
+    owners = np.full(len(r_slot), n_att + me)
+    _wait_slots(ep, r_slot, r_k, op, "e2a'", owners)
+    if bad is not None:
+        raise bad
+    _check_refusals(ep, owners, op, "e2a")
     t1 = now_ns()
     out = _weighted_sum(_comb_rows(ep, idx.shape[0]), idx, w)
     if ep.trace.enabled:
         ep.trace.rec(t0, t1 - t0, "e2a", 5, me + n_att, 0, event_id, 0)
         ep.trace.rec(t1, now_ns() - t1, "e2a", 6, -1, 0, event_id, 0)
     return out
+
+
+def _e2a_expert(ep, expert_out, handle, op, event_id, bad) -> None:
+    """E2A on an expert die: rows to the trampolines (or its refusal); a trampoline then
+    forwards its partner's rows (or a refusal it received) to its attention die (E2A')."""
+    lo = ep.layout
+    n_att, me, hidden = handle.n_att, ep.die_id, lo.a2a_hidden
+    d = handle.dispatch
+    tr = ep.trace if ep.trace.enabled else None
+    t0 = now_ns()
+    tramp = n_att + d.recv_src_rank  # E2A: each row to its attention die's trampoline
+    if bad is None:
+        _write_slots_by_src(ep, expert_out, tramp, d.recv_slot, d.recv_k, op)
+    else:
+        _refuse_slots(ep, tramp, d.recv_slot, d.recv_k, op)
+    t1 = now_ns()
+    if handle.partner_slots is not None:  # E2A': a trampoline forwards to its partner
+        slots, ks = handle.partner_slots
+        _wait_slots(ep, slots, ks, op, "e2a")
+        t2 = now_ns()
+        partner = np.full(len(slots), me - n_att, np.int64)
+        refuse = _words(ep, me, lo.fused_refuse_off, ep.num_dies)
+        if any(refuse[e] == op for e in range(n_att, ep.num_dies)):
+            _refuse_slots(ep, partner, slots, ks, op)  # pass the refusal on
+        else:
+            rows = _comb_f32(ep, me)[slots * lo.a2a_topk + ks, :hidden]
+            _write_slots_by_src(ep, rows, partner, slots, ks, op)
+            if tr:
+                tr.rec(t1, t2 - t1, "e2a", 3, me - n_att, 0, event_id, 0)
+                tr.rec(t2, now_ns() - t2, "e2a", 4, me - n_att, 0, event_id, rows.nbytes)
+    if tr and bad is None:
+        tr.rec(t0, t1 - t0, "e2a", 1, -1, 0, event_id, expert_out.nbytes)
 
 
 def _wait_slots(ep, slots, ks, op, what, owners=None) -> None:

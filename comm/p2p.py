@@ -1,4 +1,4 @@
-"""XCCL point-to-point send / recv over the dies' shared regions (PROTOCOLS.md §4, 001 §3.1).
+"""XCCL point-to-point send / recv over the dies' shared regions (docs/protocols.md §4, 001 §3.1).
 
 Per (sender s, receiver r, lane l) there is one inbound descriptor `desc[s][l]` in r's meta area
 (written by s), one ack `ack[r][l]` in s's meta area (written by r), one zero-copy rendezvous
@@ -1096,7 +1096,8 @@ def resync(ep: Endpoint) -> int:
 
     Run on every die while the whole pod is idle (the launcher does so after a `pod.run` that
     raised): as a receiver, each inbound ring is emptied (head_ptr = tail_ptr) and any unacked
-    message is acked with status ABORTED; as a sender, stale zero-copy rendezvous are consumed;
+    message is acked with status ABORTED (a zero-copy rendezvous is tagged with its message, so a
+    stale one can never be taken for a later message);
     outstanding requests fail with PodAborted and the DMA engine is restarted. Counters only move
     forward, so the monotonic-flag rule still holds.
     """

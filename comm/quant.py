@@ -1,4 +1,4 @@
-"""INT8 early quantization of dispatch payloads (000 §4.2.1 ②, PROTOCOLS.md §5).
+"""INT8 early quantization of dispatch payloads (000 §4.2.1 ②, docs/protocols.md §5).
 
 Per token (row): `scale = max|x| / 127` in float32 (1.0 for an all-zero row),
 `q = clip(rint(x / scale), -127, 127)` as int8; the float32 scale travels with the token and the

@@ -1,4 +1,4 @@
-"""Plain-numpy reference of every expert-parallel collective (PROTOCOLS.md §5-8).
+"""Plain-numpy reference of every expert-parallel collective (docs/protocols.md §5-8).
 
 Readable, not fast: each function takes the inputs of *all* dies at once and returns what every
 die must end up with. The protocols of `comm/` and their tests compare against these functions,
@@ -343,7 +343,7 @@ def _check_att_dies(att_dies, n: int, placement: Placement) -> list[int]:
 
 
 def a2e_ref(xs, topk_idxs, placement: Placement, att_dies, quant=None) -> dict[int, DispatchOut]:
-    """Reference A2E (attention -> expert dies, PROTOCOLS.md §8): `dispatch_ref` with the
+    """Reference A2E (attention -> expert dies, docs/protocols.md §8): `dispatch_ref` with the
     attention dies as sources and `placement` over the expert dies.
 
     The two stages through the trampolines (A2E, then A2E') must deliver exactly this; the
@@ -362,7 +362,7 @@ def a2e_ref(xs, topk_idxs, placement: Placement, att_dies, quant=None) -> dict[i
 
 
 def e2a_ref(expert_outs, dispatch_outs, topk_idxs, topk_weights, att_dies) -> list[np.ndarray]:
-    """Reference E2A (expert -> attention dies, PROTOCOLS.md §8): `combine_ref` with the attention
+    """Reference E2A (expert -> attention, docs/protocols.md §8): `combine_ref` with the attention
     dies as sources. E2A + E2A' through the trampolines must give these outputs bit for bit.
 
     Arguments:

@@ -1,4 +1,4 @@
-"""Expert placement and the dispatch layout shared by every all-to-all protocol (PROTOCOLS.md §5).
+"""Expert placement and the dispatch layout of every all-to-all protocol (docs/protocols.md §5).
 
 Glossary (paper -> code): expert id -> `expert` (logical, 0..num_experts-1), rank/NPU holding
 experts -> `die` (pod-wide die id), expert slot on that die -> `local_expert`, key offset -> `k`.
@@ -219,8 +219,10 @@ class DispatchLayout:
 def check_topk_idx(topk_idx, num_experts: int, name: str = "topk_idx") -> np.ndarray:
     """Validate a routing table; returns it as int64 `[batch, k]` (a view or copy, not frozen).
 
-    Raises TypeError for a non-integer dtype, ValueError for a wrong rank or an id outside
-    `{-1} ∪ [0, num_experts)` (the message names the first bad value and its `[slot, k]`).
+    Raises TypeError for a non-integer dtype, ValueError for a wrong rank, an id outside
+    `{-1} ∪ [0, num_experts)` or an expert named twice in one token's row (a gate's top-k never
+    repeats an expert, and every receive area is sized for distinct experts per token; the
+    message names the first bad value and its `[slot, k]`).
     """
     arr = np.asarray(topk_idx)
     if arr.dtype.kind not in "iu":
@@ -236,11 +238,28 @@ def check_topk_idx(topk_idx, num_experts: int, name: str = "topk_idx") -> np.nda
             f"{name}[{slot}, {k}] = {arr[slot, k]}: expert ids must be -1 (unrouted) or in "
             f"[0, {num_experts}) ({len(bad)} bad entries)"
         )
+    if arr.shape[1] > 1:
+        _check_distinct(arr, name)
     return arr
 
 
+def _check_distinct(arr: np.ndarray, name: str) -> None:
+    """ValueError if a row names one expert twice (-1 entries may repeat)."""
+    s = np.sort(arr, axis=1)
+    dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
+    if dup.any():  # locate the first repeat only on failure
+        slot = int(np.flatnonzero(dup.any(axis=1))[0])
+        row = arr[slot]
+        expert = int(s[slot, 1:][dup[slot]][0])
+        ks = np.flatnonzero(row == expert).tolist()
+        raise ValueError(
+            f"{name}[{slot}] names expert {expert} twice (k = {ks}): a token's routed experts"
+            f" must be distinct ({int(dup.any(axis=1).sum())} tokens with repeats)"
+        )
+
+
 def get_dispatch_layout(topk_idx, placement: Placement) -> DispatchLayout:
-    """Messages, counts and offsets of one source die's dispatch (PROTOCOLS.md §5).
+    """Messages, counts and offsets of one source die's dispatch (docs/protocols.md §5).
 
     Arguments:
         topk_idx: int array `[batch, k]`, logical expert id per (token, k); -1 = not routed. Any

@@ -1,6 +1,6 @@
 """Per-die protocol trace and its export to Chrome trace-event JSON (opens in Perfetto).
 
-A record is one protocol step of PROTOCOLS.md: `(t_ns, dur_ns, op, step, peer, lane, event_id,
+A record is one protocol step of docs/protocols.md: `(t_ns, dur_ns, op, step, peer, lane, event_id,
 nbytes)`; `t_ns` is CLOCK_MONOTONIC (the same clock in every process of the machine), `dur_ns` is 0
 for instants (a publish) and the time spent for copies and polls. Records go into a bounded deque
 (a tuple append, ~0.1 us), so tracing can stay on in benchmarks; the oldest records fall off.
@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 
 now_ns = time.perf_counter_ns  # CLOCK_MONOTONIC on Linux: comparable across processes
 
-# (op, step) -> step name shown in the timeline. Step numbers are those of PROTOCOLS.md.
+# (op, step) -> step name shown in the timeline. Step numbers are those of docs/protocols.md.
 STEP_NAMES: dict[tuple[str, int], str] = {
     ("send", 1): "1 mte2 app->ub",
     ("send", 2): "2 mte3 ub->ring",
@@ -40,7 +40,7 @@ STEP_NAMES: dict[tuple[str, int], str] = {
     ("zc_recv", 0): "0 publish rendezvous",
     ("zc_recv", 5): "5 poll desc",
     ("zc_recv", 7): "7 ack",
-    # expert-parallel all-to-all (comm.alltoall; PROTOCOLS.md §6-8)
+    # expert-parallel all-to-all (comm.alltoall; docs/protocols.md §6-8)
     ("pull_dispatch", 2): "1-2 load + quantize",
     ("pull_dispatch", 3): "3 write own send rows",
     ("pull_dispatch", 4): "4 publish off/count/seq",

@@ -1,7 +1,7 @@
 """The one wait policy of xpod: spin, then yield, then back off; always a deadline.
 
 Every poll loop of every package waits through `wait_ge` (or `WaitPolicy.wait`). Why three phases,
-with numbers from PERF-FACTS.md (2 cores):
+with numbers measured on the 2-core machines xpod runs on (docs/architecture.md §4):
 
 - spin: a Python poll of a memoryview word costs ~0.1 us, so a partner on another core is seen
   within a fraction of a microsecond. Only worth it when every die has a core to itself
@@ -60,7 +60,7 @@ class WaitPolicy:
     @classmethod
     def for_pod(cls, num_dies: int, cores: int, timeout_s: float = 60.0) -> WaitPolicy:
         """The adaptive default: spin with a rare yield when every die has a core, else yield on
-        every poll (PERF-FACTS: 'A wait policy must adapt to num_dies / cores')."""
+        every poll (a wait policy must adapt to num_dies / cores)."""
         if num_dies <= cores:
             return cls(spin_polls=20000, yield_every=64, timeout_s=timeout_s)
         return cls(spin_polls=0, yield_every=1, timeout_s=timeout_s)

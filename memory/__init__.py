@@ -3,6 +3,7 @@
 from memory.alloc import AppAllocator
 from memory.errors import (
     ConfigError,
+    PeerRefused,
     PeerTimeout,
     PodAborted,
     PodError,
@@ -19,6 +20,7 @@ __all__ = [
     "P2P_RDV",
     "AppAllocator",
     "ConfigError",
+    "PeerRefused",
     "PeerTimeout",
     "PodAborted",
     "PodError",

@@ -26,6 +26,11 @@ class ProtocolError(PodError):
     """Bad magic or layout, event-id / size / dtype mismatch between a send and its recv."""
 
 
+class PeerRefused(ProtocolError):
+    """Another die refused its input to a collective this die took part in (the other die's own
+    error says why). Every die's operation counter still moved by one: the pod stays in step."""
+
+
 class PeerTimeout(PodError, TimeoutError):
     """A wait passed its deadline; names die, peer, field, expected and seen values, seconds."""
 

@@ -25,9 +25,29 @@ Meta area, in this order, every field 32 bytes = four little-endian int64 words:
 ```
 
 The polled word of each field is written last (tail_ptr, done, seq, count) and only grows during
-the pod's life, so a stale value can never look like a fresh one (PROTOCOLS.md §3). `done` is the
-per-(sender, lane) message sequence number that the sender put in `chunk_id` (`seq << 24 | chunk`),
-not the caller's event id: event ids are caller-chosen and may repeat, a polled word may not.
+the pod's life, so a stale value never looks like a fresh one (docs/protocols.md §3). `done` is
+the per-(sender, receiver) message sequence number that the sender put in `chunk_id`
+(`seq << 24 | chunk`), not the caller's event id: event ids are caller-chosen and may repeat, a
+polled word may not.
+
+All-to-all fields (only in a pod launched with `a2a_max_batch`), in the meta area after `sync`:
+
+```
+ pull[kind][half][src]  | event_id | off      | count    | seq      |   writer: src
+                          kind 0 dispatch, 1 combine; seq = the operation number, LAST
+ fused_flag[half][src]  | event_id | count    | seq      | spare    |   writer: src (or the
+                          trampoline forwarding src's packets in A2E'); seq LAST
+ fused_counts[half][src][local expert]   int64 rows per expert          writer: src
+ fused_cflag[slot][k]   int64 combine completion word = operation number, writer: the die that
+                          computed (slot, k) (or the trampoline forwarding it in E2A')
+ a2e_flag[half]         | event_id | count    | seq      | spare    |   writer: the partner
+                          attention die of this trampoline; seq LAST
+ fused_refuse[src]      int64: the fused-combine / E2A operation number at which src refused
+                          its part (bad input); written before src's completion words
+```
+`count` = COUNT_REFUSED (-1) in a pull field, fused flag or a2e flag says that the writer refused
+its input to that operation: it still takes part (publishes, waits for every peer) so that every
+die's operation counter stays in step, and every reader raises after its wait.
 
 Managed area: ring (sender s, lane l) of die d starts at
 `managed_off + (s * lanes + l) * ring_slots * slot_bytes`; chunk k of the ring lives in slot
@@ -44,7 +64,7 @@ import numpy as np
 from memory.errors import ConfigError
 
 MAGIC = 0x314D4248444F5058  # b"XPODHBM1" little-endian
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: fused_refuse words
 PAGE = 4096
 HEADER_BYTES = PAGE
 FIELD_BYTES = 32
@@ -62,6 +82,9 @@ DESC_EVENT, DESC_CHUNK, DESC_TAIL, DESC_INFO = 0, 1, 2, 3
 ACK_EVENT, ACK_HEAD, ACK_DONE, ACK_STATUS = 0, 1, 2, 3
 RDV_EVENT, RDV_OFF, RDV_NBYTES, RDV_SEQ = 0, 1, 2, 3
 SYNC_COUNT = 0
+PULL_EVENT, PULL_OFF, PULL_COUNT, PULL_SEQ = 0, 1, 2, 3
+FLAG_EVENT, FLAG_COUNT, FLAG_SEQ = 0, 1, 2  # fused_flag and a2e_flag
+COUNT_REFUSED = -1  # a count word of a die that refused its input to the operation
 
 HEADER = np.dtype(
     [
@@ -135,6 +158,7 @@ class RegionLayout:
     fused_comb_off: int = 0  # managed: [max_batch][topk] rows of pull_comb_stride
     a2e_in_off: int = 0  # managed: [2 halves][max_batch * topk] rows, a trampoline's inbound
     a2e_flag_off: int = 0  # meta: [2 halves] one field | event_id | count | seq | spare |
+    fused_refuse_off: int = 0  # meta: [num_dies] int64, fused-combine op a die refused
 
     @property
     def ring_bytes(self) -> int:
@@ -285,7 +309,8 @@ def compute(
     fused_counts_off = fused_flag_off + (2 * num_dies * FIELD_BYTES if on else 0)
     fused_cflag_off = fused_counts_off + (2 * num_dies * a2a_experts_per_die * WORD if on else 0)
     a2e_flag_off = fused_cflag_off + (a2a_max_batch * a2a_topk * WORD if on else 0)
-    meta_end = a2e_flag_off + (2 * FIELD_BYTES if on else 0)
+    fused_refuse_off = a2e_flag_off + (2 * FIELD_BYTES if on else 0)
+    meta_end = fused_refuse_off + (num_dies * WORD if on else 0)
     meta_bytes = _round_up(meta_end - meta_off, PAGE)
     managed_off = meta_off + meta_bytes
     rings = num_dies * lanes * ring_slots * slot_bytes
@@ -336,6 +361,7 @@ def compute(
         fused_comb_off=fused_comb_off if on else 0,
         a2e_in_off=a2e_in_off if on else 0,
         a2e_flag_off=a2e_flag_off if on else 0,
+        fused_refuse_off=fused_refuse_off if on else 0,
     )
 
 
@@ -345,7 +371,7 @@ PULL_ROW_META = 16  # bytes after a dispatch row's payload: scale f32, slot i32,
 def _a2a_sizes(
     num_dies: int, batch: int, hidden: int, topk: int, per_die: int, disp_bytes: int = 4
 ) -> dict:
-    """Rows and strides of the pull send areas (PROTOCOLS.md §6), zeros when batch is 0.
+    """Rows and strides of the pull send areas (docs/protocols.md §6), zeros when batch is 0.
 
     Dispatch: one half holds every message a die sends in one step, `batch x topk` rows, each a
     float32 payload (INT8 uses the first `hidden` bytes; an INT8-only pod, `disp_bytes` 1, has

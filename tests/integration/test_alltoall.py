@@ -1,4 +1,4 @@
-"""Pull-based dispatch / combine (PROTOCOLS.md §6) against the numpy reference, bit for bit.
+"""Pull-based dispatch / combine (docs/protocols.md §6) against the numpy reference, bit for bit.
 
 Every die's tokens are built from (seed, die id), so rows name their sender, and every result is
 compared with `comm.reference` run over all dies' inputs in the launcher.
@@ -15,6 +15,7 @@ import comm
 from comm import reference as ref
 from comm.routing import Placement
 from runtime import Pod, PodConfig
+from tests.routing_cases import random_topk
 
 H, K, B = 48, 4, 16
 
@@ -25,11 +26,16 @@ def make_inputs(seed: int, die_id: int, num_experts: int, case: str):
     if case == "sends-nothing" and die_id == 0:
         b = 0
     x = (rng.standard_normal((b, H)) + 100 * die_id).astype(np.float32)  # rows name the sender
-    idx = rng.integers(-1, num_experts, size=(b, K)).astype(np.int64)
-    if case == "one-expert":
-        idx[:] = 3
-    if case == "same-die":  # duplicate dies within one token's top-k (experts 0 and 1: die 0)
-        idx[:, 0], idx[:, 1] = 0, 1
+    idx = random_topk(rng, b, K, num_experts)  # distinct experts per token, some unrouted
+    if case == "one-expert":  # every token to expert 3 only
+        idx[:] = -1
+        idx[:, 0] = 3
+    if case == "same-die":  # two experts of one die in each token's top-k (experts 0 and 1: die 0)
+        rest = random_topk(rng, b, K - 2, num_experts - 2, unrouted=0.0)
+        idx = np.concatenate(
+            [np.zeros((b, 1)), np.ones((b, 1)), np.where(rest < 0, -1, rest + 2)], 1
+        )
+        idx = idx.astype(np.int64)
     if case == "unrouted":
         idx[:, ::2] = -1
     w = rng.random((b, K)).astype(np.float32)
@@ -268,7 +274,7 @@ def test_num_experts_must_divide_over_the_dies():
         PodConfig(num_dies=4, a2a_max_batch=8, a2a_hidden=16, a2a_topk=2, num_experts=6)
 
 
-# -- A2E / E2A with trampolines (PROTOCOLS.md §8) -------------------------------------------------
+# -- A2E / E2A with trampolines (docs/protocols.md §8) --------------------------------------------
 
 
 def a2e_step(die, seed, n_att, num_experts, quant):

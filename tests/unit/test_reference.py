@@ -24,6 +24,7 @@ from comm.reference import (
     moe_ref,
 )
 from comm.routing import Placement
+from tests.routing_cases import random_topk, topk_rows
 
 I64 = np.int64
 
@@ -177,9 +178,7 @@ def scenarios(draw):
     hidden, topks = draw(st.integers(1, 5)), []
     for _ in range(n_src):
         batch, k = draw(st.integers(0, 6)), draw(st.integers(1, 4))
-        ids = st.integers(-1, placement.num_experts - 1)
-        flat = draw(st.lists(ids, min_size=batch * k, max_size=batch * k))
-        topks.append(np.array(flat, dtype=I64).reshape(batch, k))
+        topks.append(draw(topk_rows(batch, k, placement.num_experts)))
     xs = [payload(r, len(t), hidden) for r, t in zip(src_ranks, topks, strict=True)]
     return placement, src_ranks, xs, topks, draw(st.sampled_from([None, "int8"]))
 
@@ -246,7 +245,7 @@ def test_combine_does_not_depend_on_row_arrival_order(seed):
     print(f"seed={seed}")
     rng = np.random.default_rng(seed)
     placement = Placement.from_table(rng.integers(0, 3, size=12), (0, 1, 2))
-    topks = [rng.integers(-1, 12, size=(16, 4)) for _ in range(3)]
+    topks = [random_topk(rng, 16, 4, 12) for _ in range(3)]
     xs = [rng.standard_normal((16, 32)).astype(np.float32) for _ in range(3)]
     weights = [rng.random((16, 4)).astype(np.float32) for _ in range(3)]
     outs = dispatch_ref(xs, topks, placement)
@@ -273,7 +272,7 @@ def test_int8_moe_is_close_to_float_moe(seed):
     print(f"seed={seed}")
     rng = np.random.default_rng(seed)
     placement = Placement.default(8, (0, 1, 2, 3))
-    topks = [rng.integers(-1, 8, size=(10, 3)) for _ in range(4)]
+    topks = [random_topk(rng, 10, 3, 8) for _ in range(4)]
     xs = [rng.standard_normal((10, 64)).astype(np.float32) * 10 for _ in range(4)]
     weights = [rng.random((10, 3)).astype(np.float32) for _ in range(4)]
     identity = lambda die, d: d.x  # noqa: E731
@@ -307,7 +306,7 @@ def test_a2e_e2a_disaggregated(quant):
     print(f"seed={seed}")
     rng = np.random.default_rng(seed)
     placement = Placement.default(8, (2, 3, 4, 5))  # expert dies; attention dies 0 and 1
-    topks = [rng.integers(-1, 8, size=(6, 2)) for _ in range(2)]
+    topks = [random_topk(rng, 6, 2, 8) for _ in range(2)]
     xs = [payload(a, 6, hidden=8) for a in (0, 1)]
     weights = [rng.random((6, 2)).astype(np.float32) for _ in range(2)]
     outs = a2e_ref(xs, topks, placement, att_dies=(0, 1), quant=quant)
@@ -377,12 +376,18 @@ def test_batch_zero_source():
 
 
 def test_every_token_to_one_expert_leaves_other_dies_empty():
-    topks = [np.full((3, 2), 3), np.full((3, 2), 3)]
+    topks = [np.array([[3, -1]] * 3), np.array([[-1, 3]] * 3)]
     outs = dispatch_ref(hand_xs(), topks, HAND_PLACEMENT)
     assert outs[0].num_rows == 0 and outs[0].x.shape == (0, 2)
     np.testing.assert_array_equal(outs[0].expert_counts, [0, 0])
-    np.testing.assert_array_equal(outs[1].expert_counts, [0, 12])
-    np.testing.assert_array_equal(outs[1].k_index, [0, 1] * 6)
+    np.testing.assert_array_equal(outs[1].expert_counts, [0, 6])
+    np.testing.assert_array_equal(outs[1].k_index, [0, 0, 0, 1, 1, 1])
+
+
+def test_a_repeated_expert_in_one_token_is_refused():
+    topks = [np.array([[3, 3], [0, 1], [2, -1]]), np.array([[-1, 3]] * 3)]
+    with pytest.raises(ValueError, match=r"topk_idxs\[0\]\[0\] names expert 3 twice"):
+        dispatch_ref(hand_xs(), topks, HAND_PLACEMENT)
 
 
 def test_a_die_hosting_no_experts_receives_an_empty_output():

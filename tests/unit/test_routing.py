@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from comm.routing import DispatchLayout, Placement, get_dispatch_layout
+from comm.routing import DispatchLayout, Placement, check_topk_idx, get_dispatch_layout
+from tests.routing_cases import topk_rows
 
 # The hand-checked case shared with test_reference.py: 2 dies, 4 experts (2 per die), batch 3,
 # top-2. Slot 1 has an unrouted k; slot 2 sends both its experts to die 0 (two messages).
@@ -143,7 +144,7 @@ def test_layout_arrays_are_int64_and_read_only():
     [
         (np.zeros((0, 2), np.int64), (0, 0), (0, 0, 0, 0)),  # batch 0
         (np.full((3, 2), -1), (0, 0), (0, 0, 0, 0)),  # all unrouted
-        (np.full((3, 2), 2), (0, 6), (0, 0, 6, 0)),  # every pair to expert 2; die 0 gets nothing
+        (np.array([[2, 3]] * 3), (0, 6), (0, 0, 3, 3)),  # every token to die 1; die 0: nothing
         (np.zeros((5, 0), np.int64), (0, 0), (0, 0, 0, 0)),  # k = 0
     ],
 )
@@ -155,10 +156,11 @@ def test_layout_edges(topk, per_die, per_expert):
     assert lay.num_msgs == sum(per_die)
 
 
-def test_layout_every_token_to_one_expert_is_in_slot_then_k_order():
-    lay = get_dispatch_layout(np.full((3, 2), 2), Placement.default(4, (0, 1)))
-    np.testing.assert_array_equal(lay.msg_slot, _i64(0, 0, 1, 1, 2, 2))
-    np.testing.assert_array_equal(lay.msg_k, _i64(0, 1, 0, 1, 0, 1))
+def test_layout_every_token_to_one_die_is_in_expert_slot_then_k_order():
+    lay = get_dispatch_layout(np.array([[2, 3], [3, 2], [2, -1]]), Placement.default(4, (0, 1)))
+    np.testing.assert_array_equal(lay.msg_local_expert, _i64(0, 0, 0, 1, 1))
+    np.testing.assert_array_equal(lay.msg_slot, _i64(0, 1, 2, 0, 1))
+    np.testing.assert_array_equal(lay.msg_k, _i64(0, 1, 0, 1, 0))
 
 
 @pytest.mark.parametrize(
@@ -169,6 +171,17 @@ def test_layout_every_token_to_one_expert_is_in_slot_then_k_order():
         (np.array([[0.0, 1.0]]), TypeError, "topk_idx: expected an integer array, got dtype float"),
         (np.array([[True, False]]), TypeError, "got dtype bool"),
         (np.array([0, 1]), ValueError, r"expected shape \[batch, k\], got shape \(2,\)"),
+        (
+            np.array([[0, 1], [3, 3]]),
+            ValueError,
+            r"topk_idx\[1\] names expert 3 twice \(k = \[0, 1\]\)",
+        ),
+        (
+            np.array([[2, -1, 2, 0]]),
+            ValueError,
+            r"topk_idx\[0\] names expert 2 twice \(k = \[0, 2\]\)",
+        ),
+        (np.array([[0, 0], [1, 1]], np.uint8), ValueError, "names expert 0 twice"),
     ],
 )
 def test_layout_rejects_bad_topk(topk, exc, msg):
@@ -198,10 +211,7 @@ def placements(draw) -> Placement:
 def routing(draw):
     p = draw(placements())
     batch, k = draw(st.integers(0, 8)), draw(st.integers(0, 4))
-    flat = draw(
-        st.lists(st.integers(-1, p.num_experts - 1), min_size=batch * k, max_size=batch * k)
-    )
-    return p, np.array(flat, dtype=np.int64).reshape(batch, k)
+    return p, draw(topk_rows(batch, k, p.num_experts))
 
 
 @settings(max_examples=200, deadline=None)
@@ -239,3 +249,17 @@ def test_placement_properties(p):
         assert p.num_local(die) == experts.size
     assert (seen == 1).all()
     assert sum(p.num_local(d) for d in p.dies) == p.num_experts
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 6), st.integers(2, 6), st.integers(1, 9), st.data())
+def test_a_repeated_expert_is_always_refused_and_distinct_rows_never(batch, k, experts, data):
+    rows = data.draw(topk_rows(batch, k, experts))
+    check_topk_idx(rows, experts)  # distinct: accepted
+    routed = np.argwhere(rows >= 0)
+    if len(routed) and k > 1:
+        slot, col = (int(v) for v in routed[data.draw(st.integers(0, len(routed) - 1))])
+        other = (col + 1 + data.draw(st.integers(0, k - 2))) % k
+        rows[slot, other] = rows[slot, col]
+        with pytest.raises(ValueError, match=f"names expert {rows[slot, col]} twice"):
+            check_topk_idx(rows, experts)
