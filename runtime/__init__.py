@@ -2,6 +2,7 @@
 
 from memory.errors import (
     ConfigError,
+    PeerRefused,
     PeerTimeout,
     PodAborted,
     PodError,
@@ -10,12 +11,14 @@ from memory.errors import (
 )
 from runtime.config import PodConfig
 from runtime.die import Die
-from runtime.pod import DieCrashed, Pod
+from runtime.pod import DieCrashed, DieHung, Pod
 
 __all__ = [
     "ConfigError",
     "Die",
     "DieCrashed",
+    "DieHung",
+    "PeerRefused",
     "PeerTimeout",
     "Pod",
     "PodAborted",

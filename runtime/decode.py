@@ -121,7 +121,7 @@ class BlockKV:
             if not self.free_blocks:
                 raise MemoryError(
                     f"KV pool exhausted: request {req} needs {self.blocks_for(n1, bs)} blocks of"
-                    f" {bs} tokens; the pool has {self.pool.shape[1]} (raise --kv-blocks)"
+                    f" {bs} tokens; the pool has {self.pool.shape[1]}"
                 )
             table.append(self.free_blocks.pop())
         at = n0

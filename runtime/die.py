@@ -23,8 +23,9 @@ import numpy as np
 import comm
 from comm.trace import Trace
 from memory.alloc import AppAllocator
+from memory.errors import ShmError
 from memory.heap import keep_freed_memory
-from memory.region import Region, RegionHandle, region_name
+from memory.region import Region, RegionHandle, region_name, unlink_segment
 from runtime import control as C
 from runtime.blas import limit_blas_threads
 from runtime.config import PodConfig
@@ -80,12 +81,75 @@ class Die(comm.Endpoint):
 
 
 def _set_pdeathsig() -> None:
-    """Ask the kernel to SIGKILL this die when the launcher dies, so no die outlives its pod."""
+    """Ask the kernel to send this die SIGTERM when the launcher dies, so no die outlives its
+    pod and the dies can unlink what a SIGKILLed launcher could not (`_on_sigterm`)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     except (OSError, AttributeError):
         log.warning("prctl(PR_SET_PDEATHSIG) unavailable; dies may outlive a killed launcher")
+
+
+def _install_sigterm(pod_id: str, die_id: int, num_dies: int, launcher_pid: int) -> None:
+    """SIGTERM from a live launcher (its teardown's last resort): die, as SIGTERM says. SIGTERM
+    after the launcher died (PR_SET_PDEATHSIG, or anyone's): clean up for it, then exit."""
+
+    def on_sigterm(signum, frame) -> None:
+        if os.getppid() == launcher_pid:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        orphan_cleanup(pod_id, die_id, num_dies)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def orphan_cleanup(pod_id: str, die_id: int, num_dies: int) -> list[str]:
+    """The launcher is gone without tearing down: unlink what it cannot. Returns what was
+    unlinked here.
+
+    This die's own region first; then the regions of dies that never started or are dead
+    (they cannot do it themselves); then, if no region of the pod is left, the control segment:
+    every die unlinks its own region before it looks, so the last one to look sees none left
+    and removes the control segment (two dies removing it at once is harmless). Only ever
+    called once the launcher is dead, so it never races a live launcher's teardown. A die that
+    is stopped or stuck keeps its region (and so the control segment): `xpod clean` removes
+    those once the die is gone.
+    """
+    removed = []
+    if unlink_segment(region_name(pod_id, die_id)):
+        removed.append(region_name(pod_id, die_id))
+    try:
+        ctl = C.Control.attach(pod_id)
+    except ShmError:
+        return removed  # the last die out already removed it
+    try:
+        for r in range(num_dies):
+            pid = ctl.words[C.W_DIE_PID + r]
+            gone = r != die_id and (pid <= 0 or not _alive(pid))
+            if gone and unlink_segment(region_name(pod_id, r)):
+                removed.append(region_name(pod_id, r))
+    finally:
+        ctl.close()
+    left = [n for n in C.list_pods().get(pod_id, []) if not n.endswith(".ctl")]
+    if not left and unlink_segment(C.ctl_name(pod_id)):
+        removed.append(C.ctl_name(pod_id))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
 
 
 def _pin(die_id: int, config: PodConfig) -> None:
@@ -97,9 +161,10 @@ def _pin(die_id: int, config: PodConfig) -> None:
 def die_main(die_id: int, cfg: dict, pod_id: str, conn, launcher_pid: int) -> None:
     """Entry point of a die process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _install_sigterm(pod_id, die_id, cfg["num_dies"], launcher_pid)
     _set_pdeathsig()
     if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
+        orphan_cleanup(pod_id, die_id, cfg["num_dies"])
         os._exit(3)
     logging.basicConfig(format=f"die {die_id} %(levelname)s %(name)s: %(message)s")
     keep_freed_memory()  # numpy temporaries reuse heap pages instead of faulting (memory.heap)
@@ -121,6 +186,8 @@ def die_main(die_id: int, cfg: dict, pod_id: str, conn, launcher_pid: int) -> No
     conn.send(("ready", die_id, os.getpid()))
     _serve(die, conn)
     die.close()
+    if os.getppid() != launcher_pid:  # the pipe closed because the launcher died
+        orphan_cleanup(pod_id, die_id, config.num_dies)
 
 
 def _serve(die: Die, conn) -> None:

@@ -1,4 +1,4 @@
-"""A DeepSeek-shaped toy MoE model in plain numpy, float32 everywhere (DESIGN.md "Toy model").
+"""A DeepSeek-shaped toy MoE model in plain numpy, float32 everywhere (docs/architecture.md §5).
 
 Shapes follow DeepSeek-V3 (003 §II-B, Table II), shrunk: a byte-level tokenizer, an embedding,
 `n_layers` decoder blocks of MLA attention (a latent KV cache of `kv_lora_rank + qk_rope_dim`

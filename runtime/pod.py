@@ -10,10 +10,17 @@ Lifecycle and the one teardown path:
    then the die processes; wait until every die attached and said ready.
 2. run: send `fn` and its args to every die over its private pipe (pickle never leaves the pod),
    wait on the pipes and on every die's process sentinel, so a crashed die is seen at once.
-   The first error is re-raised with its die id and remote traceback; dies still waiting on
-   the failed one are aborted (abort epoch in the control segment) after a short grace.
-3. close (normal exit, exception, Ctrl-C, SIGTERM, a crashed die): stop the dies (pipe, then
-   SIGTERM, then SIGKILL), reap them, unlink every region, unlink the control segment last.
+   The root error (a die's own error, not a peer's `PodAborted` / `PeerRefused` consequence of
+   it) is re-raised with its die id and remote traceback; dies still waiting are aborted (abort
+   epoch in the control segment) after a short grace. A die that does not answer the abort
+   within `ABORT_REPLY_S`, or that stays stopped (SIGSTOP) longer than `timeout_s`, is hung: it
+   is killed, the pod is closed and `DieHung` names it.
+3. close (normal exit, exception, Ctrl-C, SIGTERM, a crashed or hung die): abort every wait,
+   stop the dies (pipe, then SIGKILL after a grace), reap them, unlink every region, unlink the
+   control segment last.
+A launcher killed with SIGKILL cannot tear down: its dies get SIGTERM from the kernel
+(PR_SET_PDEATHSIG), see that their launcher is gone, unlink their own regions, and the last one
+out unlinks the control segment (`runtime.die`).
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ from collections.abc import Callable
 from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
-from memory.errors import ConfigError, PodError, ShmError
+import psutil
+
+from memory.errors import ConfigError, PeerRefused, PodAborted, PodError, ShmError
 from memory.region import Region, region_name
 from runtime import control as C
 from runtime.config import PodConfig
@@ -41,15 +50,24 @@ from runtime.die import die_main
 log = logging.getLogger(__name__)
 
 ABORT_GRACE_S = 0.5  # after a die's error, how long the others may finish before being aborted
-STOP_GRACE_S = 2.0
+ABORT_REPLY_S = 1.0  # after the abort, how long a die may take to answer before it is hung
+STOP_GRACE_S = 2.0  # close(): how long idle dies may take to exit before SIGKILL
+CRASH_GRACE_S = 0.1  # the same when a die crashed or hung (the others were just aborted)
+POLL_S = 0.1  # run() wakes at least this often to check its deadlines
+STATE_EVERY_S = 0.25  # and reads the pending dies' process states (stopped?) this often
 
 
 class DieCrashed(PodError):
-    """A die process exited while the pod was running; the pod has been torn down."""
+    """A die process exited (or was found dead at the next `pod.run`); the pod has been closed."""
+
+
+class DieHung(DieCrashed):
+    """A die stopped answering (stopped by a signal, or stuck where it cannot see the abort);
+    the launcher killed it and closed the pod."""
 
 
 def check_memory_model() -> None:
-    """PROTOCOLS.md §3.2: publish order relies on total store order; refuse other CPUs."""
+    """docs/protocols.md §3.2: publish order relies on total store order; refuse other CPUs."""
     machine = platform.machine().lower()
     if machine not in ("x86_64", "amd64", "i386", "i686"):
         raise ConfigError(
@@ -115,6 +133,7 @@ class Pod:
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self.closed = False
+        self._running = False  # inside run(): the dies are busy with the caller's function
         self.last_cpu_s: list[float] = []
 
     # -- launch ---------------------------------------------------------------------------------
@@ -198,8 +217,9 @@ class Pod:
             args: picklable arguments, the same for every die.
             timeout_s: optional deadline for the whole call; the dies are aborted after it.
         Raises:
-            the first die's exception (same type, `die_id` set, remote traceback in its notes);
-            DieCrashed if a die process died (the pod is closed then).
+            the root die's exception (same type, `die_id` set, remote traceback and the other
+            dies' errors in its notes); DieCrashed if a die process died, DieHung if one stopped
+            answering (the pod is closed then).
         """
         if self.closed:
             raise PodError(f"pod {self.pod_id} is closed")
@@ -212,79 +232,104 @@ class Pod:
             raise TypeError(
                 f"pod.run: cannot send {fn!r} and its arguments to the dies: {e}"
             ) from e
-        for conn in self.conns:
-            conn.send_bytes(blob)
+        self._send_all(blob, "while the pod was idle (found at the next pod.run)")
+        self._running = True  # until every die has answered (not if Ctrl-C ends the wait)
         return self._collect(n, timeout_s)
+
+    def _send_all(self, blob: bytes, when: str) -> None:
+        """Send one message to every die; a die found dead is DieCrashed (pod closed)."""
+        for r, p in enumerate(self.procs):
+            if not p.is_alive():
+                self._crashed(r, when)
+        for r, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(blob)
+            except OSError:  # BrokenPipeError / ConnectionResetError: that die is gone
+                self._crashed(r, when)
 
     def _collect(self, n: int, timeout_s: float | None) -> list:
         results: list[Any] = [None] * n
         cpu = [0.0] * n
-        pending = set(range(n))
-        first_err: BaseException | None = None
-        err_at = 0.0
-        aborted = False
-        start = time.monotonic()
-        sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
-        while pending:
-            ready = mp_wait([self.conns[r] for r in pending] + list(sentinels), timeout=0.2)
-            for obj in ready:
-                if obj in sentinels:
-                    self._crashed(sentinels[obj])
-                r = self.conns.index(obj)
-                try:
-                    reply = obj.recv()
-                except (EOFError, OSError):
-                    self._crashed(r)
-                pending.discard(r)
+        errors: list[tuple[int, BaseException]] = []
+        watch = _Watch(self, timeout_s)
+        while watch.pending:
+            for r, reply in self._replies(watch.pending, POLL_S, "during pod.run"):
+                watch.pending.discard(r)
                 if reply[0] == "ok":
                     results[r], cpu[r] = reply[1], reply[2]
-                elif first_err is None:
-                    first_err, err_at = self._remote_error(r, reply), time.monotonic()
-            now = time.monotonic()
-            late = first_err is not None and now - err_at > ABORT_GRACE_S
-            overdue = timeout_s is not None and now - start > timeout_s
-            if pending and not aborted and (late or overdue):
-                self.abort()
-                aborted = True
-                if overdue and first_err is None:
-                    first_err = PodError(
-                        f"pod.run: dies {sorted(pending)} still running after {timeout_s:g} s;"
-                        " aborted"
-                    )
+                else:
+                    errors.append((r, self._remote_error(r, reply)))
+            watch.step(errors)
+        self._running = False
         self.last_cpu_s = cpu
-        if first_err is not None:
+        if errors or watch.overdue_err is not None:
+            err = _root_error(errors, watch.overdue_err)
             self._resync()
-            raise first_err
+            raise err
         return results
+
+    def _replies(self, pending: set[int], timeout: float, when: str):
+        """(die, reply) for every die of `pending` that answered within `timeout`; a dead die
+        (its sentinel fires, or its pipe breaks) is DieCrashed at once."""
+        sentinels = {self.procs[r].sentinel: r for r in pending}
+        ready = mp_wait([self.conns[r] for r in pending] + list(sentinels), timeout=timeout)
+        out = []
+        for obj in ready:
+            if obj in sentinels:
+                r = sentinels[obj]
+                if self.conns[r].poll():  # it answered, then exited: take the answer first
+                    continue
+                self._crashed(r, when)
+        for obj in ready:
+            if obj in sentinels:
+                continue
+            r = self.conns.index(obj)
+            try:
+                out.append((r, obj.recv()))
+            except (EOFError, OSError):
+                self._crashed(r, when)
+        return out
+
+    def _hung(self, dies: list[int], why: str, cause: BaseException | None = None) -> None:
+        """Kill the dies that stopped answering, close the pod, raise DieHung naming them."""
+        what = []
+        for r in dies:
+            p = self.procs[r]
+            what.append(f"die {r} (pid {p.pid}, {_proc_state(p.pid)})")
+            with contextlib.suppress(OSError):
+                os.kill(p.pid, signal.SIGKILL)
+        self.close(fast=True)
+        err = DieHung(f"{', '.join(what)} {why}; killed; pod {self.pod_id} closed")
+        err.die_id = dies[0]
+        raise err from cause
 
     def _resync(self) -> None:
         """After a failed run every die is idle: discard whatever was left in flight.
 
-        Two phases, each on every die: first every DMA engine stops (a sender's engine could
-        otherwise refill a ring its receiver has just emptied), then the counters are realigned.
+        Three phases, each on every die: first every DMA engine stops (a sender's engine could
+        otherwise refill a ring its receiver has just emptied), then the p2p counters are
+        realigned and each die reports its all-to-all operation numbers, then every die takes
+        the maximum of each (a die that failed mid-collective may be one behind its peers).
         """
-        for phase in (1, 2):
-            self._broadcast(_resync_die, (phase,))
+        self._broadcast(_resync_die, (1, None))
+        counters = [c for c in self._broadcast(_resync_die, (2, None)) if c]
+        if counters:
+            top = [max(col) for col in zip(*counters, strict=True)]
+            self._broadcast(_resync_die, (3, top))
 
     def _broadcast(self, fn, args: tuple, timeout_s: float = 10.0) -> list:
-        """Run an internal fn on every die and collect results (no abort, no resync)."""
-        msg = pickle.dumps(("run", fn, args, self.ctl.words[C.W_ABORT]))
-        for conn in self.conns:
-            conn.send_bytes(msg)
-        sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
+        """Run an internal fn on every die and collect results (no abort, no resync); a die
+        that does not answer within `timeout_s` is hung."""
+        self._send_all(pickle.dumps(("run", fn, args, self.ctl.words[C.W_ABORT])), "in a resync")
         pending = set(range(len(self.conns)))
         results: list = [None] * len(self.conns)
         deadline = time.monotonic() + timeout_s
-        while pending and time.monotonic() < deadline:
-            for obj in mp_wait([self.conns[r] for r in pending] + list(sentinels), timeout=0.2):
-                if obj in sentinels:
-                    self._crashed(sentinels[obj])
-                r = self.conns.index(obj)
-                try:
-                    results[r] = obj.recv()
-                except (EOFError, OSError):
-                    self._crashed(r)
+        while pending:
+            if time.monotonic() > deadline:
+                self._hung(sorted(pending), f"did not answer the launcher within {timeout_s:g} s")
+            for r, reply in self._replies(pending, POLL_S, "in a resync"):
                 pending.discard(r)
+                results[r] = reply[1] if reply[0] == "ok" else None
         return results
 
     def abort(self) -> None:
@@ -305,24 +350,30 @@ class Pod:
         err.add_note(f"--- raised on die {r}; remote traceback:\n{tb.rstrip()}")
         return err
 
-    def _crashed(self, r: int) -> None:
+    def _crashed(self, r: int, when: str = "during pod.run") -> None:
         p = self.procs[r]
         p.join(1.0)
         pid, what = p.pid, _signal_name(p.exitcode)  # before close(), which closes the Process
-        self.close()
-        raise DieCrashed(
-            f"die {r} (pid {pid}) died during pod.run: {what}; pod {self.pod_id} closed"
-        )
+        self.close(fast=True)
+        err = DieCrashed(f"die {r} (pid {pid}) died {when}: {what}; pod {self.pod_id} closed")
+        err.die_id = r
+        raise err
 
     # -- teardown -------------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Stop every die and unlink every segment. Safe to call more than once."""
+    def close(self, fast: bool = False) -> None:
+        """Stop every die and unlink every segment. Safe to call more than once.
+
+        `fast` (a die crashed or hung): the others get CRASH_GRACE_S instead of STOP_GRACE_S
+        to exit before SIGKILL."""
         if self.closed:
             return
         self.closed = True
         try:
-            self._stop_dies()
+            # Dies inside a run (Ctrl-C or SIGTERM of the launcher mid-run) read the stop only
+            # after their function returns, so a long grace only delays their SIGKILL.
+            busy = fast or self._running
+            self._stop_dies(CRASH_GRACE_S if busy else STOP_GRACE_S)
         finally:
             for region in self.regions:
                 region.close()
@@ -333,23 +384,23 @@ class Pod:
                 self.ctl.unlink()
             self._restore_sigterm()
 
-    def _stop_dies(self) -> None:
+    def _stop_dies(self, grace_s: float) -> None:
+        # Abort first: a die blocked in a wait (on a crashed peer, say) reads the pipe only
+        # after its wait ends; the abort word ends it within a few polls.
+        self.abort()
         for conn in self.conns:
             try:
                 conn.send(("stop",))
             except (OSError, ValueError):
                 continue  # that die is already gone
-        deadline = time.monotonic() + STOP_GRACE_S
+        deadline = time.monotonic() + grace_s
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
-        for sig_fn in ("terminate", "kill"):
-            alive = [p for p in self.procs if p.is_alive()]
-            if not alive:
-                break
-            for p in alive:
-                getattr(p, sig_fn)()
-            for p in alive:
-                p.join(1.0)
+        alive = [p for p in self.procs if p.is_alive()]
+        for p in alive:  # SIGKILL: a stopped or stuck die ignores anything gentler
+            p.kill()
+        for p in alive:
+            p.join(5.0)
         for conn in self.conns:
             conn.close()
         for p in self.procs:
@@ -396,13 +447,94 @@ class Pod:
         return f"Pod({self.pod_id}, {self.config.num_dies} dies, {state})"
 
 
-def _resync_die(die, phase: int) -> int:
+class _Watch:
+    """The deadlines of one `pod.run`: the abort after the first error (ABORT_GRACE_S) or after
+    `timeout_s`, the answer to the abort (ABORT_REPLY_S), and dies stopped longer than the
+    pod's timeout_s. `step` raises DieHung (through the pod) when one passes."""
+
+    def __init__(self, pod: Pod, timeout_s: float | None):
+        self.pod, self.timeout_s = pod, timeout_s
+        self.pending = set(range(pod.config.num_dies))
+        self.start = time.monotonic()
+        self.aborted_at: float | None = None
+        self.first_err_at: float | None = None
+        self.overdue_err: PodError | None = None
+        self.stopped_since: dict[int, float] = {}
+        self.states_at = self.start - STATE_EVERY_S  # the first step looks at once
+
+    def step(self, errors: list) -> None:
+        now = time.monotonic()
+        if errors and self.first_err_at is None:
+            self.first_err_at = now
+        if not self.pending:
+            return
+        late = self.first_err_at is not None and now - self.first_err_at > ABORT_GRACE_S
+        overdue = self.timeout_s is not None and now - self.start > self.timeout_s
+        if self.aborted_at is None and (late or overdue):
+            self.pod.abort()
+            self.aborted_at = now
+            if overdue and not errors:
+                self.overdue_err = PodError(
+                    f"pod.run: dies {sorted(self.pending)} still running after"
+                    f" {self.timeout_s:g} s; aborted"
+                )
+        cause = errors[0][1] if errors else self.overdue_err
+        if self.aborted_at is not None and now - self.aborted_at > ABORT_REPLY_S:
+            self.pod._hung(
+                sorted(self.pending), f"did not answer the abort within {ABORT_REPLY_S:g} s", cause
+            )
+        self._check_stopped(now, cause)
+
+    def _check_stopped(self, now: float, cause) -> None:
+        if now - self.states_at < STATE_EVERY_S:
+            return
+        self.states_at = now
+        limit = self.pod.config.timeout_s
+        for r in list(self.pending):
+            if _proc_state(self.pod.procs[r].pid) in ("stopped", "tracing-stop"):
+                since = self.stopped_since.setdefault(r, now)
+                if now - since > limit:
+                    self.pod._hung([r], f"stayed stopped for more than {limit:g} s", cause)
+            else:
+                self.stopped_since.pop(r, None)
+
+
+def _proc_state(pid: int) -> str:
+    """psutil's name for the state of `pid` ("running", "sleeping", "stopped", ...)."""
+    try:
+        return psutil.Process(pid).status()
+    except psutil.Error:
+        return "gone"
+
+
+_SECONDARY = (PodAborted, PeerRefused)  # consequences of another die's error, never its cause
+
+
+def _root_error(errors: list[tuple[int, BaseException]], overdue: BaseException | None):
+    """The error to raise: the first that is not a consequence of another die's error; the
+    other dies' errors become one note each."""
+    if not errors:
+        return overdue
+    root = next((e for _, e in errors if not isinstance(e, _SECONDARY)), errors[0][1])
+    for r, e in errors:
+        if e is not root:
+            first = str(e).split("\n", 1)[0]
+            root.add_note(f"--- die {r} also raised {type(e).__name__}: {first}")
+    return root
+
+
+def _resync_die(die, phase: int, counters: list[int] | None):
+    from comm.alltoall import a2a_counters, a2a_realign
     from comm.p2p import resync
 
     if phase == 1:
         die.close()  # stop the DMA engine; a new one starts on demand
-        return 0
-    return resync(die)
+        return None
+    if phase == 2:
+        resync(die)
+        return a2a_counters(die)
+    a2a_realign(die, counters)
+    return None
 
 
 def _set_trace(die, enabled: bool) -> None:
@@ -416,4 +548,4 @@ def _get_trace(die, clear: bool) -> list[tuple]:
     return recs
 
 
-__all__ = ["DieCrashed", "Pod", "ShmError", "check_memory_model"]
+__all__ = ["DieCrashed", "DieHung", "Pod", "ShmError", "check_memory_model"]

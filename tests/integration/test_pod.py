@@ -612,33 +612,76 @@ def test_signal_to_launcher_tears_the_pod_down(tmp_path, sig, phase):
     assert lau.segments_left() == [], f"segments left: {lau.segments_left()}\n{lau.stderr}"
 
 
+def wait_until(cond, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("cleaner", ["api", "cli"])
-def test_killed_launcher_leaves_segments_that_clean_removes(tmp_path, pod_factory, cleaner):
-    if cleaner == "cli" and not (ROOT / "runtime" / "cli.py").exists():
-        pytest.skip("runtime/cli.py does not exist")
+@pytest.mark.parametrize("phase", ["run", "idle"])
+def test_killed_launcher_its_dies_remove_every_segment(tmp_path, pod_factory, phase):
     live = pod_factory(num_dies=2)
     live_names = [n.lstrip("/") for n in live.segment_names()]
-    lau = Launcher(tmp_path, "run")
+    lau = Launcher(tmp_path, phase)
+    t0 = time.monotonic()
     lau.signal(signal.SIGKILL)
-    assert lau.dies_gone(), "dies must die with their launcher (PR_SET_PDEATHSIG)"
-    left = lau.segments_left()
-    assert sorted(left) == sorted(lau.segments), "a SIGKILLed launcher cannot unlink"
-    assert lau.info["pod_id"] in control.list_pods()
-    if cleaner == "api":
-        removed = control.clean()
-        assert set(lau.segments) <= set(removed)
-    else:
-        out = subprocess.run(
-            [sys.executable, "-m", "runtime.cli", "clean"],
-            cwd=str(ROOT),
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        assert out.returncode == 0, out.stderr
-    assert lau.segments_left() == []
+    assert lau.dies_gone(), "dies must exit with their launcher (PR_SET_PDEATHSIG)"
+    assert wait_until(lambda: lau.segments_left() == [], 2.0), lau.segments_left()
+    assert time.monotonic() - t0 < 3.0
+    assert lau.info["pod_id"] not in control.list_pods()
+    # the live pod of this process is untouched and still works
+    assert all((SHM / n).exists() for n in live_names)
+    assert len(live.run(whoami, 0)) == 2
+
+
+class StoppedDieLauncher(Launcher):
+    """A launcher SIGKILLed while its die 1 is stopped: die 0 removes its own region; die 1's
+    region and the control segment stay until `xpod clean` (die 1 cannot clean up)."""
+
+    def __init__(self, tmp_path):
+        super().__init__(tmp_path, "run")
+        os.kill(self.die_pids[1], signal.SIGSTOP)
+        self.proc.kill()  # not self.signal(): the stopped die holds the stderr pipe open
+        self.proc.wait(10)
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+        assert wait_until(lambda: _zombie_or_gone(self.die_pids[0])), "die 0 outlived it"
+        self.kept = sorted(n for n in self.segments if not n.endswith(".d0"))
+        assert wait_until(lambda: sorted(self.segments_left()) == self.kept), self.segments_left()
+
+    def finish(self) -> None:
+        os.kill(self.die_pids[1], signal.SIGKILL)  # stopped: only SIGKILL ends it
+        assert wait_until(lambda: _zombie_or_gone(self.die_pids[1]))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cleaner", ["api", "cli"])
+def test_segments_a_killed_launcher_left_are_removed_by_clean(tmp_path, pod_factory, cleaner):
+    live = pod_factory(num_dies=2)
+    live_names = [n.lstrip("/") for n in live.segment_names()]
+    lau = StoppedDieLauncher(tmp_path)
+    try:
+        assert lau.info["pod_id"] in control.list_pods()
+        if cleaner == "api":
+            removed = control.clean()
+            assert set(lau.kept) <= set(removed)
+        else:
+            out = subprocess.run(
+                [sys.executable, "-m", "runtime.cli", "clean"],
+                cwd=str(ROOT),
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert out.returncode == 0, out.stderr
+        assert lau.segments_left() == []
+    finally:
+        lau.finish()
     # the live pod of this process is untouched and still works
     assert all((SHM / n).exists() for n in live_names)
     assert not set(live_names) & set(control.clean())
@@ -682,11 +725,12 @@ def test_sigterm_tears_down_a_pod_after_another_pod_closed(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_clean_dry_run_removes_nothing(tmp_path):
-    lau = Launcher(tmp_path, "run")
-    lau.signal(signal.SIGKILL)
-    lau.dies_gone()
-    listed = control.clean(dry_run=True)
-    assert set(lau.segments) <= set(listed)
-    assert sorted(lau.segments_left()) == sorted(lau.segments)
-    control.clean()
-    assert lau.segments_left() == []
+    lau = StoppedDieLauncher(tmp_path)
+    try:
+        listed = control.clean(dry_run=True)
+        assert set(lau.kept) <= set(listed)
+        assert sorted(lau.segments_left()) == lau.kept
+        control.clean()
+        assert lau.segments_left() == []
+    finally:
+        lau.finish()
