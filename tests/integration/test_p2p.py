@@ -1,4 +1,4 @@
-"""Point-to-point send / recv between dies (PROTOCOLS.md §4): data, errors, async, trace.
+"""Point-to-point send / recv between dies (docs/protocols.md §4): data, errors, async, trace.
 
 Payloads name their sender: int64 word i of a message from `src` to `dst` with event id `ev`
 is `src << 56 | dst << 48 | (ev & 0xFFFF) << 32 | i`, so a wrong route or a stale message is

@@ -1,4 +1,4 @@
-"""Import direction (STYLE.md c.1): walk every module's AST and fail on an arrow pointing up.
+"""Import direction (docs/architecture.md §1): walk every module's AST, fail on an arrow up.
 
 memory -> (nothing of ours); comm -> memory; sched -> nothing of ours; runtime -> memory, comm,
 sched; bench and tests may import anything, and nothing else imports them.
