@@ -7,7 +7,8 @@ xpod bench faults [--repeat 10] [--kinds die-kill-p2p,launcher-kill-run,...] [--
 Fault kinds (issue 8, "Done when"):
 - `die-{kill,stop}-{idle,p2p,dispatch,combine,decode}`: SIGKILL / SIGSTOP of die 1 of a 4-die
   pod, between runs (`idle`: the fault lands, then `pod.run` is called) or while every die is
-  inside a p2p stream, a fused dispatch loop, a fused combine loop or a toy-model decode. The
+  inside a p2p stream, a fused dispatch loop, a pull combine loop or a toy-model decode (fused
+  dispatch and combine in every MoE layer). The
   launcher must raise `DieCrashed` (kill) or `DieHung` (stop) naming die 1 and leave nothing.
 - `launcher-{kill,term,int}-{idle,run}`: SIGKILL / SIGTERM / SIGINT of a launcher process (a
   child Python process with a 2-die pod), idle or inside `pod.run`. Every die must exit and every
@@ -87,9 +88,11 @@ def dispatch_loop(die) -> None:
 
 
 def combine_loop(die) -> None:
+    """One dispatch, then combines of it until aborted (pull: a fused dispatch is combined
+    once; the fused combine is in the decode loop)."""
     lo = die.layout
     args = _routing(die, lo.a2a_max_batch, lo.a2a_hidden, lo.a2a_topk, lo.a2a_num_experts)
-    d = comm.dispatch(die, *args, protocol="fused", event_id=0)
+    d = comm.dispatch(die, *args, protocol="pull", event_id=0)
     for i in range(1 << 40):
         comm.combine(die, d.x, d.handle, event_id=i % (1 << 20))
 

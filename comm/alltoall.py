@@ -58,7 +58,11 @@ QUANTS = (None, "none", "int8")
 DISPATCH, COMBINE = 0, 1
 EVENT_LIMIT = 1 << 62
 F_EVENT, F_OFF, F_COUNT, F_SEQ = L.PULL_EVENT, L.PULL_OFF, L.PULL_COUNT, L.PULL_SEQ
-G_EVENT, G_COUNT, G_SEQ = L.FLAG_EVENT, L.FLAG_COUNT, L.FLAG_SEQ
+G_EVENT, G_COUNT, G_SEQ, G_QUANT = L.FLAG_EVENT, L.FLAG_COUNT, L.FLAG_SEQ, L.FLAG_QUANT
+QUANT_CODE = {None: 0, "int8": 1}  # what the rows of a dispatch hold, carried in its fields
+QUANT_NAME = {0: "float32", 1: "int8"}
+OFF_BITS = 48  # a pull field's off word: row offset | code << OFF_BITS
+OP_CODE_MASK = (1 << 15) - 1  # a combine's code: its dispatch's operation number mod 2**15
 REFUSED = L.COUNT_REFUSED
 BAD_EVENT = -1  # the event_id word published by a die whose own event_id was invalid
 
@@ -121,6 +125,8 @@ class A2AState:
             combine / E2A (flag seq words and combine completion words).
         placement: the default placement; a2e_placement: the A2E placement over expert dies.
         checked: the last caller placement that passed the capacity check.
+        last: the handle of this die's latest dispatch (what a refusing combine owes).
+        fused_combined: the fused dispatch operation this die combined last (once only).
         place_info: per-die facts of the last placement used; comb_f32: combine buffer views.
     """
 
@@ -129,6 +135,8 @@ class A2AState:
     placement: Placement | None = None
     a2e_placement: Placement | None = None
     checked: Placement | None = None
+    last: DispatchHandle | None = None
+    fused_combined: int = 0
     place_info: _PlaceInfo | None = None
     comb_f32: dict = field(default_factory=dict)
 
@@ -252,6 +260,13 @@ def _placement(ep: Endpoint, placement: Placement | None) -> Placement:
     return st.placement
 
 
+def _payload(x: np.ndarray, quant: str | None) -> tuple[np.ndarray, np.ndarray]:
+    """(rows to send, per-row scales): INT8 + scales, or x itself with scales of 1."""
+    if quant == "int8":
+        return quantize_int8(x)
+    return x, np.ones(len(x), np.float32)
+
+
 def _check_capacity(ep: Endpoint, lay: DispatchLayout, placement: Placement) -> None:
     """Refuse a dispatch whose rows for one destination would not fit its receive area (only a
     routing that names more experts of one die per token than the layout allows could)."""
@@ -274,17 +289,20 @@ def _area_check(ep: Endpoint, what: str, start: int, count: int, capacity: int) 
         )
 
 
-def _publish(ep: Endpoint, kind: int, half: int, dst: int, event_id, off, count, seq) -> None:
-    """Step 4: offset and count, then seq LAST, into dst's field for this source."""
+def _publish(ep: Endpoint, kind: int, half: int, dst: int, event_id, off, count, seq,
+             code=0) -> None:  # fmt: skip
+    """Step 4: offset (with `code`: the rows' quant code in a dispatch, the reversed dispatch's
+    operation number mod 2**15 in a combine) and count, then seq LAST, into dst's field for
+    this source."""
     w = ep.words[dst]
     f = ep.layout.pull_field_word(kind, half, ep.die_id)
     w[f + F_EVENT] = event_id
-    w[f + F_OFF] = off
+    w[f + F_OFF] = off | code << OFF_BITS
     w[f + F_COUNT] = count
     w[f + F_SEQ] = seq
 
 
-def _poll_all(ep: Endpoint, kind: int, half: int, op: int, event_id: int) -> list[tuple]:
+def _poll_all(ep: Endpoint, kind: int, half: int, op: int, event_id: int, code: int) -> list:
     """Step 5: wait for every source's field of this operation; (off, count) per source.
 
     Every source is waited for before any problem is raised (see the module docstring)."""
@@ -300,20 +318,40 @@ def _poll_all(ep: Endpoint, kind: int, half: int, op: int, event_id: int) -> lis
                 f"die {ep.die_id}: pull {name} field of die {src} carries operation"
                 f" {lw[f + F_SEQ]}, expected {op} (dispatch/combine calls out of step)"
             )
-        count = lw[f + F_COUNT]
+        count, off = lw[f + F_COUNT], lw[f + F_OFF]
         if count == REFUSED:
             problems.append(_refused(ep, src, f"pull {name}", op))
-        elif lw[f + F_EVENT] != event_id:
-            problems.append(
-                ProtocolError(
-                    f"die {ep.die_id}: pull {name} from die {src}: expected event_id {event_id},"
-                    f" the source published {lw[f + F_EVENT]} (calls mis-paired)"
-                )
-            )
-        out.append((lw[f + F_OFF], count))
+        else:
+            bad = _mispaired(ep, f"pull {name}", src, event_id, lw[f + F_EVENT], code,
+                             off >> OFF_BITS)  # fmt: skip
+            if bad is not None:
+                problems.append(bad)
+        out.append((off & ((1 << OFF_BITS) - 1), count))
     if problems:
         raise problems[0]
     return out
+
+
+def _mispaired(ep, what, src, event_id, got_event, code, got_code) -> ProtocolError | None:
+    """A ProtocolError if a source's operation names another event id or code than ours (a
+    dispatch: the rows' quant; a combine: the dispatch it reverses)."""
+    if got_event != event_id:
+        return ProtocolError(
+            f"die {ep.die_id}: {what} from die {src}: expected event_id {event_id}, the source"
+            f" published {got_event} (calls mis-paired)"
+        )
+    if got_code == code:
+        return None
+    if "combine" in what:
+        return ProtocolError(
+            f"die {ep.die_id}: {what} from die {src}: it reverses dispatch operation"
+            f" {got_code} (mod 2**15), this die {code} (handles of different dispatches)"
+        )
+    return ProtocolError(
+        f"die {ep.die_id}: {what} from die {src}: the source sent"
+        f" {QUANT_NAME.get(got_code, got_code)} rows, this die asked for"
+        f" {QUANT_NAME.get(code, code)} (quant differs between the dies' calls)"
+    )
 
 
 def _refused(ep: Endpoint, src: int, what: str, op: int) -> PeerRefused:
@@ -367,6 +405,7 @@ def dispatch(
     """
     st = _a2a_state(ep)
     _check_protocol(protocol)
+    t0 = now_ns()
     try:
         event_id = _check_event(event_id)
         _check_inputs(ep, x, topk_idx, topk_weights, quant)
@@ -374,22 +413,23 @@ def dispatch(
         placement = _placement(ep, placement)
         lay = get_dispatch_layout(topk_idx, placement)
         _check_capacity(ep, lay, placement)
+        # steps 1-2, load and quantize, before the operation starts: a row INT8 cannot take
+        # (not finite) is this die's bad input too
+        payload, scale = _payload(x, quant)
     except (ValueError, TypeError) as e:
         _refuse_dispatch(ep, protocol, _event_word(event_id), e)
         raise
+    t1 = now_ns()
     if protocol == "fused":
-        return _fused_dispatch(ep, x, topk_idx, topk_weights, quant, event_id, placement, lay)
+        res = _fused_dispatch(
+            ep, payload, scale, topk_idx, topk_weights, quant, event_id, placement, lay, t0
+        )
+        st.last = res.handle
+        return res
     op = st.pull_ops[DISPATCH] = st.pull_ops[DISPATCH] + 1
     half = op & 1
     tr = ep.trace if ep.trace.enabled else None
-    t0 = now_ns()
-    # steps 1-2: load, quantize
-    if quant == "int8":
-        payload, scale = quantize_int8(x)
-    else:
-        payload, scale = x, np.ones(x.shape[0], np.float32)
     pb = payload.shape[1] * payload.dtype.itemsize
-    t1 = now_ns()
     # step 3: every message into this die's own send rows, blocks by destination
     n = lay.num_msgs
     rows = _rows(ep, ep.die_id, DISPATCH, half, 0, n)
@@ -404,18 +444,19 @@ def dispatch(
     # step 4: tell every destination where its block is
     for p, d in enumerate(placement.dies):
         a, b = int(lay.dest_offsets[p]), int(lay.dest_offsets[p + 1])
-        _publish(ep, DISPATCH, half, d, event_id, a, b - a, op)
+        _publish(ep, DISPATCH, half, d, event_id, a, b - a, op, QUANT_CODE[quant])
     for d in range(ep.num_dies):
         if d not in placement.dies:
-            _publish(ep, DISPATCH, half, d, event_id, 0, 0, op)
+            _publish(ep, DISPATCH, half, d, event_id, 0, 0, op, QUANT_CODE[quant])
     t3 = now_ns()
     # step 5: poll own fields; steps 6-7: pull every source's block, then group by expert
-    where = _poll_all(ep, DISPATCH, half, op, event_id)
+    where = _poll_all(ep, DISPATCH, half, op, event_id, QUANT_CODE[quant])
     t4 = now_ns()
     parts = [
         (src, _rows(ep, src, DISPATCH, half, off, count)) for src, (off, count) in enumerate(where)
     ]
     result = _assemble(ep, parts, pb, quant, placement, lay, topk_idx, topk_weights, op, "pull")
+    st.last = result.handle
     if tr:
         t5 = now_ns()
         for step, a, b in ((2, t0, t1), (3, t1, t2), (4, t2, t3), (5, t3, t4), (6, t4, t5)):
@@ -499,16 +540,17 @@ def combine(
         a die this die's tokens depend on refused.
     """
     st = _a2a_state(ep)
-    if not isinstance(handle, DispatchHandle) or handle.protocol not in PROTOCOLS:
-        raise TypeError(
-            f"handle must be the DispatchHandle of a dispatch or a2e, got {_describe(handle)}"
-            " (this die cannot take part in its peers' combine: they time out or are aborted)"
-        )
     try:
+        _check_handle(st, handle)
         event_id = _check_event(event_id)
         _check_expert_out(ep, expert_out, len(handle.recv_src_rank))
     except (ValueError, TypeError) as e:
-        _refuse_combine(ep, handle, _event_word(event_id), e)
+        # refuse the combine of the dispatch this die's peers reverse: its latest
+        owed = handle if isinstance(handle, DispatchHandle) and handle is st.last else st.last
+        if owed is None:
+            e.add_note("no dispatch ran on this die: its peers time out or are aborted")
+            raise
+        _refuse_combine(ep, owed, _event_word(event_id), e)
         raise
     if handle.protocol == "fused":
         return _fused_combine(ep, expert_out, handle, event_id)
@@ -524,10 +566,11 @@ def combine(
     t1 = now_ns()
     counts = np.bincount(handle.recv_src_rank, minlength=ep.num_dies)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    code = handle.op & OP_CODE_MASK
     for src in range(ep.num_dies):  # step 4
-        _publish(ep, COMBINE, half, src, event_id, int(starts[src]), int(counts[src]), op)
+        _publish(ep, COMBINE, half, src, event_id, int(starts[src]), int(counts[src]), op, code)
     t2 = now_ns()
-    where = _poll_all(ep, COMBINE, half, op, event_id)  # step 5
+    where = _poll_all(ep, COMBINE, half, op, event_id, code)  # step 5
     t3 = now_ns()
     out = _reduce(ep, handle, where, half)  # steps 6-7
     if ep.trace.enabled:
@@ -535,6 +578,24 @@ def combine(
         for step, a, b in ((3, t0, t1), (4, t1, t2), (5, t2, t3), (6, t3, t4)):
             ep.trace.rec(a, b - a, "pull_combine", step, -1, 0, event_id, 0)
     return out
+
+
+def _check_handle(st: A2AState, handle) -> None:
+    if not isinstance(handle, DispatchHandle) or handle.protocol not in PROTOCOLS:
+        raise TypeError(
+            f"handle must be the DispatchHandle of a dispatch (a2e's goes to e2a), got"
+            f" {_describe(handle)}"
+        )
+    if handle.protocol == "fused" and (
+        handle.op != st.fused_ops[DISPATCH] or handle.op == st.fused_combined
+    ):
+        again = " again" if handle.op == st.fused_combined else ""
+        raise ValueError(
+            f"handle: a fused combine reverses the latest fused dispatch or a2e of this die"
+            f" (operation {st.fused_ops[DISPATCH]}) once; this is operation {handle.op}{again}"
+            " (the fused combine buffer is single: fused dispatch and combine must alternate;"
+            " the pull protocol allows several outstanding handles)"
+        )
 
 
 def _check_expert_out(ep: Endpoint, expert_out, n_rows: int) -> None:
@@ -592,23 +653,34 @@ def _refuse_combine(ep: Endpoint, handle: DispatchHandle, event_word: int, err) 
         _wait_fields(ep, lambda src: lo.pull_field_word(COMBINE, half, src) + F_SEQ, op, err)
         return
     op = st.fused_ops[COMBINE] = st.fused_ops[COMBINE] + 1
-    _refuse_slots(ep, handle.recv_src_rank, handle.recv_slot, handle.recv_k, op)
+    st.fused_combined = handle.op
+    _refuse_slots(ep, handle.recv_src_rank, handle.recv_slot, handle.recv_k, op, event_word)
     idx = handle.topk_idx
     r_slot, r_k = np.nonzero(idx >= 0)
     _wait_slots(ep, r_slot, r_k, op, "fused", handle.placement.die_of[idx[r_slot, r_k]])
 
 
-def _refuse_slots(ep: Endpoint, dest: np.ndarray, slots: np.ndarray, ks: np.ndarray, op: int):
+def _refuse_slots(ep: Endpoint, dest, slots, ks, op: int, event_word: int) -> None:
     """Mark this die refused for fused-combine operation `op` in every die of `dest`, then set
     the completion words it owes there (no rows): waiters wake, see the refusal and raise."""
     lo = ep.layout
     topk = lo.a2a_topk
     for d in np.unique(dest).tolist():
-        _words(ep, d, lo.fused_refuse_off, ep.num_dies)[ep.die_id] = op
         sel = dest == d
-        _words(ep, d, lo.fused_cflag_off, lo.a2a_max_batch * topk)[slots[sel] * topk + ks[sel]] = (
-            op  # after the refusal word: a waiter that sees op sees the refusal too
-        )
+        lin = slots[sel] * topk + ks[sel]
+        _lin_check(ep, d, lin)
+        _words(ep, d, lo.fused_cevent_off, ep.num_dies)[ep.die_id] = event_word
+        _words(ep, d, lo.fused_refuse_off, ep.num_dies)[ep.die_id] = op
+        # after the refusal word: a waiter that sees op sees the refusal too
+        _words(ep, d, lo.fused_cflag_off, lo.a2a_max_batch * topk)[lin] = op
+
+
+def _lin_check(ep: Endpoint, d: int, lin: np.ndarray) -> None:
+    """Every (slot, k) row index must lie inside die d's combine buffer."""
+    cap = ep.layout.a2a_max_batch * ep.layout.a2a_topk
+    if len(lin) and (lin.min() < 0 or lin.max() >= cap):
+        bad = int(lin.min()) if lin.min() < 0 else int(lin.max())
+        _area_check(ep, f"combine buffer of die {d}", bad, 1, cap)
 
 
 def _wait_fields(ep: Endpoint, word_of, op: int, err: BaseException) -> None:
@@ -621,11 +693,12 @@ def _wait_fields(ep: Endpoint, word_of, op: int, err: BaseException) -> None:
             raise e from err
 
 
-def _flag(ep: Endpoint, dst: int, f: int, event_word: int, count: int, op: int) -> None:
-    """A fused / a2e flag: event id, count, then the operation number LAST."""
+def _flag(ep: Endpoint, dst: int, f: int, event_word: int, count: int, op: int, code=0) -> None:
+    """A fused / a2e flag: event id, count, quant code, then the operation number LAST."""
     w = ep.words[dst]
     w[f + G_EVENT] = event_word
     w[f + G_COUNT] = count
+    w[f + G_QUANT] = code
     w[f + G_SEQ] = op
 
 
@@ -706,7 +779,8 @@ def _place_info(ep: Endpoint, placement: Placement) -> _PlaceInfo:
     return info
 
 
-def _fused_dispatch(ep, x, topk_idx, topk_weights, quant, event_id, placement, lay):
+def _fused_dispatch(ep, payload, scale, topk_idx, topk_weights, quant, event_id, placement, lay,
+                    t0):  # fmt: skip
     """Steps 1-3 of FusedDispatch: packets written straight into each destination's buffer
     (one vectorized copy per destination), counts then the completion flag LAST, poll, gather."""
     lo = ep.layout
@@ -717,8 +791,6 @@ def _fused_dispatch(ep, x, topk_idx, topk_weights, quant, event_id, placement, l
     # finished n, since n+1's step 3 waits for the peer's n+1 flag.
     half = op & 1
     tr = ep.trace if ep.trace.enabled else None
-    t0 = now_ns()
-    payload, scale = quantize_int8(x) if quant == "int8" else (x, np.ones(len(x), np.float32))
     pb = payload.shape[1] * payload.dtype.itemsize
     stride = lo.pull_disp_stride
     info = _place_info(ep, placement)
@@ -742,10 +814,12 @@ def _fused_dispatch(ep, x, topk_idx, topk_weights, quant, event_id, placement, l
         if n_local:
             counts = np.bincount(lay.msg_local_expert[a:b], minlength=n_local)
             _words(ep, d, lo.fused_counts_off_of(half, ep.die_id), n_local)[:] = counts
-        _flag(ep, d, lo.fused_flag_word(half, ep.die_id), event_id, b - a, op)
+        _flag(ep, d, lo.fused_flag_word(half, ep.die_id), event_id, b - a, op, QUANT_CODE[quant])
     t2 = now_ns()
     # step 3: every source's flag, then the packets in per-expert order
-    parts, counts, t3 = _fused_gather(ep, half, op, event_id, range(ep.num_dies), placement, "")
+    parts, counts, t3 = _fused_gather(
+        ep, half, op, event_id, range(ep.num_dies), placement, "", quant
+    )
     res = _assemble(ep, parts, pb, quant, placement, lay, topk_idx, topk_weights, op, "fused")
     if not np.array_equal(res.expert_counts, counts):
         raise ProtocolError(
@@ -760,7 +834,7 @@ def _fused_dispatch(ep, x, topk_idx, topk_weights, quant, event_id, placement, l
     return res
 
 
-def _fused_gather(ep, half, op, event_id, sources, placement, what):
+def _fused_gather(ep, half, op, event_id, sources, placement, what, quant):
     """Wait for the flag of every source (all of them before raising anything), then return
     ([(src, rows)], per-local-expert counts, time the last flag was seen)."""
     lo = ep.layout
@@ -774,13 +848,11 @@ def _fused_gather(ep, half, op, event_id, sources, placement, what):
         count = lw[f + G_COUNT]
         if count == REFUSED:
             problems.append(_refused(ep, src, name, op))
-        elif lw[f + G_EVENT] != event_id:
-            problems.append(
-                ProtocolError(
-                    f"die {ep.die_id}: {name} from die {src}: expected event_id {event_id},"
-                    f" the source flagged {lw[f + G_EVENT]} (calls mis-paired)"
-                )
-            )
+        else:
+            code = QUANT_CODE[quant]
+            bad = _mispaired(ep, name, src, event_id, lw[f + G_EVENT], code, lw[f + G_QUANT])
+            if bad is not None:
+                problems.append(bad)
         if count != REFUSED and not problems:
             counts += _words(ep, ep.die_id, lo.fused_counts_off_of(half, src), n_mine)
             parts.append((src, _fused_rows(ep, ep.die_id, half, src, count)))
@@ -796,15 +868,18 @@ def _fused_combine(ep, expert_out, handle, event_id):
     lo = ep.layout
     st = ep.a2a
     op = st.fused_ops[COMBINE] = st.fused_ops[COMBINE] + 1
+    st.fused_combined = handle.op
     tr = ep.trace if ep.trace.enabled else None
     t0 = now_ns()
-    _write_slots_by_src(ep, expert_out, handle.recv_src_rank, handle.recv_slot, handle.recv_k, op)
+    _write_slots_by_src(
+        ep, expert_out, handle.recv_src_rank, handle.recv_slot, handle.recv_k, op, event_id
+    )
     t1 = now_ns()
     idx, w = handle.topk_idx, handle.topk_weights
     r_slot, r_k = np.nonzero(idx >= 0)
     owners = handle.placement.die_of[idx[r_slot, r_k]]
     _wait_slots(ep, r_slot, r_k, op, "fused", owners)
-    _check_refusals(ep, owners, op, "fused combine")
+    _check_sources(ep, owners, op, event_id, "fused combine")
     t2 = now_ns()
     out = _weighted_sum(_comb_rows(ep, idx.shape[0]), idx, w)
     if tr:
@@ -815,14 +890,24 @@ def _fused_combine(ep, expert_out, handle, event_id):
     return out
 
 
-def _check_refusals(ep: Endpoint, owners: np.ndarray, op: int, what: str) -> None:
-    """After the completion words of `op`: PeerRefused if a die that owed rows refused."""
+def _check_sources(ep: Endpoint, owners: np.ndarray, op: int, event_id: int, what: str) -> None:
+    """After the completion words of `op`: PeerRefused if a die that owed rows refused,
+    ProtocolError if it wrote them for another event id (calls mis-paired)."""
     if not len(owners):
         return
-    refuse = _words(ep, ep.die_id, ep.layout.fused_refuse_off, ep.num_dies)
-    for d in np.unique(owners).tolist():
+    lo = ep.layout
+    refuse = _words(ep, ep.die_id, lo.fused_refuse_off, ep.num_dies)
+    events = _words(ep, ep.die_id, lo.fused_cevent_off, ep.num_dies)
+    dies = np.unique(owners).tolist()
+    for d in dies:
         if refuse[d] == op:
             raise _refused(ep, d, what, op)
+    for d in dies:
+        if events[d] != event_id:
+            raise ProtocolError(
+                f"die {ep.die_id}: {what} from die {d}: expected event_id {event_id}, its rows"
+                f" carry {events[d]} (calls mis-paired)"
+            )
 
 
 def _comb_f32(ep: Endpoint, die: int) -> np.ndarray:
@@ -845,10 +930,10 @@ def _comb_rows(ep: Endpoint, batch: int) -> np.ndarray:
     return v.reshape(batch, lo.a2a_topk, lo.a2a_hidden)
 
 
-def _write_slots_by_src(ep, rows, dest, slots, ks, op) -> None:
-    """Steps 1-2 of a fused combine (and of E2A): row i straight into die dest[i]'s combine
-    buffer at (slots[i], ks[i]), one row copy each and no gathered temporary; then, per
-    destination, the completion words of those (slot, k) LAST."""
+def _write_slots_by_src(ep, rows, dest, slots, ks, op, event_id) -> None:
+    """Steps 1-2 of a fused combine (and of E2A): per destination, this die's event id word,
+    then row i straight into die dest[i]'s combine buffer at (slots[i], ks[i]), one row copy
+    each and no gathered temporary, then the completion words of those (slot, k) LAST."""
     n = len(dest)
     if not n:
         return
@@ -861,8 +946,8 @@ def _write_slots_by_src(ep, rows, dest, slots, ks, op) -> None:
         d = int(ordered[a])
         sel = order[a:b]
         lin = slots[sel] * topk + ks[sel]
-        if lin.min() < 0 or lin.max() >= lo.a2a_max_batch * topk:
-            _area_check(ep, f"combine buffer of die {d}", int(lin.min()), 1, 0)
+        _lin_check(ep, d, lin)
+        _words(ep, d, lo.fused_cevent_off, ep.num_dies)[ep.die_id] = event_id
         buf = _comb_f32(ep, d)
         for i, j in zip(sel.tolist(), lin.tolist(), strict=True):
             buf[j, :hidden] = rows[i]  # remote write
@@ -961,6 +1046,7 @@ def a2e(
             _check_inputs(ep, x, topk_idx, topk_weights, quant)
             lay = get_dispatch_layout(topk_idx, placement)
             _check_capacity(ep, lay, placement)
+            payload, scale = _payload(x, quant)
     except (ValueError, TypeError) as e:
         bad, event_id = e, _event_word(event_id)
     op = st.fused_ops[DISPATCH] = st.fused_ops[DISPATCH] + 1
@@ -972,7 +1058,7 @@ def a2e(
             f = (lo.a2e_flag_off + half * L.FIELD_BYTES) // L.WORD
             _flag(ep, n_att + me, f, event_id, REFUSED, op)
             raise bad
-        _a2e_stage1(ep, x, lay, placement, n_att + me, half, op, quant, event_id)
+        _a2e_stage1(ep, payload, scale, lay, n_att + me, half, op, event_id, QUANT_CODE[quant])
         if tr:
             tr.rec(t0, now_ns() - t0, "a2e", 1, n_att + me, 0, event_id, 0)
         handle = A2EHandle(n_att, "attention", None, np.asarray(topk_idx, np.int64),
@@ -997,10 +1083,9 @@ def a2e(
     return res, A2EHandle(n_att, "expert", res.handle, None, None, partner, writes)
 
 
-def _a2e_stage1(ep, x, lay, placement, tramp, half, op, quant, event_id) -> None:
+def _a2e_stage1(ep, payload, scale, lay, tramp, half, op, event_id, code) -> None:
     """A2E: every packet of this attention die, and one flag, to its trampoline only."""
     lo = ep.layout
-    payload, scale = quantize_int8(x) if quant == "int8" else (x, np.ones(len(x), np.float32))
     pb = payload.shape[1] * payload.dtype.itemsize
     n, stride = lay.num_msgs, lo.pull_disp_stride
     rows = _a2e_rows(ep, tramp, half, n)  # remote write into the trampoline
@@ -1011,7 +1096,7 @@ def _a2e_stage1(ep, x, lay, placement, tramp, half, op, quant, event_id) -> None
     meta[:, 2] = lay.msg_k
     meta[:, 3] = lay.msg_local_expert | lay.msg_dest << DEST_SHIFT
     f = (lo.a2e_flag_off + half * L.FIELD_BYTES) // L.WORD
-    _flag(ep, tramp, f, event_id, n, op)  # the one metadata write of this attention die
+    _flag(ep, tramp, f, event_id, n, op, code)  # the one metadata write of this attention die
 
 
 def _a2e_stage2(ep, att, half, op, placement):
@@ -1022,6 +1107,7 @@ def _a2e_stage2(ep, att, half, op, placement):
     f = (lo.a2e_flag_off + half * L.FIELD_BYTES) // L.WORD
     ep.wait_ge(lw, f + G_SEQ, op, att, f"a2e.flag[{half}]")
     event, n, stride = lw[f + G_EVENT], lw[f + G_COUNT], lo.pull_disp_stride
+    code = lw[f + G_QUANT]
     if n == REFUSED:
         for d in placement.dies:
             _flag(ep, d, lo.fused_flag_word(half, att), event, REFUSED, op)
@@ -1038,14 +1124,16 @@ def _a2e_stage2(ep, att, half, op, placement):
         n_local = placement.num_local(d)
         counts = np.bincount(local[sel], minlength=n_local)
         _words(ep, d, lo.fused_counts_off_of(half, att), n_local)[:] = counts
-        _flag(ep, d, lo.fused_flag_word(half, att), event, len(sel), op)
+        _flag(ep, d, lo.fused_flag_word(half, att), event, len(sel), op, code)
     return (meta[:, 1].astype(np.int64), meta[:, 2].astype(np.int64)), len(placement.dies)
 
 
 def _expert_gather(ep, half, op, event_id, n_att, placement, quant) -> DispatchResult:
     """An expert die waits for the forwarded flags of every attention die and groups rows."""
     lo = ep.layout
-    parts, _, _ = _fused_gather(ep, half, op, event_id, range(n_att), placement, " (forwarded)")
+    parts, _, _ = _fused_gather(
+        ep, half, op, event_id, range(n_att), placement, " (forwarded)", quant
+    )
     pb = lo.a2a_hidden * (1 if quant == "int8" else 4)
     empty = get_dispatch_layout(np.zeros((0, lo.a2a_topk), np.int64), placement)
     none = np.zeros((0, lo.a2a_topk))
@@ -1092,7 +1180,7 @@ def e2a(ep: Endpoint, expert_out: np.ndarray | None, handle: A2EHandle, event_id
     _wait_slots(ep, r_slot, r_k, op, "e2a'", owners)
     if bad is not None:
         raise bad
-    _check_refusals(ep, owners, op, "e2a")
+    _check_sources(ep, owners, op, event_id, "e2a")
     t1 = now_ns()
     out = _weighted_sum(_comb_rows(ep, idx.shape[0]), idx, w)
     if ep.trace.enabled:
@@ -1111,9 +1199,9 @@ def _e2a_expert(ep, expert_out, handle, op, event_id, bad) -> None:
     t0 = now_ns()
     tramp = n_att + d.recv_src_rank  # E2A: each row to its attention die's trampoline
     if bad is None:
-        _write_slots_by_src(ep, expert_out, tramp, d.recv_slot, d.recv_k, op)
+        _write_slots_by_src(ep, expert_out, tramp, d.recv_slot, d.recv_k, op, event_id)
     else:
-        _refuse_slots(ep, tramp, d.recv_slot, d.recv_k, op)
+        _refuse_slots(ep, tramp, d.recv_slot, d.recv_k, op, event_id)
     t1 = now_ns()
     if handle.partner_slots is not None:  # E2A': a trampoline forwards to its partner
         slots, ks = handle.partner_slots
@@ -1122,10 +1210,10 @@ def _e2a_expert(ep, expert_out, handle, op, event_id, bad) -> None:
         partner = np.full(len(slots), me - n_att, np.int64)
         refuse = _words(ep, me, lo.fused_refuse_off, ep.num_dies)
         if any(refuse[e] == op for e in range(n_att, ep.num_dies)):
-            _refuse_slots(ep, partner, slots, ks, op)  # pass the refusal on
+            _refuse_slots(ep, partner, slots, ks, op, event_id)  # pass the refusal on
         else:
             rows = _comb_f32(ep, me)[slots * lo.a2a_topk + ks, :hidden]
-            _write_slots_by_src(ep, rows, partner, slots, ks, op)
+            _write_slots_by_src(ep, rows, partner, slots, ks, op, event_id)
             if tr:
                 tr.rec(t1, t2 - t1, "e2a", 3, me - n_att, 0, event_id, 0)
                 tr.rec(t2, now_ns() - t2, "e2a", 4, me - n_att, 0, event_id, rows.nbytes)

@@ -34,16 +34,20 @@ All-to-all fields (only in a pod launched with `a2a_max_batch`), in the meta are
 
 ```
  pull[kind][half][src]  | event_id | off      | count    | seq      |   writer: src
-                          kind 0 dispatch, 1 combine; seq = the operation number, LAST
- fused_flag[half][src]  | event_id | count    | seq      | spare    |   writer: src (or the
+                          kind 0 dispatch, 1 combine; seq = the operation number, LAST;
+                          off = row offset | code << 48: a dispatch's quant (0 float32
+                          rows, 1 int8), a combine's dispatch operation number mod 2**15
+ fused_flag[half][src]  | event_id | count    | seq      | quant    |   writer: src (or the
                           trampoline forwarding src's packets in A2E'); seq LAST
  fused_counts[half][src][local expert]   int64 rows per expert          writer: src
  fused_cflag[slot][k]   int64 combine completion word = operation number, writer: the die that
                           computed (slot, k) (or the trampoline forwarding it in E2A')
- a2e_flag[half]         | event_id | count    | seq      | spare    |   writer: the partner
+ a2e_flag[half]         | event_id | count    | seq      | quant    |   writer: the partner
                           attention die of this trampoline; seq LAST
  fused_refuse[src]      int64: the fused-combine / E2A operation number at which src refused
                           its part (bad input); written before src's completion words
+ fused_cevent[src]      int64: the event id of src's latest fused-combine / E2A rows into this
+                          die; written before src's completion words
 ```
 `count` = COUNT_REFUSED (-1) in a pull field, fused flag or a2e flag says that the writer refused
 its input to that operation: it still takes part (publishes, waits for every peer) so that every
@@ -64,7 +68,7 @@ import numpy as np
 from memory.errors import ConfigError
 
 MAGIC = 0x314D4248444F5058  # b"XPODHBM1" little-endian
-LAYOUT_VERSION = 2  # 2: fused_refuse words
+LAYOUT_VERSION = 2  # 2: fused_refuse and fused_cevent words
 PAGE = 4096
 HEADER_BYTES = PAGE
 FIELD_BYTES = 32
@@ -83,7 +87,7 @@ ACK_EVENT, ACK_HEAD, ACK_DONE, ACK_STATUS = 0, 1, 2, 3
 RDV_EVENT, RDV_OFF, RDV_NBYTES, RDV_SEQ = 0, 1, 2, 3
 SYNC_COUNT = 0
 PULL_EVENT, PULL_OFF, PULL_COUNT, PULL_SEQ = 0, 1, 2, 3
-FLAG_EVENT, FLAG_COUNT, FLAG_SEQ = 0, 1, 2  # fused_flag and a2e_flag
+FLAG_EVENT, FLAG_COUNT, FLAG_SEQ, FLAG_QUANT = 0, 1, 2, 3  # fused_flag and a2e_flag
 COUNT_REFUSED = -1  # a count word of a die that refused its input to the operation
 
 HEADER = np.dtype(
@@ -150,15 +154,16 @@ class RegionLayout:
     pull_comb_off: int = 0
     pull_comb_rows: int = 0
     pull_comb_stride: int = 0
-    fused_flag_off: int = 0  # meta: [2 halves][num_dies] | event_id | count | seq | spare |
+    fused_flag_off: int = 0  # meta: [2 halves][num_dies] | event_id | count | seq | quant |
     fused_counts_off: int = 0  # meta: [2][num_dies][experts_per_die] int64 per-expert rows
     fused_cflag_off: int = 0  # meta: [max_batch][topk] int64 combine completion words
     fused_disp_off: int = 0  # managed: [2][num_dies][fused_disp_rows] rows of pull_disp_stride
     fused_disp_rows: int = 0  # per source: max_batch x min(topk, experts_per_die)
     fused_comb_off: int = 0  # managed: [max_batch][topk] rows of pull_comb_stride
     a2e_in_off: int = 0  # managed: [2 halves][max_batch * topk] rows, a trampoline's inbound
-    a2e_flag_off: int = 0  # meta: [2 halves] one field | event_id | count | seq | spare |
+    a2e_flag_off: int = 0  # meta: [2 halves] one field | event_id | count | seq | quant |
     fused_refuse_off: int = 0  # meta: [num_dies] int64, fused-combine op a die refused
+    fused_cevent_off: int = 0  # meta: [num_dies] int64, event id of a die's fused-combine rows
 
     @property
     def ring_bytes(self) -> int:
@@ -310,7 +315,8 @@ def compute(
     fused_cflag_off = fused_counts_off + (2 * num_dies * a2a_experts_per_die * WORD if on else 0)
     a2e_flag_off = fused_cflag_off + (a2a_max_batch * a2a_topk * WORD if on else 0)
     fused_refuse_off = a2e_flag_off + (2 * FIELD_BYTES if on else 0)
-    meta_end = fused_refuse_off + (num_dies * WORD if on else 0)
+    fused_cevent_off = fused_refuse_off + (num_dies * WORD if on else 0)
+    meta_end = fused_cevent_off + (num_dies * WORD if on else 0)
     meta_bytes = _round_up(meta_end - meta_off, PAGE)
     managed_off = meta_off + meta_bytes
     rings = num_dies * lanes * ring_slots * slot_bytes
@@ -362,6 +368,7 @@ def compute(
         a2e_in_off=a2e_in_off if on else 0,
         a2e_flag_off=a2e_flag_off if on else 0,
         fused_refuse_off=fused_refuse_off if on else 0,
+        fused_cevent_off=fused_cevent_off if on else 0,
     )
 
 

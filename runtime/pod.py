@@ -318,15 +318,23 @@ class Pod:
             self._broadcast(_resync_die, (3, top))
 
     def _broadcast(self, fn, args: tuple, timeout_s: float = 10.0) -> list:
-        """Run an internal fn on every die and collect results (no abort, no resync); a die
-        that does not answer within `timeout_s` is hung."""
+        """Run an internal fn on every (idle) die and collect results (no abort, no resync); a
+        die that does not answer within `timeout_s`, or is stopped for ABORT_REPLY_S, is hung."""
         self._send_all(pickle.dumps(("run", fn, args, self.ctl.words[C.W_ABORT])), "in a resync")
         pending = set(range(len(self.conns)))
         results: list = [None] * len(self.conns)
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        stopped: dict[int, float] = {}
         while pending:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now - start > timeout_s:
                 self._hung(sorted(pending), f"did not answer the launcher within {timeout_s:g} s")
+            for r in pending:
+                if _proc_state(self.procs[r].pid) in ("stopped", "tracing-stop"):
+                    if now - stopped.setdefault(r, now) > ABORT_REPLY_S:
+                        self._hung([r], f"stayed stopped during a resync for {ABORT_REPLY_S:g} s")
+                else:
+                    stopped.pop(r, None)
             for r, reply in self._replies(pending, POLL_S, "in a resync"):
                 pending.discard(r)
                 results[r] = reply[1] if reply[0] == "ok" else None

@@ -88,6 +88,10 @@ DISPATCH_CASES = {
     "event-float": (lambda a: a.update(event_id=1.5), "ValueError", "event_id"),
     "event-none": (lambda a: a.update(event_id=None), "ValueError", "event_id"),
     "quant-int4": (lambda a: a.update(quant="int4"), "ValueError", "quant"),
+    "x-nan-int8": (lambda a: (a["x"].__setitem__((2, 3), np.nan), a.update(quant="int8")),
+                   "ValueError", "finite"),
+    "x-inf-int8": (lambda a: (a["x"].__setitem__((0, 0), np.inf), a.update(quant="int8")),
+                   "ValueError", "finite"),
     "placement-not-one": (lambda a: a.update(placement="0,1,2,3"), "TypeError", "Placement"),
     "placement-over-capacity": (
         lambda a: a.update(placement=Placement.from_table(np.zeros(EXPERTS, int), (0, 1))),
@@ -98,7 +102,7 @@ DISPATCH_CASES = {
 
 
 def dispatch_args(die, seed: int, protocol: str, case: str | None) -> dict:
-    x, idx, w = make_inputs(seed, die.die_id, EXPERTS, "random")
+    x, idx, w = make_inputs(seed, die.die_id, EXPERTS, "full")  # B rows: every case has rows
     args = dict(x=x, topk_idx=idx, topk_weights=w, protocol=protocol, quant=None,
                 event_id=seed, placement=None)  # fmt: skip
     if case is not None and die.die_id == BAD:
@@ -142,6 +146,8 @@ COMBINE_CASES = {
                  "float32"),
     "event-seven": (lambda a: a.update(event_id="seven"), "ValueError", "event_id"),
     "event-2**64": (lambda a: a.update(event_id=2**64), "ValueError", "event_id"),
+    "handle-string": (lambda a: a.update(handle="handle"), "TypeError", "DispatchHandle"),
+    "handle-none": (lambda a: a.update(handle=None), "TypeError", "DispatchHandle"),
 }  # fmt: skip
 
 
@@ -169,7 +175,7 @@ def test_bad_combine_input_on_one_die_refused_and_the_pod_stays_in_step(pod, pro
     res = pod.run(bad_combine_then_good, protocol, case, seed)
     _, exc, words = COMBINE_CASES[case]
     assert res[BAD][0][0] == exc and words in res[BAD][0][1], res[BAD][0]
-    ins = [make_inputs(seed, r, EXPERTS, "random") for r in range(DIES)]
+    ins = [make_inputs(seed, r, EXPERTS, "full") for r in range(DIES)]
     placement = default_placement()
     for r in range(DIES):
         if r == BAD:
@@ -183,6 +189,73 @@ def test_bad_combine_input_on_one_die_refused_and_the_pod_stays_in_step(pod, pro
                                placement, lambda die, d: expert_fn(die, d.x))  # fmt: skip
             assert np.array_equal(res[r][1], want[r])
     check_against_reference([g for _, _, g in res], seed + 1, None, "random", DIES, EXPERTS,
+                            placement)  # fmt: skip
+
+
+# Valid but different from the other dies' call: both sides must notice (no silent mix-up).
+MISPAIRED = {
+    "event": (lambda a: a.update(event_id=a["event_id"] + 1), "mis-paired"),
+    "quant": (lambda a: a.update(quant="int8"), "quant differs"),
+}
+
+
+def mispaired_dispatch_then_good(die, protocol: str, case: str, seed: int):
+    args = dispatch_args(die, seed, protocol, None)
+    if die.die_id == BAD:
+        MISPAIRED[case][0](args)
+    first = outcome(comm.dispatch, die, **args)
+    good = moe_step(die, seed + 1, None, "random", EXPERTS, None, protocol=protocol)
+    return first, good
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", sorted(MISPAIRED))
+@pytest.mark.parametrize("protocol", ["pull", "fused"])
+def test_mispaired_dispatch_fails_on_every_die_and_the_pod_stays_in_step(pod, protocol, case):
+    seed = 250 + sorted(MISPAIRED).index(case)
+    res = pod.run(mispaired_dispatch_then_good, protocol, case, seed)
+    for r in range(DIES):  # every die receives from BAD, BAD from every die
+        kind, msg = res[r][0]
+        assert kind == "ProtocolError" and MISPAIRED[case][1] in msg, (r, res[r][0])
+    check_against_reference([g for _, g in res], seed + 1, None, "random", DIES, EXPERTS,
+                            default_placement())  # fmt: skip
+
+
+def stale_or_mispaired_combine(die, protocol: str, case: str, seed: int):
+    """Two dispatches; every die combines the second, BAD the first ("stale"), or every die
+    the second with BAD naming another event id ("event")."""
+    d1 = comm.dispatch(die, **dispatch_args(die, seed, protocol, None))
+    d2 = comm.dispatch(die, **dispatch_args(die, seed + 1, protocol, None))
+    d, ev = d2, seed + 1
+    if die.die_id == BAD:
+        d, ev = (d1, seed + 1) if case == "stale" else (d2, seed + 7)
+    out = expert_fn(die.die_id, d.x)
+    first = outcome(comm.combine, die, out, d.handle, event_id=ev)
+    return first, moe_step(die, seed + 2, None, "random", EXPERTS, None, protocol=protocol)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["stale", "event"])
+@pytest.mark.parametrize("protocol", ["pull", "fused"])
+def test_combine_of_another_dispatch_or_event_is_never_silent(pod, protocol, case):
+    seed = 270 + 10 * (case == "event")
+    res = pod.run(stale_or_mispaired_combine, protocol, case, seed)
+    kind, msg = res[BAD][0]
+    if protocol == "fused" and case == "stale":  # refused up front: one combine buffer
+        assert kind == "ValueError" and "alternate" in msg, res[BAD][0]
+    else:
+        assert kind == "ProtocolError", res[BAD][0]
+    placement = default_placement()
+    for r in range(DIES):
+        if r == BAD:
+            continue
+        idx = make_inputs(seed + 1, r, EXPERTS, "full")[1]
+        needs_bad = bool((placement.die_of[idx[idx >= 0]] == BAD).any())
+        if protocol == "pull" or needs_bad:
+            assert res[r][0][0] in ("ProtocolError", "PeerRefused"), (r, res[r][0])
+        else:
+            assert res[r][0][0] == "ok", (r, res[r][0])
+    check_against_reference([g for _, g in res], seed + 2, None, "random", DIES, EXPERTS,
                             placement)  # fmt: skip
 
 
@@ -331,3 +404,19 @@ def test_e2a_bad_expert_output_refused_and_the_next_step_exact(a2e_pod, bad):
         if r != bad:
             assert res[r][0][0] == "ok", res[r][0]
     check_a2e([g for _, g in res], 601)
+
+
+def fused_combine_twice(die, seed: int):
+    d = comm.dispatch(die, **dispatch_args(die, seed, "fused", None))
+    comm.combine(die, expert_fn(die.die_id, d.x), d.handle, event_id=seed)
+    again = outcome(comm.combine, die, expert_fn(die.die_id, d.x), d.handle, event_id=seed)
+    return again, moe_step(die, seed + 1, None, "random", EXPERTS, None, protocol="fused")
+
+
+@pytest.mark.timeout(120)
+def test_a_fused_dispatch_is_combined_once(pod):
+    res = pod.run(fused_combine_twice, 700)
+    for r in range(DIES):  # the combine buffer is single: a second combine would race
+        assert res[r][0][0] == "ValueError" and "once" in res[r][0][1], res[r][0]
+    check_against_reference([g for _, g in res], 701, None, "random", DIES, EXPERTS,
+                            default_placement())  # fmt: skip
