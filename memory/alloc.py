@@ -19,6 +19,23 @@ class AllocError(PodError, MemoryError):
     """The app area cannot satisfy a request."""
 
 
+def _shape(shape) -> tuple[int, ...]:
+    """`shape` as a tuple of non-negative ints; ValueError naming it otherwise."""
+    items = (shape,) if isinstance(shape, int | np.integer) else shape
+    try:
+        out = tuple(items)
+    except TypeError:
+        out = None
+    ok = out is not None and all(
+        isinstance(s, int | np.integer) and not isinstance(s, bool) for s in out
+    )
+    if not ok:
+        raise ValueError(f"alloc: shape {shape!r} must be an int or a tuple of ints")
+    if any(s < 0 for s in out):
+        raise ValueError(f"alloc: negative dimension in shape {out}")
+    return tuple(int(s) for s in out)
+
+
 class AppAllocator:
     """Allocate numpy arrays inside `area` (a uint8 view of the app area).
 
@@ -60,14 +77,15 @@ class AppAllocator:
         Raises:
             AllocError naming the request, the largest free block and the capacity.
         """
-        dt = np.dtype(dtype)
+        try:
+            dt = np.dtype(dtype)
+        except TypeError as e:
+            raise TypeError(f"alloc: dtype {dtype!r} is not a numpy dtype ({e})") from None
         if dt.hasobject:
             raise TypeError(f"alloc: dtype {dt} holds Python objects; shared memory cannot")
-        shape_t = (shape,) if isinstance(shape, int) else tuple(shape)
-        if any(int(s) < 0 for s in shape_t):
-            raise ValueError(f"alloc: negative dimension in shape {shape_t}")
-        if align <= 0 or align & (align - 1):
-            raise ValueError(f"alloc: align {align} is not a power of two")
+        shape_t = _shape(shape)
+        if not isinstance(align, int | np.integer) or align <= 0 or align & (align - 1):
+            raise ValueError(f"alloc: align {align!r} is not a power of two")
         nbytes = math.prod(shape_t) * dt.itemsize
         if nbytes == 0:
             # numpy gives every empty view the area's base pointer, so an empty allocation cannot

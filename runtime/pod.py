@@ -223,6 +223,9 @@ class Pod:
         """
         if self.closed:
             raise PodError(f"pod {self.pod_id} is closed")
+        bad = not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool)
+        if timeout_s is not None and (bad or not 0 < timeout_s < float("inf")):
+            raise ValueError(f"pod.run: timeout_s {timeout_s!r} must be None or seconds > 0")
         n = self.config.num_dies
         epoch = self.ctl.words[C.W_ABORT]
         msg = ("run", fn, args, epoch)

@@ -734,3 +734,11 @@ def test_clean_dry_run_removes_nothing(tmp_path):
         assert lau.segments_left() == []
     finally:
         lau.finish()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("timeout_s", ["1", -1, 0, float("nan"), float("inf"), True, [1]])
+def test_bad_run_timeout_refused_before_the_dies_run(pod, timeout_s):
+    with pytest.raises(ValueError, match="timeout_s"):
+        pod.run(whoami, "t", timeout_s=timeout_s)
+    assert [r[0] for r in pod.run(whoami, "after")] == list(range(pod.config.num_dies))

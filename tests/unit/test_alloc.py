@@ -137,12 +137,18 @@ def test_empty_area():
         (((4,), np.dtype([("a", "i8"), ("b", "O")])), TypeError),
         (((-1,), np.uint8), ValueError),
         (((2, -3), np.uint8), ValueError),
+        (("x", np.uint8), ValueError),
+        ((2.5, np.uint8), ValueError),
+        (((2, None), np.uint8), ValueError),
+        (((True,), np.uint8), ValueError),
+        ((4, "not-a-dtype"), TypeError),
     ],
 )
 def test_bad_requests(args, exc):
     al, _ = make()
-    with pytest.raises(exc):
+    with pytest.raises(exc, match="alloc: (shape|negative|dtype)"):
         al.alloc(*args)
+    assert al.alloc(8).size == 8  # and the allocator still works
 
 
 @pytest.mark.parametrize("align", [0, 3, 48, -64])
