@@ -1,4 +1,10 @@
-"""Mechanisms: PodConfig, the pod launcher and its dies, the CLI."""
+"""Mechanisms: PodConfig, the pod launcher and its dies, the serving processes, the CLI."""
+
+from runtime._packages import use_our_sched
+
+use_our_sched()  # before anything imports `sched` (it is also a stdlib module)
+
+# ruff: noqa: E402
 
 from memory.errors import (
     ConfigError,

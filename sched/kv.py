@@ -1,0 +1,215 @@
+"""RTC KV manager: block bookkeeping of one DP group's paged KV cache (the die holds the rows).
+
+Glossary (DeepServe FlowServe "Relational Tensor Cache", Table 1 -> code):
+MatchByPrefixToken -> match_by_prefix, AllocBlocks -> alloc_blocks, AppendBlock -> append_block,
+Free -> free. A table maps a request's positions to blocks: position p lives in
+table[p // block_size], slot p % block_size.
+
+Every block is in exactly one state:
+- used:   refcount > 0 (held by that many tables; > 1 only for a shared, hashed prefix block);
+- cached: refcount 0, hashed, evictable; LRU order, least recently freed evicted first;
+- free:   refcount 0, no hash.
+A block gets a hash (`cache_blocks`) once it is full and its KV is known written: the chained
+hash `block_hash(parent_hash, tokens)`, kept in `_index` (hash -> block) with the block's tokens
+and parent hash, compared on every match so a hash collision cannot serve wrong KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+
+class KVFull(RuntimeError):
+    """Not enough free or evictable blocks; the call changed nothing."""
+
+
+def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    """Chained 64-bit hash of one full block: blake2b over (parent hash or none, tokens as <i8)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(b"\x00" if parent is None else b"\x01" + parent.to_bytes(8, "little"))
+    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    return int.from_bytes(h.digest(), "little")
+
+
+class KVManager:
+    """Blocks 0..num_blocks-1 of block_size positions each; tables keyed by request id."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True):
+        for name, v in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_cache = bool(enable_prefix_cache)
+        self._ref = [0] * num_blocks
+        self._hash: list[int | None] = [None] * num_blocks
+        self._parent: list[int | None] = [None] * num_blocks  # parent hash of a hashed block
+        self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._index: dict[int, int] = {}  # hash -> the one block carrying it
+        self._free: deque[int] = deque(range(num_blocks))
+        self._cached: OrderedDict[int, None] = OrderedDict()  # first = least recently freed
+        self._tables: dict[int, list[int]] = {}
+        self._chain: dict[int, list[int]] = {}  # request -> hashes of its full blocks so far
+
+    def block_table(self, request_id: int) -> list[int]:
+        return list(self._table(request_id))
+
+    def num_free(self) -> int:
+        """Blocks an allocation may take: free plus cached (evictable)."""
+        return len(self._free) + len(self._cached)
+
+    def can_alloc(self, n_blocks: int) -> bool:
+        return self.num_free() >= n_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks covering positions [0, num_tokens)."""
+        return -(-num_tokens // self.block_size)
+
+    def match_by_prefix(self, tokens: list[int]) -> tuple[list[int], int]:
+        """Longest run of cached full blocks equal to tokens' prefix, at most len(tokens)-1 tokens
+        (the last token is recomputed for its logits). Returns (block ids, hit tokens); pure."""
+        if not self.enable_prefix_cache:
+            return [], 0
+        bs, blocks, parent = self.block_size, [], None
+        for i in range((len(tokens) - 1) // bs):
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            h = block_hash(parent, chunk)
+            b = self._index.get(h)
+            if b is None or self._tokens[b] != chunk or self._parent[b] != parent:
+                break
+            blocks.append(b)
+            parent = h
+        return blocks, len(blocks) * bs
+
+    def alloc_blocks(
+        self, request_id: int, num_tokens: int, prefix_blocks: Sequence[int] = ()
+    ) -> list[int]:
+        """First table of a request: prefix_blocks (from match_by_prefix, shared), then new blocks
+        up to num_tokens positions. Returns the table. KVFull (nothing changed) if short."""
+        if request_id in self._tables:
+            raise ValueError(f"request_id {request_id} already has a block table")
+        prefix = list(prefix_blocks)
+        self._check_prefix(prefix, num_tokens)
+        need = self.blocks_for(num_tokens) - len(prefix)
+        revived = sum(1 for b in prefix if self._ref[b] == 0)  # cached blocks leave the pool
+        if need > self.num_free() - revived:
+            raise KVFull(f"request {request_id}: needs {need} new blocks, {self.num_free()} free")
+        for b in prefix:
+            if self._ref[b] == 0:
+                del self._cached[b]
+            self._ref[b] += 1
+        table = prefix + [self._take() for _ in range(need)]
+        self._tables[request_id] = table
+        return list(table)
+
+    def extend(self, request_id: int, num_tokens: int) -> list[int]:
+        """Grow the table to cover num_tokens positions (never shrinks). KVFull if short."""
+        table = self._table(request_id)
+        need = self.blocks_for(num_tokens) - len(table)
+        if need > self.num_free():
+            raise KVFull(f"request {request_id}: needs {need} more blocks, {self.num_free()} free")
+        table.extend(self._take() for _ in range(max(need, 0)))
+        return list(table)
+
+    def append_block(self, request_id: int) -> int:
+        """One more block at the end of the table (decode crossing a boundary). KVFull if none."""
+        table = self._table(request_id)
+        if not self.num_free():
+            raise KVFull(f"request {request_id}: no free block")
+        table.append(self._take())
+        return table[-1]
+
+    def cache_blocks(self, request_id: int, tokens: list[int], num_tokens: int) -> None:
+        """Register the full blocks of the table covering tokens[:num_tokens] (KV written).
+        Idempotent; a hashed block keeps its hash; a hash already indexed keeps its block."""
+        if not self.enable_prefix_cache:
+            return
+        table, bs = self._table(request_id), self.block_size
+        chain = self._chain.setdefault(request_id, [])
+        for i in range(len(chain), min(min(num_tokens, len(tokens)) // bs, len(table))):
+            parent = chain[-1] if chain else None
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            h = block_hash(parent, chunk)
+            chain.append(h)
+            b = table[i]
+            if self._hash[b] is None and h not in self._index:
+                self._hash[b], self._parent[b], self._tokens[b] = h, parent, chunk
+                self._index[h] = b
+
+    def free(self, request_id: int) -> list[int]:
+        """Drop the table; blocks reaching refcount 0 become cached (hashed; freed tail first so
+        the tail is evicted first) or free. Returns those blocks. Unknown id: no-op."""
+        table = self._tables.pop(request_id, None)
+        self._chain.pop(request_id, None)
+        released = []
+        for b in reversed(table or ()):
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                released.append(b)
+                if self._hash[b] is None:
+                    self._free.append(b)
+                else:
+                    self._cached[b] = None
+        return released
+
+    def usage(self) -> dict:
+        used = self.num_blocks - self.num_free()
+        return {"total": self.num_blocks, "used": used, "cached": len(self._cached),
+                "free": len(self._free), "usage": used / self.num_blocks}  # fmt: skip
+
+    def check(self) -> None:
+        """Internal invariants (tests): raises AssertionError naming the first broken one."""
+        count = [0] * self.num_blocks
+        for rid, table in self._tables.items():
+            _expect(len(set(table)) == len(table), f"request {rid}: a block twice in its table")
+            for b in table:
+                count[b] += 1
+                _expect(count[b] == 1 or self._hash[b] is not None, f"block {b} shared, unhashed")
+        _expect(count == self._ref, "refcounts differ from the tables")
+        used = {b for b in range(self.num_blocks) if self._ref[b] > 0}
+        cached, free = set(self._cached), set(self._free)
+        _expect(len(free) == len(self._free), "a block twice in the free list")
+        _expect(not (used & cached or used & free or cached & free), "block states overlap")
+        _expect(len(used | cached | free) == self.num_blocks, "a block in no state")
+        _expect(all(self._hash[b] is not None for b in cached), "a cached block has no hash")
+        _expect(all(self._hash[b] is None for b in free), "a free block has a hash")
+        hashed = {b for b in range(self.num_blocks) if self._hash[b] is not None}
+        _expect(hashed == set(self._index.values()), "hashed blocks differ from the index")
+        _expect(all(self._hash[b] == h for h, b in self._index.items()), "index hash mismatch")
+
+    def _table(self, request_id: int) -> list[int]:
+        table = self._tables.get(request_id)
+        if table is None:
+            raise ValueError(f"request_id {request_id} has no block table")
+        return table
+
+    def _check_prefix(self, prefix: list[int], num_tokens: int) -> None:
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        if len(prefix) * self.block_size > num_tokens:
+            raise ValueError(f"prefix_blocks cover {len(prefix)} blocks, num_tokens {num_tokens}")
+        if len(set(prefix)) != len(prefix):
+            raise ValueError(f"prefix_blocks repeat a block: {prefix}")
+        for b in prefix:
+            if not 0 <= b < self.num_blocks or self._hash[b] is None:
+                raise ValueError(f"prefix_blocks: block {b} is not a cached block")
+
+    def _take(self) -> int:
+        """A block for a new table entry: a free one, else evict the LRU cached block."""
+        if self._free:
+            b = self._free.popleft()
+        else:
+            b, _ = self._cached.popitem(last=False)
+            del self._index[self._hash[b]]
+            self._hash[b] = self._parent[b] = self._tokens[b] = None
+        assert self._ref[b] == 0, f"block {b} taken with refcount {self._ref[b]}"
+        self._ref[b] = 1
+        return b
+
+
+def _expect(ok: bool, what: str) -> None:
+    if not ok:
+        raise AssertionError(f"KVManager invariant: {what}")
