@@ -49,6 +49,22 @@ All-to-all fields (only in a pod launched with `a2a_max_batch`), in the meta are
  fused_cevent[src]      int64: the event id of src's latest fused-combine / E2A rows into this
                           die; written before src's completion words
 ```
+Serving fields (only in a pod launched with `serve_slot_bytes`), after the all-to-all fields:
+
+```
+ serve   SERVE_WORDS int64 words:
+   vote_step, vote_rows[2]           writer: this die   lockstep vote of global step s:
+                                                        rows[s % 2] first, vote_step = s LAST
+   cmd_pub, cmd_promised             writer: the master commands published / promised (counts)
+   cmd_taken                         writer: this die   commands taken
+   res_pub                           writer: this die   results published
+   res_taken                         writer: the master results taken
+   cmd_len[slots], res_len[slots]    writer: the slot's writer, before its *_pub count
+```
+The command ring (master -> die) and the result ring (die -> master) are `serve_slots` slots of
+`serve_slot_bytes` each in the managed area; slot k % slots holds message k. Every count only
+grows. A writer may fill slot k once `k - taken < slots`.
+
 `count` = COUNT_REFUSED (-1) in a pull field, fused flag or a2e flag says that the writer refused
 its input to that operation: it still takes part (publishes, waits for every peer) so that every
 die's operation counter stays in step, and every reader raises after its wait.
@@ -89,6 +105,11 @@ SYNC_COUNT = 0
 PULL_EVENT, PULL_OFF, PULL_COUNT, PULL_SEQ = 0, 1, 2, 3
 FLAG_EVENT, FLAG_COUNT, FLAG_SEQ, FLAG_QUANT = 0, 1, 2, 3  # fused_flag and a2e_flag
 COUNT_REFUSED = -1  # a count word of a die that refused its input to the operation
+# Serving words (word index inside the serve block), see the diagram.
+SV_VOTE_STEP, SV_VOTE_ROWS, SV_CMD_PUB, SV_CMD_PROMISED, SV_CMD_TAKEN = 0, 1, 3, 4, 5
+SV_RES_PUB, SV_RES_TAKEN, SV_CMD_LEN = 6, 7, 8  # then cmd_len[slots], res_len[slots]
+SERVE_SLOTS = 4
+SERVE_WORDS = SV_CMD_LEN + 2 * SERVE_SLOTS
 
 HEADER = np.dtype(
     [
@@ -164,6 +185,10 @@ class RegionLayout:
     a2e_flag_off: int = 0  # meta: [2 halves] one field | event_id | count | seq | quant |
     fused_refuse_off: int = 0  # meta: [num_dies] int64, fused-combine op a die refused
     fused_cevent_off: int = 0  # meta: [num_dies] int64, event id of a die's fused-combine rows
+    serve_slot_bytes: int = 0  # bytes per command / result ring slot (0: no serving area)
+    serve_off: int = 0  # meta: SERVE_WORDS words of the serving protocol
+    serve_cmd_off: int = 0  # managed: [SERVE_SLOTS] command slots of serve_slot_bytes
+    serve_res_off: int = 0  # managed: [SERVE_SLOTS] result slots of serve_slot_bytes
 
     @property
     def ring_bytes(self) -> int:
@@ -178,7 +203,13 @@ class RegionLayout:
             key += f",{self.a2a_experts_per_die},{self.a2a_num_experts}"
             if self.a2a_dispatch_bytes != 4:
                 key += f",disp{self.a2a_dispatch_bytes}"
+        if self.serve_slot_bytes:
+            key += f",serve:{self.serve_slot_bytes}"
         return zlib.crc32(key.encode())
+
+    def serve_word(self, index: int) -> int:
+        """Word index (in the region) of serving word `index` (SV_* constants)."""
+        return self.serve_off // WORD + index
 
     def pull_field_word(self, kind: int, half: int, src: int) -> int:
         """Word index of pull field (kind 0 = dispatch, 1 = combine; half 0/1) written by src."""
@@ -268,6 +299,7 @@ def compute(
     a2a_experts_per_die: int = 0,
     a2a_num_experts: int = 0,
     a2a_dispatch_bytes: int = 4,
+    serve_slot_bytes: int = 0,
 ) -> RegionLayout:
     """Compute the layout of one region from the pod's sizes.
 
@@ -283,6 +315,7 @@ def compute(
             most experts one die may host); none when a2a_max_batch is 0.
         a2a_dispatch_bytes: bytes per element of a dispatch row: 4 (float32 or INT8 dispatch)
             or 1 (INT8 only: rows of hidden + PULL_ROW_META bytes, the paper's buffer formula).
+        serve_slot_bytes: bytes per slot of the serving command and result rings (0: none).
     Returns:
         RegionLayout with every offset; raises ConfigError naming the bad argument.
     """
@@ -301,6 +334,9 @@ def compute(
     ack_off = desc_off + block
     rdv_off = ack_off + block
     sync_off = rdv_off + block
+    _check("serve_slot_bytes", serve_slot_bytes, 0, 1 << 30)
+    if serve_slot_bytes % 64:
+        raise ConfigError(f"serve_slot_bytes: {serve_slot_bytes} is not a multiple of 64")
     if a2a_dispatch_bytes not in (1, 4):
         raise ConfigError(
             f"a2a_dispatch_bytes: {a2a_dispatch_bytes!r} must be 4 (float32) or 1 (int8)"
@@ -316,7 +352,8 @@ def compute(
     a2e_flag_off = fused_cflag_off + (a2a_max_batch * a2a_topk * WORD if on else 0)
     fused_refuse_off = a2e_flag_off + (2 * FIELD_BYTES if on else 0)
     fused_cevent_off = fused_refuse_off + (num_dies * WORD if on else 0)
-    meta_end = fused_cevent_off + (num_dies * WORD if on else 0)
+    serve_off = fused_cevent_off + (num_dies * WORD if on else 0)
+    meta_end = serve_off + (SERVE_WORDS * WORD if serve_slot_bytes else 0)
     meta_bytes = _round_up(meta_end - meta_off, PAGE)
     managed_off = meta_off + meta_bytes
     rings = num_dies * lanes * ring_slots * slot_bytes
@@ -328,7 +365,9 @@ def compute(
         2 * num_dies * fused_disp_rows * a2a["disp_stride"], PAGE
     )
     a2e_in_off = fused_comb_off + _round_up(a2a_max_batch * a2a_topk * a2a["comb_stride"], PAGE)
-    end = a2e_in_off + _round_up(2 * a2a["disp_rows"] * a2a["disp_stride"], PAGE)
+    serve_cmd_off = a2e_in_off + _round_up(2 * a2a["disp_rows"] * a2a["disp_stride"], PAGE)
+    serve_res_off = serve_cmd_off + SERVE_SLOTS * serve_slot_bytes
+    end = serve_res_off + SERVE_SLOTS * serve_slot_bytes
     managed_bytes = _round_up(end - managed_off, PAGE)
     return RegionLayout(
         num_dies=num_dies,
@@ -369,6 +408,10 @@ def compute(
         a2e_flag_off=a2e_flag_off if on else 0,
         fused_refuse_off=fused_refuse_off if on else 0,
         fused_cevent_off=fused_cevent_off if on else 0,
+        serve_slot_bytes=serve_slot_bytes,
+        serve_off=serve_off if serve_slot_bytes else 0,
+        serve_cmd_off=serve_cmd_off if serve_slot_bytes else 0,
+        serve_res_off=serve_res_off if serve_slot_bytes else 0,
     )
 
 

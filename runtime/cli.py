@@ -3,6 +3,7 @@
 ```
 xpod run   [--dies 4] [--size 1M]        launch a pod, move data between every pair, print a table
 xpod decode [--dies 4] [--check] ...     toy-model decode over the pod (see runtime/decode.py)
+xpod generate --prompts FILE ...         batch generation with the serving engine (see generate.py)
 xpod bench p2p|ring|alltoall ...         microbenchmarks (see `xpod bench p2p --help`)
 xpod clean [--dry-run]                   remove segments of pods whose launcher is gone
 xpod layout [--dies 8] ...               print the region layout of a configuration
@@ -191,10 +192,17 @@ def print_layout(cfg: PodConfig) -> int:
 
 
 def cmd_decode(args: argparse.Namespace) -> Job:
-    from runtime import decode
+    from runtime import decode_args as decode
 
     decode.options(args)  # parses and checks every option, the model and the PodConfig
     return lambda: decode.main(args)
+
+
+def cmd_generate(args: argparse.Namespace) -> Job:
+    from runtime import generate
+
+    opts = generate.parse_options(args)  # flags, prompts and the EngineConfig, all checked
+    return lambda: generate.run(opts)
 
 
 def cmd_bench(args: argparse.Namespace) -> Job:
@@ -212,7 +220,7 @@ def _sub(sub, name: str, fn: Callable[[argparse.Namespace], Job], **kw) -> argpa
 def build_parser() -> argparse.ArgumentParser:
     """The `xpod` parser; every subcommand's errors are one line with exit status 2."""
     p = Parser(prog="xpod", description="An emulated AI SuperPod on one machine.")
-    names = ("run", "decode", "bench", "clean", "layout")
+    names = ("run", "decode", "generate", "bench", "clean", "layout")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="{" + ",".join(names) + "}")
 
     r = _sub(sub, "run", cmd_run, help="launch a pod and move data between every pair of dies")
@@ -223,10 +231,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--rounds", type=positive_int, default=5, help="rounds (default 5)")
     r.set_defaults(dies=4)
 
-    from runtime import decode
+    from runtime import decode_args as decode
 
     help_ = "distributed toy-model decode (DP attention + EP experts)"
     decode.add_args(_sub(sub, "decode", cmd_decode, help=help_))
+    from runtime import generate
+
+    help_ = "generate completions of prompts with the serving engine"
+    generate.add_args(_sub(sub, "generate", cmd_generate, help=help_))
     b = _sub(sub, "bench", cmd_bench, help="microbenchmarks")
     bsub = b.add_subparsers(dest="bench", required=True, metavar="{" + ",".join(BENCHES) + "}")
     for name in BENCHES:

@@ -48,6 +48,8 @@ class PodConfig:
         a2a_dispatch_dtype: "float32" (dispatch rows hold float32 payloads, so both quant=None
             and quant="int8" work) or "int8" (rows of `hidden` bytes + 16 B of metadata, the
             paper's buffer formula, a quarter of the memory; quant=None is then refused).
+        serve_slot_bytes: bytes of each slot of the serving command and result rings in every
+            die's region (0: a pod that does not serve; `runtime.serve.Engine` sets it).
     """
 
     num_dies: int = 4
@@ -71,6 +73,7 @@ class PodConfig:
     num_experts: int = 0
     a2a_max_local_experts: int = 0
     a2a_dispatch_dtype: str = "float32"
+    serve_slot_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.cores == 0:
@@ -99,6 +102,9 @@ class PodConfig:
             raise ConfigError(f"trace: {self.trace!r} must be true or false")
         _int_in("a2a_max_batch", self.a2a_max_batch, 0, 1 << 20)
         _choice("a2a_dispatch_dtype", self.a2a_dispatch_dtype, ("float32", "int8"))
+        _int_in("serve_slot_bytes", self.serve_slot_bytes, 0, 1 << 30)
+        if self.serve_slot_bytes % 64:
+            raise ConfigError(f"serve_slot_bytes: {self.serve_slot_bytes} must be a multiple of 64")
         if self.a2a_max_batch:
             _int_in("a2a_hidden", self.a2a_hidden, 1, 1 << 20)
             _int_in("num_experts", self.num_experts, 1, 1 << 20)
@@ -135,6 +141,7 @@ class PodConfig:
             else 0,
             a2a_num_experts=self.num_experts if self.a2a_max_batch else 0,
             a2a_dispatch_bytes=1 if self.a2a_dispatch_dtype == "int8" else 4,
+            serve_slot_bytes=self.serve_slot_bytes,
         )
 
     def wait_policy(self) -> WaitPolicy:

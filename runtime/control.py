@@ -19,6 +19,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import shutil
 from dataclasses import dataclass
 
 import posix_ipc
@@ -30,7 +31,7 @@ CTL_MAGIC = 0x4C54434F44505800  # "\0XPODCTL"
 CTL_VERSION = 1
 W_MAGIC, W_VERSION, W_PID, W_START, W_NDIES, W_ABORT = 0, 1, 2, 3, 4, 5
 W_DIE_PID = 8
-SEGMENT_RE = re.compile(r"^xpod\.([0-9a-f]+)\.(ctl|d\d+)$")
+SEGMENT_RE = re.compile(r"^xpod\.([0-9a-f]+)\.(ctl|d\d+|run)$")
 
 
 def ctl_name(pod_id: str) -> str:
@@ -138,8 +139,21 @@ def clean(shm_dir: str = "/dev/shm", dry_run: bool = False) -> list[str]:
                 ctl.close()
             if alive:
                 continue
-        # Regions first, control segment last (the same order as a normal teardown).
+        # Regions and the run directory first, control segment last (as a normal teardown).
         for name in sorted(names, key=lambda n: n.endswith(".ctl")):
-            if dry_run or unlink_segment("/" + name):
+            if dry_run or _remove(shm_dir, name):
                 removed.append(name)
     return removed
+
+
+def run_dir_name(pod_id: str) -> str:
+    """The pod's run directory (doorbells, zmq sockets of a serving pod), beside its segments."""
+    return f"xpod.{pod_id}.run"
+
+
+def _remove(shm_dir: str, name: str) -> bool:
+    if name.endswith(".run"):
+        path = os.path.join(shm_dir, name)
+        shutil.rmtree(path, ignore_errors=True)
+        return not os.path.exists(path)
+    return unlink_segment("/" + name)

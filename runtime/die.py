@@ -13,6 +13,7 @@ import ctypes
 import logging
 import os
 import pickle
+import shutil
 import signal
 import sys
 import time
@@ -132,9 +133,14 @@ def orphan_cleanup(pod_id: str, die_id: int, num_dies: int) -> list[str]:
                 removed.append(region_name(pod_id, r))
     finally:
         ctl.close()
-    left = [n for n in C.list_pods().get(pod_id, []) if not n.endswith(".ctl")]
-    if not left and unlink_segment(C.ctl_name(pod_id)):
-        removed.append(C.ctl_name(pod_id))
+    left = [n for n in C.list_pods().get(pod_id, []) if not n.endswith((".ctl", ".run"))]
+    if not left:
+        run_dir = os.path.join("/dev/shm", C.run_dir_name(pod_id))
+        if os.path.isdir(run_dir):
+            shutil.rmtree(run_dir, ignore_errors=True)
+            removed.append(run_dir)
+        if unlink_segment(C.ctl_name(pod_id)):
+            removed.append(C.ctl_name(pod_id))
     return removed
 
 

@@ -79,19 +79,29 @@ class ReferencePod:
         cfg: model config; `cfg.validate(num_dies)` is checked first.
         num_dies: dies of the pod; every die attends and hosts `num_experts / num_dies` experts.
         quant: None (float32 dispatch) or "int8" (per-token INT8 dispatch payloads).
+        kv: one KV store per die (default: a `DictKV` each); the schedule replay passes
+            `runtime.kvpool.PagedKV` stores driven by the served block tables.
     """
 
-    def __init__(self, cfg: ModelConfig, num_dies: int, quant: str | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_dies: int,
+        quant: str | None = None,
+        kv: Sequence | None = None,
+    ):
         cfg.validate(num_dies)
         if quant not in QUANT_MODES:
             raise ConfigError(f"quant: expected one of {QUANT_MODES}, got {quant!r}")
         self.cfg, self.num_dies, self.quant = cfg, num_dies, quant
         self.placement = Placement.default(cfg.num_experts, tuple(range(num_dies)))
+        if kv is not None and len(kv) != num_dies:
+            raise ValueError(f"kv: expected {num_dies} stores (one per die), got {len(kv)}")
         self.dies = [
             DieModel(
                 cfg,
                 build_weights(cfg, self.placement.experts_on(d).tolist()),
-                DictKV(cfg.kv_cache_dim),
+                kv[d] if kv is not None else DictKV(cfg.kv_cache_dim),
             )
             for d in range(num_dies)
         ]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import struct
 import sys
@@ -145,6 +146,9 @@ def kill_and_reap(pids: set[int]) -> None:
 
 def unlink_all(names: set[str]) -> None:
     for name in names:
+        if os.path.isdir(os.path.join(SHM_DIR, name)):  # a serving pod's run directory
+            shutil.rmtree(os.path.join(SHM_DIR, name), ignore_errors=True)
+            continue
         with contextlib.suppress(posix_ipc.ExistentialError):
             posix_ipc.unlink_shared_memory("/" + name)
 

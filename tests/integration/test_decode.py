@@ -17,7 +17,8 @@ import pytest
 
 from memory.errors import ConfigError
 from runtime import decode as D
-from runtime.decode import BlockKV, DecodeOptions, run_decode
+from runtime.decode import DecodeOptions, run_decode
+from runtime.kvpool import PagedKV
 from runtime.model import DictKV, ModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,22 +108,23 @@ def test_invalid_model_or_run_is_refused_before_any_process_starts(monkeypatch, 
         run_decode(opts)
 
 
-def test_block_kv_matches_dict_kv_across_block_boundaries():
+def test_paged_kv_matches_dict_kv_across_block_boundaries():
     rng = np.random.default_rng(0)
-    pool = np.zeros((2, 6, 4, 3), np.float32)
-    kv, ref = BlockKV(pool, 4), DictKV(3)
+    kv, ref = PagedKV(np.zeros((2, 6, 4, 3), np.float32)), DictKV(3)
+    tables = {0: [5, 1, 3], 1: [0, 2, 4]}  # scattered blocks, as a scheduler hands them out
+    pos = {0: 0, 1: 0}
     for req, n in [(0, 5), (1, 3), (0, 1), (1, 6), (0, 4)]:
+        kv.begin_step([(req, pos[req], n, tables[req])])
         for layer in range(2):
             rows = rng.standard_normal((n, 3)).astype(np.float32)
             kv.append(req, layer, rows)
             ref.append(req, layer, rows)
-    for req in (0, 1):
-        for layer in range(2):
             assert np.array_equal(kv.get(req, layer), ref.get(req, layer))
-    with pytest.raises(MemoryError, match="KV pool exhausted"):
-        kv.append(0, 0, np.zeros((20, 3), np.float32))
-    kv.free(1)
-    assert kv.get(1, 0).shape == (0, 3)
+        pos[req] += n
+    with pytest.raises(ValueError, match="need 4 blocks"):
+        kv.begin_step([(0, 10, 3, tables[0])])  # positions 10..12 need a fourth block
+    with pytest.raises(ValueError, match="blocks in"):
+        kv.begin_step([(1, 0, 1, [6])])  # a block id outside the pool
 
 
 @pytest.mark.timeout(180)

@@ -13,7 +13,8 @@ import pytest
 
 from bench import alltoall, common, p2p, ring
 from memory.errors import ConfigError, PodError
-from runtime import argtypes, cli, decode
+from runtime import argtypes, cli
+from runtime import decode_args as decode
 from runtime.pod import Pod
 
 NO_DIR = "/nonexistent-xpod-dir/out.json"

@@ -1,0 +1,132 @@
+"""The flags of `xpod decode`: parsed and checked (the model against the pod, prompt + steps
+against the context, the PodConfig the run will size) before any process starts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import comm
+from memory.errors import ConfigError
+from runtime.argtypes import (
+    flag_error,
+    int_range,
+    nonneg_float,
+    nonneg_int,
+    output_file,
+    positive_float,
+    positive_int,
+)
+from runtime.decode import MAX_BATCH, DecodeOptions, pod_config, progress, run_decode
+from runtime.decode_report import jsonable, print_summary
+from runtime.model import PRESETS, ModelConfig
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dies", type=positive_int, default=4, help="dies in the pod (default 4)")
+    p.add_argument(
+        "--batch",
+        type=int_range(1, MAX_BATCH),
+        default=8,
+        help="global batch: requests over all dies",
+    )
+    p.add_argument("--prompt-len", type=positive_int, default=64, help="prompt tokens per request")
+    p.add_argument(
+        "--steps", type=positive_int, default=32, help="decode steps (tokens per request)"
+    )
+    p.add_argument("--model", default="small", choices=tuple(PRESETS), help="model preset")
+    p.add_argument("--quant", default="none", choices=("none", "int8"))
+    p.add_argument("--protocol", default="fused", choices=comm.alltoall.PROTOCOLS)
+    p.add_argument("--temperature", type=nonneg_float, default=0.0, help="0 = greedy")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="prompts, weights and sampling seed")
+    p.add_argument("--check", action="store_true", help="compare with the reference, same run")
+    p.add_argument("--trace", type=output_file, default=None, help="write a Perfetto trace to FILE")
+    p.add_argument(
+        "--json", type=output_file, default=None, help="append the summary as one JSON line to FILE"
+    )
+    p.add_argument("--block-size", type=positive_int, default=16, help="KV cache block (tokens)")
+    p.add_argument("--timeout", type=positive_float, default=120.0, help="wait deadline, seconds")
+    p.add_argument("--pin", default="auto", choices=("auto", "on", "off"), help="PodConfig.pin")
+    p.add_argument(
+        "--wait", default="auto", choices=("auto", "spin", "yield"), help="PodConfig.wait"
+    )
+
+
+# ModelConfig / PodConfig fields -> the flags that set them (for errors found after parsing)
+_MODEL_FLAGS = {
+    "preset": "--model",
+    "seed": "--seed",
+    "num_dies": "--dies",
+    "expert_dies": "--dies",
+    "num_experts": "--dies",
+}
+_POD_FLAGS = {
+    "num_dies": "--dies",
+    "a2a_max_batch": "--batch/--prompt-len/--dies",
+    "app_bytes": "--batch/--prompt-len/--steps/--block-size/--dies",
+    "trace_capacity": "--trace",
+    "timeout_s": "--timeout",
+}
+
+
+def options(args: argparse.Namespace) -> DecodeOptions:
+    """DecodeOptions of the parsed flags, checked as `run_decode` will before launching: the
+    model against the pod, prompt + steps against max_seq_len, the PodConfig it sizes.
+
+    Raises:
+        ConfigError naming the flag(s).
+    """
+    opts = DecodeOptions(
+        dies=args.dies,
+        batch=args.batch,
+        prompt_len=args.prompt_len,
+        steps=args.steps,
+        model=args.model,
+        quant=None if args.quant == "none" else args.quant,
+        protocol=args.protocol,
+        temperature=args.temperature,
+        seed=args.seed,
+        check=args.check,
+        trace=args.trace,
+        json=args.json,
+        block_size=args.block_size,
+        timeout_s=args.timeout,
+        overrides={"seed": args.seed},
+        pin=args.pin,
+        wait=args.wait,
+    )
+    _check_options(opts)
+    return opts
+
+
+def _check_options(opts: DecodeOptions) -> None:
+    try:
+        model = ModelConfig.preset(opts.model, **opts.overrides)
+        model.validate(opts.dies)
+    except ConfigError as e:
+        raise flag_error(e, _MODEL_FLAGS) from None
+    if opts.prompt_len + opts.steps > model.max_seq_len:
+        raise ConfigError(
+            f"argument --prompt-len/--steps: prompt_len + steps = {opts.prompt_len + opts.steps}"
+            f" exceeds the max_seq_len {model.max_seq_len} of model {opts.model}"
+        )
+    # the PodConfig run_decode will size (make_prompts: every prompt has prompt_len tokens)
+    prompt = range(opts.prompt_len)
+    per_die = [[prompt] * len(range(d, opts.batch, opts.dies)) for d in range(opts.dies)]
+    try:
+        pod_config(model, per_die, opts)
+    except ConfigError as e:
+        raise flag_error(e, _POD_FLAGS) from None
+
+
+def main(args: argparse.Namespace) -> int:
+    opts = options(args)
+    s = run_decode(opts)
+    print_summary(s)
+    if opts.json:
+        with open(opts.json, "a") as f:
+            f.write(json.dumps(s, default=jsonable) + "\n")
+        progress(f"  appended the summary to {opts.json}")
+    if opts.check and opts.quant is None and (s["mismatched_tokens"] or not s["logits_bit_equal"]):
+        return 1
+    return 0

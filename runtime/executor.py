@@ -1,0 +1,361 @@
+"""The executor: what a die runs. One forward step of the toy model over the pod (`forward`),
+and the serving loop (`serve_main`) that runs inside one long `pod.run` on every die.
+
+Serving loop of die g, global step s = 1, 2, ... (the same numbers on every die):
+
+1. command: take the next frame of the command ring if one is published; if the master has
+   promised one (`cmd_promised > cmd_taken`), wait for it (the scheduling bubble); else none.
+2. vote: rows of the command (0 without one), | EXIT once the master said stop; store
+   vote_rows[s % 2], then vote_step = s LAST; then wait until every die voted s.
+3. every die sums the same votes:
+   - all EXIT: leave the loop (every die leaves at the same step);
+   - sum 0: the pod is idle: answer an empty command, then PARK: drain the bell; leave the park
+     when the ring has (or is promised) a command, or a peer voted beyond s; else sleep in
+     `select` on the bell (no spinning, idle CPU ~0). A die that leaves the park for its own
+     work votes s+1 first and then rings every peer's bell, so no die sleeps through a step
+     that others vote for (a byte that arrives before the sleep makes it return at once);
+   - else run step s: every die, a group without rows with an empty batch (a dummy step: every
+     MoE layer is a pod-wide dispatch / combine, so nobody may skip a step).
+4. result: sampled tokens (and the token fed to each decode row, the step, timings, logits if
+   asked) to the result ring, then ring the master's bell.
+
+MoE event ids are `s * n_layers + layer`, so they agree on every die. Decode rows carry no
+token: the die feeds the request's last sampled token (asynchronous execution, 004 §4.2: the
+master plans step n+1 before it knows step n's tokens).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+import comm
+from comm.quant import dequantize_int8
+from comm.routing import Placement
+from comm.trace import STEP_NAMES, TRACK_NAMES
+from memory import layout as L
+from memory.errors import PodAborted, ProtocolError
+from runtime import wire
+from runtime.kvpool import PagedKV
+from runtime.model import DieModel, ModelConfig, batch_rows, build_weights, last_rows, sample
+from runtime.stepring import Bell, Ring, bell_path
+
+PHASES = ("attention", "gate", "dispatch", "experts", "combine", "other")
+MODEL_LANE = 99  # trace track of the model phases (comm's steps use lanes 0..)
+SERVE_LANE = 98  # trace track of the serving loop (vote, park, step)
+TRACE_OP = "model"
+SERVE_OP = "serve"
+STEP_NAMES.update({(TRACE_OP, i): p for i, p in enumerate(PHASES)})
+STEP_NAMES.update({(SERVE_OP, 0): "wait command", (SERVE_OP, 1): "vote", (SERVE_OP, 2): "park",
+                   (SERVE_OP, 3): "step", (SERVE_OP, 4): "result"})  # fmt: skip
+TRACK_NAMES[MODEL_LANE] = "model"
+TRACK_NAMES[SERVE_LANE] = "serve"
+
+EXIT = 1 << 40  # vote flag: this die's master said stop
+ROWS_MASK = EXIT - 1
+PARK_POLL_S = 0.5  # a parked die looks at the launcher's abort word this often
+
+
+class Clock:
+    """Per-phase wall-time accounting, every span also a trace record (op "model")."""
+
+    def __init__(self, die, n_layers: int):
+        self.trace = die.trace
+        self.step = 0
+        self.layer_ns = np.zeros((n_layers, len(PHASES)), np.int64)  # counted steps only
+        self.other_ns = 0
+        self.counting = False
+
+    def span(self, phase: int, layer: int, t0: int) -> int:
+        t1 = time.perf_counter_ns()
+        self.trace.rec(t0, t1 - t0, TRACE_OP, phase, layer, MODEL_LANE, self.step, 0)
+        if self.counting:
+            if layer >= 0:
+                self.layer_ns[layer, phase] += t1 - t0
+            else:
+                self.other_ns += t1 - t0
+        return t1
+
+
+def forward(die, model: DieModel, segments, protocol: str, quant, clock: Clock, local_ids):
+    """One step of this die: DieModel's phases with pod-wide MoE collectives; float32 logits
+    [n_segments, vocab] at each segment's last row. Every die calls it at every step (an empty
+    `segments` is a dummy step); `clock.step` names the step (MoE event ids)."""
+    cfg = model.cfg
+    t = time.perf_counter_ns()
+    tokens, _, _ = batch_rows(segments)
+    h = model.embed(tokens)
+    t = clock.span(5, -1, t)
+    for layer in range(cfg.n_layers):
+        h = model.attention(layer, h, segments)
+        t = clock.span(0, layer, t)
+        if not model.is_moe(layer):
+            h = model.dense_ffn(layer, h)
+            t = clock.span(3, layer, t)
+            continue
+        xn, idx, w = model.gate(layer, h)
+        t = clock.span(1, layer, t)
+        ev = clock.step * cfg.n_layers + layer
+        d = comm.dispatch(die, xn, idx, w, protocol=protocol, quant=quant, event_id=ev)
+        rows = dequantize_int8(d.x, d.scales) if quant == "int8" else d.x
+        t = clock.span(2, layer, t)
+        y = model.experts(layer, rows, d.expert_counts, local_ids)
+        t = clock.span(3, layer, t)
+        routed = comm.combine(die, y, d.handle, event_id=ev)
+        t = clock.span(4, layer, t)
+        h = model.finish_moe(layer, h, xn, routed)
+        t = clock.span(3, layer, t)
+    logits = model.logits(h[last_rows(segments)])
+    clock.span(5, -1, t)
+    return logits
+
+
+def build_model(die, cfg: ModelConfig, n_blocks: int, block_size: int):
+    """(DieModel over a PagedKV pool in the die's app area, the pool, this die's expert ids)."""
+    placement = Placement.default(cfg.num_experts, tuple(range(die.num_dies)))
+    local_ids = placement.experts_on(die.die_id).tolist()
+    pool = die.alloc((cfg.n_layers, max(n_blocks, 1), block_size, cfg.kv_cache_dim), np.float32)
+    kv = PagedKV(pool)
+    return DieModel(cfg, build_weights(cfg, local_ids), kv), pool, local_ids
+
+
+def sample_rows(logits: np.ndarray, rows: list[dict]) -> list[int]:
+    """One token per sampling row: greedy, or `rng([seed, request, token_index])` categorical
+    (the draw depends on the request and the token's index only, not on batch or step)."""
+    out = []
+    for i, r in enumerate(rows):
+        if r["temperature"] > 0:
+            rng = [np.random.default_rng([r["seed"], r["id"], r["index"]])]
+            out.append(int(sample(logits[i : i + 1], r["temperature"], rng)[0]))
+        else:
+            out.append(int(np.argmax(logits[i])))
+    return out
+
+
+# -- the serving loop -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServeSpec:
+    """What every die needs to serve (picklable; sent once, with the long pod.run).
+
+    Attributes:
+        model: the toy model; protocol, quant: the MoE all-to-all.
+        num_blocks, block_size: this die's KV pool (the master's KVManager has the same).
+        run_dir: the pod's run directory (doorbells).
+        keep_logits: return the logits of every sampled row (schedule replay).
+        gc_every: 0 = Python's automatic GC; N = freeze after warm-up, collect every N steps.
+    """
+
+    model: ModelConfig
+    protocol: str
+    quant: str | None
+    num_blocks: int
+    block_size: int
+    run_dir: str
+    keep_logits: bool = False
+    gc_every: int = 0
+
+
+class _Loop:
+    """State of one die's serving loop (see the module docstring for the protocol)."""
+
+    def __init__(self, die, spec: ServeSpec):
+        self.die, self.spec = die, spec
+        lo = die.layout
+        self.me, self.n = die.die_id, die.num_dies
+        self.words = die.words
+        self.vote_step = lo.serve_word(L.SV_VOTE_STEP)
+        self.vote_rows = lo.serve_word(L.SV_VOTE_ROWS)
+        self.promised = lo.serve_word(L.SV_CMD_PROMISED)
+        self.cmds = Ring(die.region, "cmd", writer=False)
+        self.results = Ring(die.region, "res", writer=True)
+        self.bell = Bell(bell_path(spec.run_dir, f"d{self.me}"))
+        self.peer_bells = [
+            Bell(bell_path(spec.run_dir, f"d{p}")) for p in range(self.n) if p != self.me
+        ]
+        self.master_bell = Bell(bell_path(spec.run_dir, f"m{self.me}"))
+        self.model, self.pool, self.local_ids = build_model(
+            die, spec.model, spec.num_blocks, spec.block_size
+        )
+        self.clock = Clock(die, spec.model.n_layers)
+        self.last: dict[int, int] = {}  # request -> its last sampled token (fed to decode rows)
+        self.exiting = False
+        self.stats = {"steps": 0, "dummy_steps": 0, "idle_votes": 0, "parks": 0, "rows": 0,
+                      "bubble_ns": 0, "gc_collections": 0}  # fmt: skip
+        self.prev_end = 0  # when the last result was published (bubble accounting)
+        self.bubble = 0  # this step's: from the last result to having this step's command
+
+    # -- one global step ----------------------------------------------------------------------
+
+    def take(self) -> dict | None:
+        """The next command frame, waiting for a promised one; None without any."""
+        w, lo = self.words[self.me], self.die.layout
+        taken = self.cmds.consumed()
+        if not self.cmds.available() and w[self.promised] > taken:
+            t0 = time.perf_counter_ns()
+            self.die.wait_ge(w, lo.serve_word(L.SV_CMD_PUB), taken + 1, self.me,
+                             "serve.cmd_pub (a command the master promised)")  # fmt: skip
+            self.die.trace.rec(t0, time.perf_counter_ns() - t0, SERVE_OP, 0, -1, SERVE_LANE,
+                               self.clock.step, 0)  # fmt: skip
+        if not self.cmds.available():
+            return None
+        kind, body = wire.unpack(self.cmds.get(), {"step", "stop"})
+        if kind == "stop":
+            self.exiting = True
+            return None
+        self.bubble = time.perf_counter_ns() - self.prev_end if self.prev_end else 0
+        self.stats["bubble_ns"] += self.bubble
+        return body
+
+    def vote(self, s: int, rows: int) -> tuple[int, bool]:
+        """Publish this die's vote for step s, wait for every die's; (total rows, all exit)."""
+        w = self.words[self.me]
+        w[self.vote_rows + (s & 1)] = rows | (EXIT if self.exiting else 0)
+        w[self.vote_step] = s  # LAST
+        total, all_exit = 0, True
+        for p in range(self.n):
+            pw = self.words[p]
+            if pw[self.vote_step] < s:
+                self.die.wait_ge(pw, self.vote_step, s, p, "serve.vote_step")
+            v = pw[self.vote_rows + (s & 1)]
+            total += v & ROWS_MASK
+            all_exit &= bool(v & EXIT)
+        return total, all_exit
+
+    def park(self, s: int) -> bool:
+        """Sleep until there is work for step s+1; True if this die's own work woke it (it must
+        then ring its peers after voting)."""
+        self.stats["parks"] += 1
+        t0 = time.perf_counter_ns()
+        abort = self.die.ctx.abort
+        try:
+            while True:
+                self.bell.drain()
+                if (
+                    self.cmds.available()
+                    or self.words[self.me][self.promised] > self.cmds.consumed()
+                ):
+                    return True
+                if any(self.words[p][self.vote_step] > s for p in range(self.n)):
+                    return False
+                if abort is not None and abort[0][abort[1]] != abort[2]:
+                    raise PodAborted(f"die {self.me}: aborted by the launcher while parked")
+                self.bell.wait(PARK_POLL_S)
+        finally:
+            self.die.trace.rec(t0, time.perf_counter_ns() - t0, SERVE_OP, 2, -1, SERVE_LANE, s, 0)
+            self.prev_end = 0  # time parked is not a scheduling bubble
+
+    def run_step(self, s: int, cmd: dict | None) -> None:
+        rows = cmd["rows"] if cmd else []
+        for r in cmd["released"] if cmd else ():
+            self.last.pop(r, None)
+        segments, kv_rows, fed = [], [], []
+        for r in rows:
+            rid = r["id"]
+            if r["tokens"] is None:
+                if rid not in self.last:
+                    raise ProtocolError(f"die {self.me}: decode row of request {rid}, which has"
+                                        " no sampled token on this die")  # fmt: skip
+                toks = [self.last[rid]]
+                fed.append([rid, toks[0]])
+            else:
+                toks = r["tokens"]
+            segments.append((rid, toks, r["start"]))
+            kv_rows.append((rid, r["start"], len(toks), r["table"]))
+        self.model.kv.begin_step(kv_rows)
+        self.clock.step = s
+        t0 = time.perf_counter_ns()
+        logits = forward(self.die, self.model, segments, self.spec.protocol, self.spec.quant,
+                         self.clock, self.local_ids)  # fmt: skip
+        samp = [i for i, r in enumerate(rows) if r["sample"]]
+        tokens = sample_rows(logits[samp], [rows[i] for i in samp]) if samp else []
+        for i, tok in zip(samp, tokens, strict=True):
+            self.last[rows[i]["id"]] = tok
+        t1 = time.perf_counter_ns()
+        self.stats["steps"] += 1
+        self.stats["rows"] += sum(len(seg[1]) for seg in segments)
+        if not rows:
+            self.stats["dummy_steps"] += 1
+        self.die.trace.rec(t0, t1 - t0, SERVE_OP, 3, -1, SERVE_LANE, s, len(rows))
+        if cmd is not None:
+            body = {"plan": cmd["plan"], "step": s, "t0": t0, "t1": t1,
+                    "sampled": [[rows[i]["id"], tok] for i, tok in zip(samp, tokens, strict=True)],
+                    "fed": fed, "dummy_steps": self.stats["dummy_steps"],
+                    "bubble_ns": self.bubble}  # fmt: skip
+            if self.spec.keep_logits and samp:
+                body["logits"] = wire.pack_array(logits[samp])
+            self.publish(body)
+
+    def publish(self, body: dict) -> None:
+        w, lo = self.words[self.me], self.die.layout
+        if not self.results.can_put():
+            need = self.results.published() - L.SERVE_SLOTS + 1
+            self.die.wait_ge(w, lo.serve_word(L.SV_RES_TAKEN), need,
+                             self.me, "serve.res_taken (the master reads results)")  # fmt: skip
+        self.results.put(wire.pack("result", body))
+        self.master_bell.ring()
+        self.prev_end = time.perf_counter_ns()
+
+    def run(self) -> dict:
+        s, ring_peers = 0, False
+        gc_step = 0
+        while True:
+            s += 1
+            cmd = self.take()
+            total, all_exit = self.vote(s, len(cmd["rows"]) if cmd else 0)
+            if ring_peers:  # this die left a park for its own work: wake the others
+                for b in self.peer_bells:
+                    b.ring()
+                ring_peers = False
+            if all_exit:
+                break
+            if total == 0:
+                self.stats["idle_votes"] += 1
+                if cmd is not None:
+                    self.publish({"plan": cmd["plan"], "step": s, "t0": 0, "t1": 0,
+                                  "sampled": [], "fed": [], "bubble_ns": 0,
+                                  "dummy_steps": self.stats["dummy_steps"]})  # fmt: skip
+                ring_peers = self.park(s)
+                continue
+            self.run_step(s, cmd)
+            gc_step = self._gc(gc_step)
+        return {"die": self.me, "last_step": s, **self.stats}
+
+    def _gc(self, n: int) -> int:
+        every = self.spec.gc_every
+        if not every:
+            return 0
+        n += 1
+        if n == 8:  # warm-up over: keep the long-lived objects out of every later collection
+            gc.collect()
+            gc.freeze()
+            gc.disable()
+        elif n % every == 0:
+            gc.collect(1)
+            self.stats["gc_collections"] += 1
+        return n
+
+    def close(self) -> None:
+        for b in (self.bell, self.master_bell, *self.peer_bells):
+            b.close()
+        if self.spec.gc_every:
+            gc.enable()
+            gc.unfreeze()
+        self.die.free(self.pool)
+
+
+def serve_main(die, spec: ServeSpec) -> dict:
+    """Run on every die (one long pod.run): the serving loop until every master says stop.
+    Returns this die's counters (steps, dummy steps, parks, bubble, ...)."""
+    loop = _Loop(die, spec)
+    try:
+        return loop.run()
+    finally:
+        loop.close()
+
+
+__all__ = ["Clock", "ServeSpec", "build_model", "forward", "sample_rows", "serve_main"]

@@ -1,0 +1,71 @@
+"""A die's paged latent KV cache: blocks in its app area, written where the master's block
+tables say (the executor side of the RTC KV manager, `sched.kv.KVManager` being the master side).
+
+```
+ pool  float32 [n_layers, n_blocks, block_size, kv_cache_dim]      (die.alloc: the app area)
+ request r at step s: (start, n, table)   rows of positions [start, start + n) are written into
+                      block table[p // block_size], offset p % block_size; attention reads
+                      positions [0, start + n) through the same table
+```
+The die never allocates: every step tells it, per request, where its rows go (`begin_step`).
+A block shared by several requests (a cached prefix) is written once, by the request that
+computed it, and only read by the others: a request's rows start at its prefix-hit length,
+which is a whole number of blocks, so its writes never touch a shared block.
+
+`get` gathers a request's rows into one contiguous array, exactly the values a dict of growing
+arrays would hold (the single-process reference uses this class too, with the same tables, so
+served logits can be compared with a replay bit for bit).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class PagedKV:
+    """A `runtime.model.KVStore` whose placement is decided outside (block tables per step).
+
+    Arguments:
+        pool: float32 [n_layers, n_blocks, block_size, kv_dim] (zeros; the die's app area).
+    """
+
+    def __init__(self, pool: np.ndarray):
+        self.pool = pool
+        self.block_size = pool.shape[2]
+        self.width = pool.shape[3]
+        self.steps: dict[int, tuple[int, int, np.ndarray]] = {}
+
+    @classmethod
+    def zeros(cls, n_layers: int, n_blocks: int, block_size: int, width: int) -> PagedKV:
+        return cls(np.zeros((n_layers, n_blocks, block_size, width), np.float32))
+
+    def begin_step(self, rows: list[tuple[int, int, int, list[int]]]) -> None:
+        """This step's requests: (request id, start position, tokens, block table) each."""
+        self.steps = {}
+        nb = self.pool.shape[1]
+        for req, start, n, table in rows:
+            t = np.asarray(table, np.int64)
+            need = -(-(start + n) // self.block_size)
+            if len(t) < need or (len(t) and (t.min() < 0 or t.max() >= nb)):
+                raise ValueError(
+                    f"kv: request {req} positions [0, {start + n}) need {need} blocks in"
+                    f" [0, {nb}), its table has {t.tolist()}"
+                )
+            self.steps[int(req)] = (int(start), int(n), t)
+
+    def append(self, req: int, layer: int, rows: np.ndarray) -> None:
+        start, n, table = self.steps[int(req)]
+        if rows.shape[0] != n:
+            raise ValueError(f"kv: request {req} writes {rows.shape[0]} rows, the step said {n}")
+        bs, at = self.block_size, start
+        while at < start + n:
+            blk, off = divmod(at, bs)
+            take = min(bs - off, start + n - at)
+            self.pool[layer, table[blk], off : off + take] = rows[at - start : at - start + take]
+            at += take
+
+    def get(self, req: int, layer: int) -> np.ndarray:
+        start, n, table = self.steps[int(req)]
+        total = start + n
+        used = table[: -(-total // self.block_size)]
+        return self.pool[layer, used].reshape(-1, self.width)[:total]

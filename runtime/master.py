@@ -1,0 +1,349 @@
+"""A DP-group master: the scheduler of one group (here one die) in a single-threaded loop.
+
+```
+ engine --(zmq PUSH: add, abort, shutdown, ping)--> master g --(step ring)--> die g
+ engine <--(zmq PUSH: out, stats, pong, log)------ master g <--(result ring)-- die g
+```
+The loop sleeps in one `zmq.Poller` over its request socket and its result doorbell (no
+spinning), and on every wake-up: takes requests (`sched.Scheduler.add` / `abort`), takes every
+result (`on_result`: tokens, finishes), then plans as far as it may (`schedule`, up to
+`async_depth` plans in flight: with 2, plan n+1 is written while the die runs plan n), and
+sends what changed to the engine in one `out` message. When it has work but may not plan yet
+it *promises* the die a command (`cmd_promised`), so the die waits for it instead of running a
+dummy step; a promise is always kept (an empty plan if nothing is left).
+
+Requests arrive as typed msgpack frames (`runtime.wire`); a bad one is answered with an
+`error` finish for its id and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import signal
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+
+import zmq
+
+from memory import layout as L
+from memory.region import Region, RegionHandle, region_name
+from runtime import wire
+from runtime.config import PodConfig
+from runtime.stepring import Bell, Ring, bell_path
+from sched import KVManager, Request, SamplingParams, Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+STATS_EVERY_S = 0.1
+MAX_SAMPLES = 200_000  # per-step samples kept for the final stats
+
+
+@dataclass(frozen=True)
+class MasterSpec:
+    """Everything a master needs (picklable; given at start-up).
+
+    Attributes:
+        group: the DP group (= die id) it schedules.
+        pod_id, run_dir, config: the pod (its config as a dict) and its run directory.
+        vocab_size, eos_token_id: of the model (request checks, stop on EOS).
+        num_blocks, block_size: the group's KV pool (the die has the same).
+        max_num_seqs, max_num_batched_tokens, max_seq_len, long_prefill_threshold, async_depth:
+            the scheduler's limits (`sched.SchedulerConfig`).
+        prefix_cache: match prompts against cached blocks.
+        log_steps: record every step (rows, tables, tokens, logits) for the schedule replay.
+        gc_every: 0 = automatic GC; N = freeze after warm-up, collect every N results.
+        pin_cpu: -1 = no pinning, else the CPU this master runs on.
+    """
+
+    group: int
+    pod_id: str
+    run_dir: str
+    config: dict
+    vocab_size: int
+    eos_token_id: int | None
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_seq_len: int
+    long_prefill_threshold: int = 0
+    async_depth: int = 2
+    prefix_cache: bool = True
+    log_steps: bool = False
+    gc_every: int = 0
+    pin_cpu: int = -1
+
+
+def master_socket(run_dir: str, group: int) -> str:
+    return f"ipc://{os.path.join(run_dir, f'm{group}.sock')}"
+
+
+def engine_socket(run_dir: str) -> str:
+    return f"ipc://{os.path.join(run_dir, 'engine.sock')}"
+
+
+class Master:
+    """One master's state; `run()` is its loop (see the module docstring)."""
+
+    def __init__(self, spec: MasterSpec):
+        self.spec = spec
+        cfg = PodConfig.from_dict(spec.config)
+        g = spec.group
+        self.region = Region.attach(RegionHandle(region_name(spec.pod_id, g), g), cfg.layout())
+        lo = self.region.layout
+        self.words = self.region.words
+        self.promised = lo.serve_word(L.SV_CMD_PROMISED)
+        self.cmds = Ring(self.region, "cmd", writer=True)
+        self.results = Ring(self.region, "res", writer=False)
+        self.die_bell = Bell(bell_path(spec.run_dir, f"d{g}"))
+        self.bell = Bell(bell_path(spec.run_dir, f"m{g}"))
+        self.ctx = zmq.Context()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.bind(master_socket(spec.run_dir, g))
+        self.outbox = self.ctx.socket(zmq.PUSH)
+        self.outbox.setsockopt(zmq.LINGER, 1000)
+        self.outbox.connect(engine_socket(spec.run_dir))
+        self.kv = KVManager(spec.num_blocks, spec.block_size, spec.prefix_cache)
+        self.sched = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=spec.max_num_seqs,
+                max_num_batched_tokens=spec.max_num_batched_tokens,
+                max_seq_len=spec.max_seq_len,
+                long_prefill_threshold=spec.long_prefill_threshold,
+                async_depth=spec.async_depth,
+            ),
+            self.kv,
+        )
+        self.in_flight: deque = deque()  # (plan id or -1 for an empty promise-keeper, rows)
+        self.deltas: dict[int, list[int]] = {}
+        self.done: list[list] = []
+        self.steps: list[dict] = []  # the replay log
+        self.counters = {"results": 0, "empty_plans": 0, "bubble_ns": 0, "dummy_steps": 0,
+                         "tokens": 0, "rows": 0, "bad_requests": 0}  # fmt: skip
+        self.step_ms: list[float] = []  # forward time of every step with rows (die clock)
+        self.bubble_ms: list[float] = []  # the die's wait for each command (async: ~0)
+        self.stopping = self.stopped = False
+        self.stats_at = 0.0
+        self.results_n = 0
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def on_message(self, frame: bytes) -> None:
+        try:
+            kind, body = wire.unpack(frame, {"add", "abort", "shutdown", "ping"})
+        except wire.WireError as e:
+            log.warning("master %d: dropped a bad frame: %s", self.spec.group, e)
+            return
+        if kind == "add":
+            self.add(body)
+        elif kind == "abort":
+            req = self.sched.abort(body.get("id"))
+            if req is not None:
+                self.finish(req)
+        elif kind == "ping":
+            self.send("pong", {"group": self.spec.group, "seq": body.get("seq", 0)})
+        else:
+            self.stopping = True
+            for req in list(self.sched.waiting) + list(self.sched.running):
+                if self.sched.abort(req.request_id) is not None:
+                    self.finish(req)
+
+    def add(self, body: dict) -> None:
+        rid = body.get("id")
+        try:
+            if self.stopping:
+                raise ValueError("the engine is shutting down")
+            if not isinstance(rid, int) or isinstance(rid, bool):
+                raise ValueError(f"id {rid!r} must be an int")
+            params = SamplingParams(**body.get("params", {}))
+            params.validate(self.spec.vocab_size)
+            prompt = body.get("prompt")
+            if not isinstance(prompt, list) or not prompt:
+                raise ValueError("prompt must be a non-empty list of token ids")
+            if any(not isinstance(t, int) or not 0 <= t < self.spec.vocab_size for t in prompt):
+                raise ValueError(f"prompt: token ids must be ints in [0, {self.spec.vocab_size})")
+            self.sched.add(Request(rid, list(prompt), params, self.spec.eos_token_id,
+                                   time.monotonic()))  # fmt: skip
+        except (ValueError, TypeError) as e:
+            self.counters["bad_requests"] += 1
+            if isinstance(rid, int):
+                self.done.append([rid, "error", 0, 0, str(e)])
+
+    def finish(self, req: Request) -> None:
+        reason = req.finish_reason.value if req.finish_reason else "abort"
+        self.done.append([req.request_id, reason, len(req.prompt), req.num_cached, ""])
+
+    # -- results and plans ---------------------------------------------------------------------
+
+    def take_results(self) -> None:
+        while self.results.available():
+            _, body = wire.unpack(self.results.get(), {"result"})
+            plan_id, rows = self.in_flight.popleft()
+            if body["plan"] != plan_id:
+                raise RuntimeError(f"master {self.spec.group}: result of plan {body['plan']},"
+                                   f" expected {plan_id}")  # fmt: skip
+            self.counters["results"] += 1
+            self.counters["bubble_ns"] += body.get("bubble_ns", 0)
+            if rows and len(self.step_ms) < MAX_SAMPLES:
+                self.step_ms.append((body["t1"] - body["t0"]) / 1e6)
+                self.bubble_ms.append(body.get("bubble_ns", 0) / 1e6)
+            self.counters["dummy_steps"] = body.get("dummy_steps", 0)
+            if self.spec.log_steps and body["step"] and rows:
+                self.log_step(body, rows)
+            if plan_id < 0:
+                continue
+            out = self.sched.on_result(plan_id, {i: t for i, t in body["sampled"]})
+            for rid, toks in out.new_tokens.items():
+                if toks:
+                    self.deltas.setdefault(rid, []).extend(toks)
+                    self.counters["tokens"] += len(toks)
+            for req in out.finished:
+                self.finish(req)
+            self._gc()
+
+    def log_step(self, body: dict, rows: list[dict]) -> None:
+        fed = {i: t for i, t in body["fed"]}
+        self.steps.append({
+            "step": body["step"], "group": self.spec.group,
+            "rows": [[r["id"], r["tokens"] if r["tokens"] is not None else [fed[r["id"]]],
+                      r["start"], r["table"], r["sample"], r["index"], r["temperature"],
+                      r["seed"]] for r in rows],
+            "sampled": body["sampled"], "logits": body.get("logits"),
+        })  # fmt: skip
+
+    def plan(self) -> None:
+        """Publish plans while the scheduler may; promise one more if it has work but may not
+        plan now; keep a promise with an empty plan when the work is gone."""
+        w = self.words
+        while self.cmds.can_put() and self.sched.can_plan():
+            plan = self.sched.schedule()
+            if plan is None:
+                break
+            rows = [{"id": r.request_id, "tokens": r.tokens, "start": r.start,
+                     "table": r.block_table, "sample": r.sample, "index": r.token_index,
+                     "temperature": r.temperature, "seed": r.seed} for r in plan.rows]  # fmt: skip
+            self.publish({"plan": plan.plan_id, "rows": rows, "released": plan.released}, rows)
+            self.counters["rows"] += plan.num_tokens
+        owed = w[self.promised] > self.cmds.published()
+        if owed and not self.sched.has_work() and self.cmds.can_put():
+            self.publish({"plan": -1, "rows": [], "released": []}, [], plan_id=-1)
+            self.counters["empty_plans"] += 1
+        elif not owed and self.sched.has_work():
+            w[self.promised] = self.cmds.published() + 1
+            self.die_bell.ring()
+
+    def publish(self, body: dict, rows: list, plan_id: int | None = None) -> None:
+        self.cmds.put(wire.pack("step", body))
+        if self.words[self.promised] < self.cmds.published():
+            self.words[self.promised] = self.cmds.published()
+        self.in_flight.append((body["plan"] if plan_id is None else plan_id, rows))
+        self.die_bell.ring()
+
+    def stop_die(self) -> None:
+        if self.stopping and not self.stopped and not self.in_flight and self.cmds.can_put():
+            self.cmds.put(wire.pack("stop"))
+            self.die_bell.ring()
+            self.stopped = True
+
+    # -- output --------------------------------------------------------------------------------
+
+    def send(self, kind: str, body: dict) -> None:
+        self.outbox.send(wire.pack(kind, body))
+
+    def flush(self) -> None:
+        if self.deltas or self.done:
+            self.send("out", {"group": self.spec.group,
+                              "deltas": [[i, t] for i, t in self.deltas.items()],
+                              "done": self.done})  # fmt: skip
+            self.deltas, self.done = {}, []
+        now = time.monotonic()
+        if now - self.stats_at >= STATS_EVERY_S:
+            self.stats_at = now
+            self.send("stats", self.stats())
+
+    def stats(self) -> dict:
+        s = self.sched.stats()
+        return {"group": self.spec.group, "t": time.time(), **s, **self.counters,
+                "kv": self.kv.usage()}  # fmt: skip
+
+    def _gc(self) -> None:
+        every = self.spec.gc_every
+        if not every:
+            return
+        self.results_n += 1
+        if self.results_n == 8:
+            gc.collect()
+            gc.freeze()
+            gc.disable()
+        elif self.results_n % every == 0:
+            gc.collect(1)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.inbox, zmq.POLLIN)
+        poller.register(self.bell.fileno(), zmq.POLLIN)
+        self.send("ready", {"group": self.spec.group})
+        while not self.stopped:
+            busy = self.sched.has_work() or bool(self.in_flight) or self.deltas or self.done
+            events = dict(poller.poll(int(STATS_EVERY_S * 1000) if busy else 1000))
+            self.bell.drain()
+            if self.inbox in events:
+                while True:
+                    try:
+                        frame = self.inbox.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self.on_message(frame)
+            self.take_results()
+            if not self.stopping:
+                self.plan()
+            self.flush()
+            self.stop_die()
+        if self.spec.log_steps:
+            self.send("log", {"group": self.spec.group, "steps": self.steps})
+        self.send("stats", {**self.stats(), "final": True, "step_ms": self.step_ms,
+                            "bubble_ms": self.bubble_ms})  # fmt: skip
+
+    def close(self) -> None:
+        for s in (self.inbox, self.outbox):
+            s.close(linger=1000)
+        self.ctx.term()
+        self.bell.close()
+        self.die_bell.close()
+        self.words = None
+        self.region.close()
+
+
+def master_main(spec: MasterSpec, engine_pid: int) -> None:
+    """Entry of a master process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle
+    _die_with(engine_pid)
+    logging.basicConfig(format=f"master {spec.group} %(levelname)s %(name)s: %(message)s")
+    if spec.pin_cpu >= 0:
+        os.sched_setaffinity(0, {spec.pin_cpu})
+    master = None
+    try:
+        master = Master(spec)
+        master.run()
+    except Exception:  # noqa: BLE001 - logged with the group, then exit non-zero
+        log.error("master %d failed:\n%s", spec.group, traceback.format_exc())
+        raise SystemExit(1) from None
+    finally:
+        if master is not None:
+            master.close()
+
+
+def _die_with(parent_pid: int) -> None:
+    """SIGTERM when the engine dies (PR_SET_PDEATHSIG); exit at once if it already has."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(3)

@@ -1,0 +1,100 @@
+"""Schedule replay: run the steps the masters logged through the single-process reference and
+compare tokens and logits with what was served, bit for bit.
+
+The oracle needs no batch invariance: it replays the same global steps with the same per-die
+batches (request, tokens, positions) and the same KV block tables as the pod ran, through
+`ReferencePod` (the same `DieModel` phases, with `comm.reference` collectives in between) over
+`PagedKV` stores, so every matmul sees the same rows as on the dies. A global step in which a
+die ran no rows is an empty batch for it (a dummy step); steps in which no die had rows were
+idle votes and ran nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from runtime import wire
+from runtime.executor import sample_rows
+from runtime.kvpool import PagedKV
+from runtime.model import ModelConfig
+from runtime.reference_model import ReferencePod
+
+
+@dataclass
+class ReplayReport:
+    """What the replay found.
+
+    Attributes:
+        steps: global steps replayed; rows: rows replayed; sampled: sampled tokens compared.
+        token_mismatches: (step, group, request, served, replayed) of every differing token.
+        logit_mismatches: (step, group, request, max |difference|) where logits differ.
+        logits_compared: sampled rows whose logits were compared.
+    """
+
+    steps: int = 0
+    rows: int = 0
+    sampled: int = 0
+    logits_compared: int = 0
+    token_mismatches: list = field(default_factory=list)
+    logit_mismatches: list = field(default_factory=list)
+
+    @property
+    def bit_equal(self) -> bool:
+        return not self.token_mismatches and not self.logit_mismatches and self.sampled > 0
+
+
+def replay(
+    cfg: ModelConfig,
+    num_dies: int,
+    quant: str | None,
+    num_blocks: int,
+    block_size: int,
+    logs: dict[int, list[dict]],
+) -> ReplayReport:
+    """Replay every logged step (logs: group -> the master's step records)."""
+    kv = [PagedKV.zeros(cfg.n_layers, num_blocks, block_size, cfg.kv_cache_dim)
+          for _ in range(num_dies)]  # fmt: skip
+    pod = ReferencePod(cfg, num_dies, quant, kv)
+    by_step: dict[int, dict[int, dict]] = {}
+    for group, records in logs.items():
+        for rec in records:
+            by_step.setdefault(rec["step"], {})[int(group)] = rec
+    report = ReplayReport()
+    for step in sorted(by_step):
+        recs = by_step[step]
+        batches = []
+        for d in range(num_dies):
+            rows = recs[d]["rows"] if d in recs else []
+            kv[d].begin_step([(r[0], r[2], len(r[1]), r[3]) for r in rows])
+            batches.append([(r[0], r[1], r[2]) for r in rows])
+            report.rows += sum(len(r[1]) for r in rows)
+        logits = pod.step(batches)
+        report.steps += 1
+        for d, rec in recs.items():
+            _compare(report, step, d, rec, logits[d])
+    return report
+
+
+def _compare(report: ReplayReport, step: int, group: int, rec: dict, logits: np.ndarray) -> None:
+    rows = rec["rows"]
+    samp = [i for i, r in enumerate(rows) if r[4]]
+    if not samp:
+        return
+    mine = logits[samp]
+    want = sample_rows(mine, [{"id": rows[i][0], "index": rows[i][5], "temperature": rows[i][6],
+                               "seed": rows[i][7]} for i in samp])  # fmt: skip
+    served = dict((int(a), int(b)) for a, b in rec["sampled"])
+    for i, tok in zip(samp, want, strict=True):
+        rid = rows[i][0]
+        report.sampled += 1
+        if served.get(rid) != tok:
+            report.token_mismatches.append((step, group, rid, served.get(rid), tok))
+    if rec.get("logits") is not None:
+        got = wire.unpack_array(rec["logits"])
+        report.logits_compared += len(samp)
+        for j, i in enumerate(samp):
+            if not np.array_equal(got[j], mine[j]):
+                diff = float(np.max(np.abs(got[j].astype(np.float64) - mine[j])))
+                report.logit_mismatches.append((step, group, rows[i][0], diff))
