@@ -33,6 +33,7 @@ from runtime.config import PodConfig
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
+SIGTERM_SETTLE_S = 1.0  # a SIGTERM while the launcher still lives after this is someone's stop
 
 
 class Die(comm.Endpoint):
@@ -96,7 +97,13 @@ def _install_sigterm(pod_id: str, die_id: int, num_dies: int, launcher_pid: int)
     after the launcher died (PR_SET_PDEATHSIG, or anyone's): clean up for it, then exit."""
 
     def on_sigterm(signum, frame) -> None:
-        if os.getppid() == launcher_pid:
+        # PR_SET_PDEATHSIG fires when the launcher's *thread* exits: while a killed launcher's
+        # other threads are still exiting, this die is reparented to one of them and getppid()
+        # still names the launcher. Give the launcher a moment to be gone for good.
+        deadline = time.monotonic() + SIGTERM_SETTLE_S
+        while _launcher_lives(launcher_pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if _launcher_lives(launcher_pid):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
             return
@@ -104,6 +111,10 @@ def _install_sigterm(pod_id: str, die_id: int, num_dies: int, launcher_pid: int)
         os._exit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _launcher_lives(launcher_pid: int) -> bool:
+    return os.getppid() == launcher_pid and _alive(launcher_pid)
 
 
 def orphan_cleanup(pod_id: str, die_id: int, num_dies: int) -> list[str]:

@@ -52,6 +52,7 @@ from sched import LoadBalancer, SamplingParams
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 60.0
 CLOSE_TIMEOUT_S = 10.0
+WATCH_EVERY_S = 0.2  # how often the receiver thread checks that every master lives
 
 __all__ = ["CompletionOutput", "Delta", "Engine", "EngineConfig", "EngineError", "SamplingParams"]
 
@@ -343,9 +344,13 @@ class Engine:
     def _receive(self) -> None:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
+        watched = time.monotonic()
         while not self.closed:
-            if not poller.poll(200):
+            ready = poller.poll(WATCH_EVERY_S * 1000)
+            if time.monotonic() - watched >= WATCH_EVERY_S:
+                watched = time.monotonic()
                 self._watch()
+            if not ready:
                 continue
             while True:
                 try:
@@ -583,12 +588,18 @@ class Engine:
         with self.lock, contextlib.suppress(zmq.ZMQError):
             for s in self.to_master:
                 s.send(wire.pack("shutdown"), zmq.NOBLOCK)
-        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        # After a failure the masters and dies may wait for each other: do not wait for long.
+        deadline = time.monotonic() + (CLOSE_TIMEOUT_S if self.failure is None else 0.5)
         for p in self.masters:
             p.join(max(0.1, deadline - time.monotonic()))
-        for t in self._threads:
-            if t.name == "xpod-pod-run":
-                t.join(max(0.1, deadline - time.monotonic()))
+        pod_run = next((t for t in self._threads if t.name == "xpod-pod-run"), None)
+        if pod_run is not None:
+            pod_run.join(max(0.1, deadline - time.monotonic()))
+            if pod_run.is_alive() and self.pod is not None:
+                # The dies did not all get their stop: abort their loop (parked dies see it
+                # within PARK_POLL_S), so the pod run ends before the pod is closed from here.
+                self.pod.abort()
+                pod_run.join(CLOSE_TIMEOUT_S / 2)
         self._fail(EngineError("the engine is closed"))
         for p in self.masters:
             if p.is_alive():
