@@ -59,6 +59,7 @@ Serving fields (only in a pod launched with `serve_slot_bytes`), after the all-t
    cmd_taken                         writer: this die   commands taken
    res_pub                           writer: this die   results published
    res_taken                         writer: the master results taken
+   dummy_steps                       writer: this die   steps it ran with no rows
    cmd_len[slots], res_len[slots]    writer: the slot's writer, before its *_pub count
 ```
 The command ring (master -> die) and the result ring (die -> master) are `serve_slots` slots of
@@ -107,7 +108,7 @@ FLAG_EVENT, FLAG_COUNT, FLAG_SEQ, FLAG_QUANT = 0, 1, 2, 3  # fused_flag and a2e_
 COUNT_REFUSED = -1  # a count word of a die that refused its input to the operation
 # Serving words (word index inside the serve block), see the diagram.
 SV_VOTE_STEP, SV_VOTE_ROWS, SV_CMD_PUB, SV_CMD_PROMISED, SV_CMD_TAKEN = 0, 1, 3, 4, 5
-SV_RES_PUB, SV_RES_TAKEN, SV_CMD_LEN = 6, 7, 8  # then cmd_len[slots], res_len[slots]
+SV_RES_PUB, SV_RES_TAKEN, SV_DUMMY_STEPS, SV_CMD_LEN = 6, 7, 8, 9  # then the slot lengths
 SERVE_SLOTS = 4
 SERVE_WORDS = SV_CMD_LEN + 2 * SERVE_SLOTS
 

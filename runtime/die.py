@@ -177,7 +177,10 @@ def _pin(die_id: int, config: PodConfig) -> None:
 
 def die_main(die_id: int, cfg: dict, pod_id: str, conn, launcher_pid: int) -> None:
     """Entry point of a die process."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
+    # Ctrl-C and a closed terminal (SIGHUP, sent to the whole process group) are the launcher's
+    # to handle: it tears the pod down; a die ends with it (PR_SET_PDEATHSIG), cleaning up.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     _install_sigterm(pod_id, die_id, cfg["num_dies"], launcher_pid)
     _set_pdeathsig()
     if os.getppid() != launcher_pid:  # the launcher died before prctl took effect

@@ -59,6 +59,10 @@ ROWS_MASK = EXIT - 1
 PARK_POLL_S = 0.5  # a parked die looks at the launcher's abort word this often
 
 
+class _Busy(Exception):
+    """A vote wait ends early: some die has rows for this step."""
+
+
 class Clock:
     """Per-phase wall-time accounting, every span also a trace record (op "model")."""
 
@@ -125,13 +129,11 @@ def build_model(die, cfg: ModelConfig, n_blocks: int, block_size: int):
 def sample_rows(logits: np.ndarray, rows: list[dict]) -> list[int]:
     """One token per sampling row: greedy, or `rng([seed, request, token_index])` categorical
     (the draw depends on the request and the token's index only, not on batch or step)."""
-    out = []
+    out = np.argmax(logits, axis=-1).tolist() if len(rows) else []
     for i, r in enumerate(rows):
         if r["temperature"] > 0:
             rng = [np.random.default_rng([r["seed"], r["id"], r["index"]])]
-            out.append(int(sample(logits[i : i + 1], r["temperature"], rng)[0]))
-        else:
-            out.append(int(np.argmax(logits[i])))
+            out[i] = int(sample(logits[i : i + 1], r["temperature"], rng)[0])
     return out
 
 
@@ -171,6 +173,7 @@ class _Loop:
         self.vote_step = lo.serve_word(L.SV_VOTE_STEP)
         self.vote_rows = lo.serve_word(L.SV_VOTE_ROWS)
         self.promised = lo.serve_word(L.SV_CMD_PROMISED)
+        self.dummy_word = lo.serve_word(L.SV_DUMMY_STEPS)
         self.cmds = Ring(die.region, "cmd", writer=False)
         self.results = Ring(die.region, "res", writer=True)
         self.bell = Bell(bell_path(spec.run_dir, f"d{self.me}"))
@@ -182,6 +185,8 @@ class _Loop:
             die, spec.model, spec.num_blocks, spec.block_size
         )
         self.clock = Clock(die, spec.model.n_layers)
+        # Early votes need a pod-wide collective in every busy step (an MoE layer).
+        self.early = spec.model.n_dense_layers < spec.model.n_layers
         self.last: dict[int, int] = {}  # request -> its last sampled token (fed to decode rows)
         self.exiting = False
         self.stats = {"steps": 0, "dummy_steps": 0, "idle_votes": 0, "parks": 0, "rows": 0,
@@ -212,19 +217,48 @@ class _Loop:
         return body
 
     def vote(self, s: int, rows: int) -> tuple[int, bool]:
-        """Publish this die's vote for step s, wait for every die's; (total rows, all exit)."""
+        """Publish this die's vote for step s; (total rows seen, all exit).
+
+        The step is busy as soon as one vote has rows, so a die with rows runs at once and a die
+        without stops reading votes at the first busy one (the step's MoE collectives line the
+        dies up anyway, which keeps the double-buffered vote words safe: nobody writes rows[s%2]
+        again before every die finished step s). Only an idle or exiting step needs every vote.
+        """
         w = self.words[self.me]
+        t0 = time.perf_counter_ns()
         w[self.vote_rows + (s & 1)] = rows | (EXIT if self.exiting else 0)
         w[self.vote_step] = s  # LAST
+        if rows and self.early:
+            return rows, False
         total, all_exit = 0, True
         for p in range(self.n):
             pw = self.words[p]
             if pw[self.vote_step] < s:
-                self.die.wait_ge(pw, self.vote_step, s, p, "serve.vote_step")
+                try:
+                    self.die.wait_ge(pw, self.vote_step, s, p, "serve.vote_step", self._busy(s))
+                except _Busy:
+                    total, all_exit = 1, False
+                    break
             v = pw[self.vote_rows + (s & 1)]
             total += v & ROWS_MASK
             all_exit &= bool(v & EXIT)
-        return total, all_exit
+            if total and self.early:
+                break
+        self.die.trace.rec(t0, time.perf_counter_ns() - t0, SERVE_OP, 1, -1, SERVE_LANE, s, total)
+        return total, all_exit and not total
+
+    def _busy(self, s: int):
+        """A probe for the vote wait: raise _Busy once any die voted rows for step s."""
+        if not self.early:
+            return None
+        vs, vr, words = self.vote_step, self.vote_rows + (s & 1), self.words
+
+        def probe() -> None:
+            for pw in words:
+                if pw[vs] >= s and pw[vr] & ROWS_MASK:
+                    raise _Busy
+
+        return probe
 
     def park(self, s: int) -> bool:
         """Sleep until there is work for step s+1; True if this die's own work woke it (it must
@@ -280,6 +314,7 @@ class _Loop:
         self.stats["rows"] += sum(len(seg[1]) for seg in segments)
         if not rows:
             self.stats["dummy_steps"] += 1
+            self.words[self.me][self.dummy_word] = self.stats["dummy_steps"]
         self.die.trace.rec(t0, t1 - t0, SERVE_OP, 3, -1, SERVE_LANE, s, len(rows))
         if cmd is not None:
             body = {"plan": cmd["plan"], "step": s, "t0": t0, "t1": t1,

@@ -202,6 +202,13 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         help="0 = automatic GC; N = freeze after warm-up, collect every N steps",
     )
     add("--pin", default="auto", choices=("auto", "on", "off"), help="pin dies and masters")
+    add(
+        "--trace",
+        type=output_file,
+        default=None,
+        metavar="FILE",
+        help="write a Perfetto timeline (masters above dies) to FILE when done",
+    )
 
 
 def parse_options(args: argparse.Namespace) -> Options:
@@ -236,6 +243,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             gc_every=args.gc_every,
             pin=args.pin,
             timeout_s=args.timeout,
+            trace=args.trace or "",
         )
         cfg.pod_config()  # the pod it sizes must be valid too
     except ConfigError as e:

@@ -88,30 +88,36 @@ def _signal_name(code: int | None) -> str:
 
 
 class _SigtermGuard:
-    """SIGTERM -> SystemExit while any pod of this process is open, so `with` blocks tear down.
+    """SIGTERM and SIGHUP -> SystemExit while any pod of this process is open, so `with` blocks
+    tear down (a closed terminal sends SIGHUP; a SIGHUP already ignored, under nohup, stays so).
 
-    One handler for all pods: installed when the first pod opens, the previous handler restored
-    when the last one closes (pods may close in any order).
+    One handler for all pods: installed when the first pod opens, the previous handlers
+    restored when the last one closes (pods may close in any order).
     """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
     def __init__(self) -> None:
         self.pods: set[int] = set()
-        self.previous = None
+        self.previous: dict = {}
 
     def acquire(self, pod: Pod) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
         if not self.pods:
-            self.previous = signal.signal(signal.SIGTERM, _on_sigterm)
+            for sig in self.SIGNALS:
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self.previous[sig] = signal.signal(sig, _on_sigterm)
         self.pods.add(id(pod))
 
     def release(self, pod: Pod) -> None:
         if id(pod) not in self.pods or threading.current_thread() is not threading.main_thread():
             return
         self.pods.discard(id(pod))
-        if not self.pods and self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
-            self.previous = None
+        if not self.pods:
+            for sig, handler in self.previous.items():
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+            self.previous = {}
 
 
 def _on_sigterm(signum, frame):

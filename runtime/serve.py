@@ -82,7 +82,11 @@ class EngineConfig:
         long_prefill_threshold: most tokens of one request per step (0 = the budget).
         log_steps: keep every step for the schedule replay (and logits: keep_logits).
         timeout_s: deadline of every wait in the pod.
-        trace: record protocol and executor steps in the dies.
+        trace: a file name: record the dies' protocol, model and serving-loop steps and the
+            masters' planning and result spans with their per-step counters, and write one
+            Perfetto timeline there at `close` (master tracks above the dies); "" = no trace.
+        warmup: run one token on every group before `launch` returns (the first step of a die
+            pays for page faults and first-call costs: ~0.2 s on the small model).
     """
 
     dies: int = 4
@@ -103,7 +107,8 @@ class EngineConfig:
     log_steps: bool = False
     keep_logits: bool = False
     timeout_s: float = 60.0
-    trace: bool = False
+    trace: str = ""
+    warmup: bool = True
 
     def __post_init__(self) -> None:
         m = self.model_config()
@@ -156,7 +161,8 @@ class EngineConfig:
             serve_slot_bytes=self.slot_bytes(m),
             timeout_s=self.timeout_s,
             pin="off" if self.pin == "off" else ("on" if self.pin == "on" else "auto"),
-            trace=self.trace,
+            trace=bool(self.trace),
+            trace_capacity=1 << 20 if self.trace else 1 << 16,
         )
 
     def slot_bytes(self, m: ModelConfig) -> int:
@@ -250,9 +256,11 @@ class Engine:
         self.stats: dict[int, dict] = {}
         self.stats_log: list[dict] = []
         self.step_log: dict[int, list] = {}
+        self.master_trace: dict[int, dict] = {}
         self.pod_result: list | None = None
         self.failure: BaseException | None = None
         self.closing = False
+        self.drained = False  # close() sets it once no master can send anything more
         self.closed = False
         self.ready = threading.Semaphore(0)
         self._threads: list[threading.Thread] = []
@@ -314,6 +322,15 @@ class Engine:
                 raise EngineError(f"masters not ready after {READY_TIMEOUT_S:g} s")
             if self.failure is not None:
                 raise EngineError(f"engine failed while starting: {self.failure}")
+        if cfg.warmup:
+            warm = [self._track([1], SamplingParams(max_tokens=1), g) for g in range(cfg.dies)]
+            for g, t in enumerate(warm):
+                t.id = -1 - g  # the caller's request ids start at 0
+            self.ids = itertools.count()
+            self._enqueue(warm)
+            for t in warm:
+                if not t.done.wait(READY_TIMEOUT_S) or t.reason == "error":
+                    raise EngineError(f"warm-up request failed: {t.error or 'timed out'}")
 
     def _master_spec(self, g: int, pcfg: PodConfig, cpu: int) -> MasterSpec:
         cfg, m = self.config, self.model
@@ -324,7 +341,7 @@ class Engine:
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_seq_len=m.max_seq_len,
             long_prefill_threshold=cfg.long_prefill_threshold, async_depth=cfg.async_depth,
             prefix_cache=cfg.prefix_cache, log_steps=cfg.log_steps, gc_every=cfg.gc_every,
-            pin_cpu=cpu,
+            pin_cpu=cpu, trace=bool(cfg.trace),
         )  # fmt: skip
 
     def _thread(self, fn, *args, name: str) -> None:
@@ -345,12 +362,14 @@ class Engine:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
         watched = time.monotonic()
-        while not self.closed:
+        while True:
             ready = poller.poll(WATCH_EVERY_S * 1000)
             if time.monotonic() - watched >= WATCH_EVERY_S:
                 watched = time.monotonic()
                 self._watch()
             if not ready:
+                if self.drained:  # close(): every master is gone and nothing is left to read
+                    return
                 continue
             while True:
                 try:
@@ -380,6 +399,7 @@ class Engine:
             self.stats_log.append(body)
         elif kind == "log":
             self.step_log[body["group"]] = body["steps"]
+            self.master_trace[body["group"]] = body.get("trace", {})
 
     def _on_out(self, body: dict) -> None:
         now = time.monotonic()
@@ -600,11 +620,17 @@ class Engine:
                 # within PARK_POLL_S), so the pod run ends before the pod is closed from here.
                 self.pod.abort()
                 pod_run.join(CLOSE_TIMEOUT_S / 2)
-        self._fail(EngineError("the engine is closed"))
         for p in self.masters:
             if p.is_alive():
                 p.kill()
             p.join(5)
+        self.drained = True  # the receiver reads what the masters sent last (final stats, logs)
+        for t in self._threads:
+            if t is not threading.current_thread() and t.name == "xpod-engine-receive":
+                t.join(2)
+        self._fail(EngineError("the engine is closed"))
+        if self.config.trace and self.pod is not None and not self.pod.closed:
+            self._write_trace(pod_run)
         if self.pod is not None:
             self.pod.close(fast=True)
         self.closed = True
@@ -619,6 +645,21 @@ class Engine:
             self.ctx.term()
         if self.run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _write_trace(self, pod_run) -> None:
+        """Dies' records (the serving loop has ended) and masters' spans: one timeline."""
+        from runtime.servetrace import write_serving_trace
+
+        if pod_run is not None and pod_run.is_alive():
+            log.warning("engine: the pod did not stop; no trace written")
+            return
+        try:
+            dies = self.pod.trace_records()
+        except PodError as e:
+            log.warning("engine: no trace: %s", e)
+            return
+        n = write_serving_trace(self.config.trace, dies, self.master_trace)
+        log.info("engine: wrote %d trace events to %s", n, self.config.trace)
 
     def __enter__(self) -> Engine:
         return self

@@ -252,10 +252,12 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(req)
             req.status = RequestStatus.RUNNING
-            req.num_computed = req.num_scheduled = req.num_cached = hit
+            req.num_computed = req.num_scheduled = hit
+            if not req.num_preemptions:  # the prompt's own hit; a recompute's is not the user's
+                req.num_cached = min(hit, len(req.prompt))
+                self._hit_tokens += hit
+                self._query_tokens += len(tokens)
             self._target[rid] = len(tokens)
-            self._hit_tokens += hit
-            self._query_tokens += len(tokens)
             self._add_row(step, req, tokens[hit : hit + n], n, sample=hit + n == len(tokens))
 
     def _chunk(self, remaining: int, budget: int) -> int:

@@ -221,3 +221,24 @@ def test_closed_engine_refuses_requests():
     with pytest.raises(EngineError, match="closed"):
         eng.submit("late")
     eng.close()  # idempotent
+
+
+@pytest.mark.timeout(120)
+def test_trace_has_master_tracks_above_the_dies_and_the_serving_loop(tmp_path):
+    import json
+
+    path = tmp_path / "serve.json"
+    with Engine.launch(dies=2, trace=str(path), **TINY) as eng:
+        eng.generate(["a", "b c", "d e f"], SamplingParams(max_tokens=5))
+    events = json.loads(path.read_text())["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert procs == {0: "die 0", 1: "die 1", -1: "master 0", -2: "master 1"}
+    order = {e["pid"]: e["args"]["sort_index"] for e in events if e["name"] == "process_sort_index"}
+    assert max(order[-1], order[-2]) < min(order[0], order[1])  # masters above the dies
+    names = {e["name"] for e in events}
+    assert {"serve step", "serve vote", "model attention", "model dispatch"} <= names
+    assert any(n.startswith("plan (") for n in names) and any(
+        n.startswith("results (") for n in names
+    )
+    counters = [e for e in events if e["ph"] == "C"]
+    assert counters and {"running", "waiting", "kv_blocks_used"} <= set(counters[0]["args"])
