@@ -19,6 +19,8 @@ run: $(STAMP)
 	$(XPOD) run --dies 4
 	$(XPOD) bench p2p --dies 2 --quick --variants mte,zero-copy --cores 1
 	$(XPOD) decode --dies 4 --batch 8 --prompt-len 32 --steps 16 --model small --check
+	$(XPOD) generate --dies 4 --max-tokens 24 --prompt "The pod is" --prompt "Experts run" \
+		--prompt "A decode step" --prompt "Each die owns" --prompt "Tokens travel"
 
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -36,6 +38,7 @@ bench: $(STAMP)
 	$(XPOD) bench ring --dies 8,16 --quick
 	$(XPOD) bench alltoall --dies 8 --quick --protocol fused --quant int8 --peers
 	$(XPOD) decode --dies 4 --batch 8 --prompt-len 64 --steps 32 --check
+	$(XPOD) bench engine --dies 4 --batch 8 --quick
 
 bench-full: $(STAMP)
 	$(XPOD) bench p2p --dies 2 --peers --json p2p.jsonl --plot p2p.png

@@ -16,8 +16,8 @@ within a run):
 3. idle: the engine left idle for `--idle-s` seconds: CPU of every xpod process together, in %
    of one core;
 4. DP balance: `dies` groups, a stream of 12 requests per group (one every 50 ms), prompt and
-   output lengths varying +-80 %, least-KV vs round-robin: the time-averaged max/mean KV usage
-   (blocks in use) over groups;
+   output lengths varying +-80 %, least-KV vs round-robin: max/mean KV usage (blocks in use)
+   over groups, averaged over time while the requests arrive, and over the whole run;
 5. prefix cache: prompts sharing 75 % of their tokens, cache on vs off: hit rate, TTFT p50;
 6. schedule replay: a short run with chunked prefill, prefix hits and a tiny KV pool (forced
    preemption) replayed through the single-process reference: tokens and logits bit-equal?
@@ -37,7 +37,7 @@ import numpy as np
 import psutil
 
 from bench.common import progress, run_info
-from runtime.argtypes import output_file, positive_float, positive_int
+from runtime.argtypes import nonneg_int, output_file, positive_float, positive_int
 from runtime.decode import DecodeOptions, make_prompts, run_decode
 from runtime.model import PRESETS
 from runtime.replay import replay
@@ -56,6 +56,8 @@ class Options:
     idle_s: float
     json: str | None
     repeat: int = 1
+    gc_every: int = 0
+    pin: str = "auto"
     seed: int = 0
 
 
@@ -69,6 +71,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-s", type=positive_float, default=10.0, help="idle window, seconds")
     p.add_argument("--repeat", type=positive_int, default=3,
                    help="decode / engine throughput pairs, alternating (default 3)")  # fmt: skip
+    p.add_argument(
+        "--gc-every",
+        type=nonneg_int,
+        default=0,
+        help="0 = automatic GC; N = freeze after warm-up, collect every N steps",
+    )
+    p.add_argument(
+        "--pin",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="pin dies and masters to cores (default auto)",
+    )
     p.add_argument("--quick", action="store_true", help="short run (CI smoke test)")
     p.add_argument("--json", type=output_file, default=None, help="write the figures to FILE")
 
@@ -78,7 +92,7 @@ def parse_options(args: argparse.Namespace) -> Options:
     if args.quick:
         steps, waves, idle, repeat = min(steps, 16), 1, min(idle, 1.0), 1
     opts = Options(args.dies, args.batch, args.prompt_len, steps, waves, args.model, idle,
-                   args.json, repeat)  # fmt: skip
+                   args.json, repeat, args.gc_every, args.pin)  # fmt: skip
     engine_config(opts)  # every check before anything starts (ConfigError names the field)
     return opts
 
@@ -86,7 +100,8 @@ def parse_options(args: argparse.Namespace) -> Options:
 def engine_config(opts: Options, **changes) -> EngineConfig:
     per_group = -(-opts.batch // opts.dies)
     base = dict(dies=opts.dies, model=opts.model, max_num_seqs=per_group,
-                max_num_batched_tokens=max(64, 2 * opts.prompt_len), timeout_s=120.0)  # fmt: skip
+                max_num_batched_tokens=max(64, 2 * opts.prompt_len), timeout_s=120.0,
+                gc_every=opts.gc_every, pin=opts.pin)  # fmt: skip
     return EngineConfig(**{**base, **changes})
 
 
@@ -157,12 +172,14 @@ def saturation(opts: Options, async_depth: int, idle_s: float = 0.0) -> dict:
 
 
 ARRIVAL_GAP_S = 0.05  # the DP-balance run's request stream: one request every 50 ms
+GRID_S = 0.02  # KV usage is read on this time grid (each group's latest report)
 
 
-def kv_balance(opts: Options, policy: str) -> float:
-    """Time-averaged max/mean KV usage over groups: a stream of 12 requests per group (one
-    every ARRIVAL_GAP_S), prompt and output lengths varying +-80 %; the batch limit of a group
-    is twice its share, so it never decides where a request goes."""
+def kv_balance(opts: Options, policy: str) -> tuple[float, float]:
+    """Max/mean KV usage (blocks in use) over groups, averaged over time: while the requests
+    arrive (a stream of 12 per group, one every ARRIVAL_GAP_S, prompt and output lengths
+    varying +-80 %), and over the whole run (the drain at the end included). A group's batch
+    limit is twice its share, so it never decides where a request goes."""
     rng = random.Random(opts.seed)
     n = max(12 * opts.dies, 2 * opts.batch)
     lens = [max(4, int(opts.prompt_len * rng.uniform(0.2, 1.8))) for _ in range(n)]
@@ -172,23 +189,30 @@ def kv_balance(opts: Options, policy: str) -> float:
     seqs = 2 * -(-n // opts.dies)
     cfg = engine_config(opts, lb_policy=policy, prefix_cache=False, max_num_seqs=seqs)
     with Engine.launch(cfg) as eng:
-        ids = []
+        ids, t0 = [], time.time()
         for p, sp in zip(prompts, params, strict=True):
             ids.append(eng.submit(p, sp))
             time.sleep(ARRIVAL_GAP_S)
+        t1 = time.time()
         for rid in ids:
             eng.result(rid)
-        samples = list(eng.stats_log)
+        t2 = time.time()
+        samples = sorted(eng.stats_log, key=lambda s: s["t"])
+    return imbalance(samples, opts.dies, t0, t1), imbalance(samples, opts.dies, t0, t2)
+
+
+def imbalance(samples: list[dict], dies: int, t_lo: float, t_hi: float) -> float:
+    """Mean over a GRID_S time grid of max/mean blocks in use (each group's latest stats)."""
     latest: dict[int, int] = {}
-    ratios, weights, last_t = [], [], None
-    for s in sorted(samples, key=lambda s: s["t"]):
-        if last_t is not None and len(latest) == opts.dies and sum(latest.values()):
-            mean = sum(latest.values()) / opts.dies
-            ratios.append(max(latest.values()) / mean)
-            weights.append(s["t"] - last_t)
-        latest[s["group"]] = s["kv"]["used"]
-        last_t = s["t"]
-    return float(np.average(ratios, weights=weights)) if sum(weights) else 0.0
+    ratios, i, t = [], 0, t_lo
+    while t <= t_hi:
+        while i < len(samples) and samples[i]["t"] <= t:
+            latest[samples[i]["group"]] = samples[i]["kv"]["used"]
+            i += 1
+        if len(latest) == dies and sum(latest.values()):
+            ratios.append(max(latest.values()) * dies / sum(latest.values()))
+        t += GRID_S
+    return float(np.mean(ratios)) if ratios else 0.0
 
 
 def prefix(opts: Options, enabled: bool) -> dict:
@@ -245,7 +269,7 @@ def run(opts: Options) -> int:
     progress("  [3/6] engine, asynchronous execution off ...")
     off = saturation(opts, 1)
     progress("  [4/6] DP balance: least-KV, round-robin ...")
-    least, rr = kv_balance(opts, "least_kv"), kv_balance(opts, "round_robin")
+    (least, least_all), (rr, rr_all) = kv_balance(opts, "least_kv"), kv_balance(opts, "round_robin")
     progress("  [5/6] prefix cache on / off ...")
     p_on, p_off = prefix(opts, True), prefix(opts, False)
     progress("  [6/6] schedule replay ...")
@@ -258,6 +282,7 @@ def run(opts: Options) -> int:
     res = {
         "bench": "engine", "dies": opts.dies, "batch": opts.batch, "prompt_len": opts.prompt_len,
         "steps": opts.steps, "model": opts.model, "requests": opts.waves * opts.batch,
+        "gc_every": opts.gc_every, "pin": opts.pin,
         "engine_tokens_per_s": on["tokens_per_s"], "decode_tokens_per_s": dec["tokens_per_s"],
         "ratio": on["tokens_per_s"] / dec["tokens_per_s"],
         "ratios": ratios, "repeat": opts.repeat,
@@ -276,6 +301,7 @@ def run(opts: Options) -> int:
         "idle_cpu_pct": on.get("idle_cpu_pct", 0.0), "idle_s": opts.idle_s,
         "idle_cpu_s": on.get("idle_cpu_s", {}),
         "kv_balance_least_kv": least, "kv_balance_round_robin": rr,
+        "kv_balance_least_kv_whole_run": least_all, "kv_balance_round_robin_whole_run": rr_all,
         "prefix_hit_rate": p_on["hit_rate"], "prefix_hit_rate_off": p_off["hit_rate"],
         "ttft_p50_ms_prefix_on": p_on["ttft_p50_ms"],
         "ttft_p50_ms_prefix_off": p_off["ttft_p50_ms"],
@@ -292,7 +318,8 @@ def run(opts: Options) -> int:
 def print_report(r: dict) -> None:
     print(f"\nserving engine vs xpod decode: {r['dies']} dies, batch {r['batch']}, prompt"
           f" {r['prompt_len']}, {r['steps']} output tokens, {r['requests']} requests, model"
-          f" {r['model']} (one run; compare ratios)")  # fmt: skip
+          f" {r['model']}, gc_every {r['gc_every']}, pin {r['pin']}"
+          " (one run; compare ratios)")  # fmt: skip
     rows = [
         ("output tokens/s, engine (async on)", f"{r['engine_tokens_per_s']:.1f}"),
         ("output tokens/s, engine (async off)", f"{r['engine_tokens_per_s_async_off']:.1f}"),
@@ -312,7 +339,9 @@ def print_report(r: dict) -> None:
          f" over {r['wall_s']:.1f} s"),
         (f"idle CPU, all processes, {r['idle_s']:g} s", f"{r['idle_cpu_pct']:.2f} % of one core"),
         ("KV balance max/mean: least-KV / round-robin",
-         f"{r['kv_balance_least_kv']:.2f} / {r['kv_balance_round_robin']:.2f}"),
+         f"{r['kv_balance_least_kv']:.2f} / {r['kv_balance_round_robin']:.2f} while requests"
+         f" arrive; {r['kv_balance_least_kv_whole_run']:.2f} /"
+         f" {r['kv_balance_round_robin_whole_run']:.2f} with the drain"),
         ("prefix hit rate (cache on / off)",
          f"{r['prefix_hit_rate']:.2f} / {r['prefix_hit_rate_off']:.2f}"),
         ("TTFT p50 ms, prefix cache on / off",
