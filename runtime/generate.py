@@ -572,6 +572,14 @@ def print_summary(s: dict) -> None:
     for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("E2E", "e2e_ms")):
         p = s[key]
         rows.append((f"{name} p50/p99 ms", f"{_ms(p['p50'], 2)} / {_ms(p['p99'], 2)}"))
+    c = s["config"]
+    rows.append((
+        "engine",
+        f"{c['dies']} groups, async depth {c['async_depth']}, prefix cache"
+        f" {'on' if c['prefix_cache'] else 'off'}, lb {c['lb_policy']}, gc"
+        f" {'every ' + str(c['gc_every']) + ' steps' if c['gc_every'] else 'automatic'},"
+        f" pin {c['pin']}",
+    ))  # fmt: skip
     for name, value in rows:
         print(f"  {name:<17} {value}")
     print(

@@ -122,7 +122,10 @@ class Master:
             self.kv,
         )
         self.in_flight: deque = deque()  # (plan id or -1 for an empty promise-keeper, rows)
-        self.deltas: dict[int, list[int]] = {}
+        self.deltas: dict[int, list[int]] = {}  # tokens to send now (streamed requests)
+        self.held: dict[int, list[int]] = {}  # tokens sent with the finish (the others)
+        self.streamed: set[int] = set()
+        self.first: dict[int, float] = {}  # request -> time of its first token
         self.done: list[list] = []
         self.steps: list[dict] = []  # the replay log
         self.counters = {"results": 0, "empty_plans": 0, "bubble_ns": 0, "dummy_steps": 0,
@@ -173,14 +176,25 @@ class Master:
                 raise ValueError(f"prompt: token ids must be ints in [0, {self.spec.vocab_size})")
             self.sched.add(Request(rid, list(prompt), params, self.spec.eos_token_id,
                                    time.monotonic()))  # fmt: skip
+            if body.get("stream", True):
+                self.streamed.add(rid)
         except (ValueError, TypeError) as e:
             self.counters["bad_requests"] += 1
             if isinstance(rid, int):
-                self.done.append([rid, "error", 0, 0, str(e)])
+                self.done.append([rid, "error", 0, 0, str(e), 0.0])
 
     def finish(self, req: Request) -> None:
+        """A terminal record: id, reason, prompt tokens, cached tokens, error, and the time
+        (CLOCK_MONOTONIC, shared by the processes) of its first token. The tokens of a request
+        that is not streamed go with it, in this flush's deltas."""
+        rid = req.request_id
         reason = req.finish_reason.value if req.finish_reason else "abort"
-        self.done.append([req.request_id, reason, len(req.prompt), req.num_cached, ""])
+        held = self.held.pop(rid, None)
+        if held:
+            self.deltas.setdefault(rid, []).extend(held)
+        self.streamed.discard(rid)
+        first = self.first.pop(rid, 0.0)
+        self.done.append([rid, reason, len(req.prompt), req.num_cached, "", first])
 
     # -- results and plans ---------------------------------------------------------------------
 
@@ -201,9 +215,12 @@ class Master:
             if plan_id < 0:
                 continue
             out = self.sched.on_result(plan_id, {i: t for i, t in body["sampled"]})
+            now = time.monotonic()
             for rid, toks in out.new_tokens.items():
                 if toks:
-                    self.deltas.setdefault(rid, []).extend(toks)
+                    self.first.setdefault(rid, now)
+                    to = self.deltas if rid in self.streamed else self.held
+                    to.setdefault(rid, []).extend(toks)
                     self.counters["tokens"] += len(toks)
             for req in out.finished:
                 self.finish(req)
@@ -292,6 +309,8 @@ class Master:
                     self.kv.usage()["used"],
                     self.counters["tokens"],
                     self.words[self.dummy_word],
+                    s.stats()["num_preemptions"],
+                    s.stats()["prefix_hit_tokens"],
                 ]
             )
 

@@ -70,6 +70,9 @@ class EngineConfig:
         dies: DP groups = dies (TP = 1).
         model: preset name; model_overrides: ModelConfig fields to change.
         max_num_seqs: batch limit of a group (running + prefilling requests).
+        queue_ahead: requests a group's master may hold waiting beyond its batch limit, so the
+            next one is there the step a slot frees (-1: max_num_seqs; 0: the balancer holds
+            every request a full group cannot run, as 001 §4.3 describes).
         max_num_batched_tokens: rows a die may run per step (the token budget, = the pod's
             a2a_max_batch: chunked prefill splits longer prompts).
         block_size, num_blocks: KV blocks per die (0: enough for max_num_seqs full contexts).
@@ -93,6 +96,7 @@ class EngineConfig:
     model: str = "small"
     model_overrides: dict = field(default_factory=dict)
     max_num_seqs: int = 8
+    queue_ahead: int = -1
     max_num_batched_tokens: int = 64
     block_size: int = 16
     num_blocks: int = 0
@@ -113,7 +117,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         m = self.model_config()
         m.validate(self.dies)
+        if self.queue_ahead == -1:
+            object.__setattr__(self, "queue_ahead", self.max_num_seqs)
         for name, lo in (
+            ("queue_ahead", 0),
             ("max_num_seqs", 1),
             ("max_num_batched_tokens", 1),
             ("block_size", 1),
@@ -251,8 +258,9 @@ class Engine:
         self.finished: dict[int, _Tracked] = {}  # of `submit`, until `result` takes them
         self.pending: deque[_Tracked] = deque()
         self.ids = itertools.count()
-        self.lb = LoadBalancer(config.dies, config.max_num_seqs, config.blocks,
-                               config.block_size, config.lb_policy)  # fmt: skip
+        limit = config.max_num_seqs + config.queue_ahead
+        self.lb = LoadBalancer(config.dies, limit, config.blocks, config.block_size,
+                               config.lb_policy)  # fmt: skip
         self.stats: dict[int, dict] = {}
         self.stats_log: list[dict] = []
         self.step_log: dict[int, list] = {}
@@ -412,10 +420,12 @@ class Engine:
                     t.t_first = now
                 t.out.extend(toks)
                 self._notify(t, Delta(rid, list(toks), decode(toks)))
-            for rid, reason, _n_prompt, n_cached, error in body["done"]:
+            for rid, reason, _n_prompt, n_cached, error, first in body["done"]:
                 t = self.reqs.pop(rid, None)
                 if t is None:
                     continue
+                if first and not t.listeners:  # not streamed: the master kept the tokens
+                    t.t_first = first
                 self.lb.on_finish(rid)
                 self._end(t, reason, error, now, n_cached)
                 if t.keep:
@@ -526,7 +536,7 @@ class Engine:
             self.lb.on_dispatch(g, t.id, len(t.tokens), t.params.max_tokens)
             t.group = g
             p = t.params
-            body = {"id": t.id, "prompt": t.tokens,
+            body = {"id": t.id, "prompt": t.tokens, "stream": bool(t.listeners),
                     "params": {"max_tokens": p.max_tokens, "temperature": p.temperature,
                                "seed": p.seed, "stop_token_ids": list(p.stop_token_ids),
                                "ignore_eos": p.ignore_eos}}  # fmt: skip

@@ -4,7 +4,8 @@
  master g   (process -1 - g, sorted above the dies)
    track "plan"      spans: planning and publishing step commands
    track "results"   spans: taking results (scheduler updates, outputs)
-   counters          running, waiting, KV blocks in use, output tokens, dummy steps
+   counters          running, waiting, KV blocks in use, output tokens, dummy steps,
+                     preemptions, prefix-hit tokens
  die d      (process d)  as comm.trace exports it: the "serve" track (wait command = the
             scheduling bubble, vote, park, step), the "model" track (attention, gate, dispatch,
             experts, combine), and the protocol steps of comm per lane
@@ -19,7 +20,15 @@ import json
 
 from comm.trace import to_chrome
 
-COUNTERS = ("running", "waiting", "kv_blocks_used", "output_tokens", "dummy_steps")
+COUNTERS = (
+    "running",
+    "waiting",
+    "kv_blocks_used",
+    "output_tokens",
+    "dummy_steps",
+    "preemptions",
+    "prefix_hit_tokens",
+)
 
 
 def serving_trace(dies: dict[int, list], masters: dict[int, dict]) -> dict:

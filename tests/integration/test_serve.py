@@ -242,3 +242,30 @@ def test_trace_has_master_tracks_above_the_dies_and_the_serving_loop(tmp_path):
     )
     counters = [e for e in events if e["ph"] == "C"]
     assert counters and {"running", "waiting", "kv_blocks_used"} <= set(counters[0]["args"])
+
+
+@pytest.mark.timeout(120)
+def test_concurrent_streams_deliver_every_token_once(engine):
+    """40 streams at once, every fourth left early: the others see exactly max_tokens tokens
+    over their deltas, then one finish; the left ones are aborted and their blocks freed."""
+
+    async def one(i: int):
+        n = 3 + i % 5
+        got, reasons = [], []
+        async for d in engine.stream(f"s{i}", SamplingParams(max_tokens=n, ignore_eos=True)):
+            got.extend(d.token_ids)
+            if d.finish_reason:
+                reasons.append(d.finish_reason)
+            if i % 4 == 3 and got:
+                break
+        return i, n, got, reasons
+
+    async def all_of_them():
+        return await asyncio.gather(*(one(i) for i in range(40)))
+
+    for i, n, got, reasons in asyncio.run(all_of_them()):
+        if i % 4 == 3:
+            assert reasons == [] and 0 < len(got) <= n
+        else:
+            assert reasons == ["length"] and len(got) == n, (i, got, reasons)
+    settled(engine)
