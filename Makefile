@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): setup.cfg pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[test,plot]'
+	$(PIP) install -q -e '.[test,plot,serve]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -61,6 +61,10 @@ Serving fields (only in a pod launched with `serve_slot_bytes`), after the all-t
    res_taken                         writer: the master results taken
    dummy_steps                       writer: this die   steps it ran with no rows
    cmd_len[slots], res_len[slots]    writer: the slot's writer, before its *_pub count
+   ping                              writer: the master heartbeat sequence it asks the die to echo
+   pong                              writer: this die   the last ping it saw, echoed from its loop
+   attn_ns, moe_ns, step_ns          writer: this die   cumulative attention, MoE wait (dispatch
+                                                        + combine) and forward time of its steps
 ```
 The command ring (master -> die) and the result ring (die -> master) are `serve_slots` slots of
 `serve_slot_bytes` each in the managed area; slot k % slots holds message k. Every count only
@@ -85,7 +89,7 @@ import numpy as np
 from memory.errors import ConfigError
 
 MAGIC = 0x314D4248444F5058  # b"XPODHBM1" little-endian
-LAYOUT_VERSION = 2  # 2: fused_refuse and fused_cevent words
+LAYOUT_VERSION = 3  # 2: fused_refuse and fused_cevent words; 3: serve heartbeat, phase times
 PAGE = 4096
 HEADER_BYTES = PAGE
 FIELD_BYTES = 32
@@ -110,7 +114,9 @@ COUNT_REFUSED = -1  # a count word of a die that refused its input to the operat
 SV_VOTE_STEP, SV_VOTE_ROWS, SV_CMD_PUB, SV_CMD_PROMISED, SV_CMD_TAKEN = 0, 1, 3, 4, 5
 SV_RES_PUB, SV_RES_TAKEN, SV_DUMMY_STEPS, SV_CMD_LEN = 6, 7, 8, 9  # then the slot lengths
 SERVE_SLOTS = 4
-SERVE_WORDS = SV_CMD_LEN + 2 * SERVE_SLOTS
+SV_PING = SV_CMD_LEN + 2 * SERVE_SLOTS  # then the heartbeat and the cumulative phase times
+SV_PONG, SV_ATTN_NS, SV_MOE_NS, SV_STEP_NS = SV_PING + 1, SV_PING + 2, SV_PING + 3, SV_PING + 4
+SERVE_WORDS = SV_STEP_NS + 1
 
 HEADER = np.dtype(
     [

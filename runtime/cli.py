@@ -205,6 +205,18 @@ def cmd_generate(args: argparse.Namespace) -> Job:
     return lambda: generate.run(opts)
 
 
+def cmd_serve(args: argparse.Namespace) -> Job:
+    from runtime import serve_args
+
+    opts = serve_args.parse_options(args)  # flags and the EngineConfig, all checked
+    try:
+        from runtime import api_server
+    except ImportError as e:
+        raise ConfigError(f"xpod serve needs the serve extra ({e.name} is missing):"
+                          " pip install -e '.[serve]'") from None  # fmt: skip
+    return lambda: api_server.run(opts)
+
+
 def cmd_bench(args: argparse.Namespace) -> Job:
     mod = importlib.import_module(f"bench.{args.bench}")
     opts = mod.parse_options(args)
@@ -220,7 +232,7 @@ def _sub(sub, name: str, fn: Callable[[argparse.Namespace], Job], **kw) -> argpa
 def build_parser() -> argparse.ArgumentParser:
     """The `xpod` parser; every subcommand's errors are one line with exit status 2."""
     p = Parser(prog="xpod", description="An emulated AI SuperPod on one machine.")
-    names = ("run", "decode", "generate", "bench", "clean", "layout")
+    names = ("run", "decode", "generate", "serve", "bench", "clean", "layout")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="{" + ",".join(names) + "}")
 
     r = _sub(sub, "run", cmd_run, help="launch a pod and move data between every pair of dies")
@@ -239,6 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     help_ = "generate completions of prompts with the serving engine"
     generate.add_args(_sub(sub, "generate", cmd_generate, help=help_))
+    from runtime import serve_args
+
+    help_ = "an OpenAI-compatible HTTP server over the serving engine"
+    serve_args.add_args(_sub(sub, "serve", cmd_serve, help=help_))
     b = _sub(sub, "bench", cmd_bench, help="microbenchmarks")
     bsub = b.add_subparsers(dest="bench", required=True, metavar="{" + ",".join(BENCHES) + "}")
     for name in BENCHES:

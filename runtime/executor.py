@@ -72,10 +72,12 @@ class Clock:
         self.layer_ns = np.zeros((n_layers, len(PHASES)), np.int64)  # counted steps only
         self.other_ns = 0
         self.counting = False
+        self.cur = [0] * len(PHASES)  # this step's ns per phase (serving: reset every step)
 
     def span(self, phase: int, layer: int, t0: int) -> int:
         t1 = time.perf_counter_ns()
         self.trace.rec(t0, t1 - t0, TRACE_OP, phase, layer, MODEL_LANE, self.step, 0)
+        self.cur[phase] += t1 - t0
         if self.counting:
             if layer >= 0:
                 self.layer_ns[layer, phase] += t1 - t0
@@ -174,6 +176,9 @@ class _Loop:
         self.vote_rows = lo.serve_word(L.SV_VOTE_ROWS)
         self.promised = lo.serve_word(L.SV_CMD_PROMISED)
         self.dummy_word = lo.serve_word(L.SV_DUMMY_STEPS)
+        self.ping, self.pong = lo.serve_word(L.SV_PING), lo.serve_word(L.SV_PONG)
+        self.attn_word, self.moe_word = lo.serve_word(L.SV_ATTN_NS), lo.serve_word(L.SV_MOE_NS)
+        self.step_word = lo.serve_word(L.SV_STEP_NS)
         self.cmds = Ring(die.region, "cmd", writer=False)
         self.results = Ring(die.region, "res", writer=True)
         self.bell = Bell(bell_path(spec.run_dir, f"d{self.me}"))
@@ -269,6 +274,8 @@ class _Loop:
         try:
             while True:
                 self.bell.drain()
+                if self.heartbeat():
+                    self.master_bell.ring()
                 if (
                     self.cmds.available()
                     or self.words[self.me][self.promised] > self.cmds.consumed()
@@ -282,6 +289,16 @@ class _Loop:
         finally:
             self.die.trace.rec(t0, time.perf_counter_ns() - t0, SERVE_OP, 2, -1, SERVE_LANE, s, 0)
             self.prev_end = 0  # time parked is not a scheduling bubble
+
+    def heartbeat(self) -> bool:
+        """Echo the master's heartbeat (`ping` -> `pong`); True if there was a new one. Called
+        once per loop iteration and per park wake-up: a die stuck anywhere stops echoing."""
+        w = self.words[self.me]
+        p = w[self.ping]
+        if p == w[self.pong]:
+            return False
+        w[self.pong] = p
+        return True
 
     def run_step(self, s: int, cmd: dict | None) -> None:
         rows = cmd["rows"] if cmd else []
@@ -302,6 +319,7 @@ class _Loop:
             kv_rows.append((rid, r["start"], len(toks), r["table"]))
         self.model.kv.begin_step(kv_rows)
         self.clock.step = s
+        self.clock.cur = cur = [0] * len(PHASES)
         t0 = time.perf_counter_ns()
         logits = forward(self.die, self.model, segments, self.spec.protocol, self.spec.quant,
                          self.clock, self.local_ids)  # fmt: skip
@@ -312,15 +330,19 @@ class _Loop:
         t1 = time.perf_counter_ns()
         self.stats["steps"] += 1
         self.stats["rows"] += sum(len(seg[1]) for seg in segments)
+        w = self.words[self.me]
+        w[self.attn_word] += cur[0]
+        w[self.moe_word] += cur[2] + cur[4]
+        w[self.step_word] += t1 - t0
         if not rows:
             self.stats["dummy_steps"] += 1
-            self.words[self.me][self.dummy_word] = self.stats["dummy_steps"]
+            w[self.dummy_word] = self.stats["dummy_steps"]
         self.die.trace.rec(t0, t1 - t0, SERVE_OP, 3, -1, SERVE_LANE, s, len(rows))
         if cmd is not None:
             body = {"plan": cmd["plan"], "step": s, "t0": t0, "t1": t1,
                     "sampled": [[rows[i]["id"], tok] for i, tok in zip(samp, tokens, strict=True)],
                     "fed": fed, "dummy_steps": self.stats["dummy_steps"],
-                    "bubble_ns": self.bubble}  # fmt: skip
+                    "bubble_ns": self.bubble, "attn_ns": cur[0]}  # fmt: skip
             if self.spec.keep_logits and samp:
                 body["logits"] = wire.pack_array(logits[samp])
             self.publish(body)
@@ -340,6 +362,8 @@ class _Loop:
         gc_step = 0
         while True:
             s += 1
+            if self.heartbeat():
+                self.master_bell.ring()
             cmd = self.take()
             total, all_exit = self.vote(s, len(cmd["rows"]) if cmd else 0)
             if ring_peers:  # this die left a park for its own work: wake the others

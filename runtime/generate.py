@@ -111,7 +111,7 @@ def prompts_source(text: str) -> str:
 def add_args(p: argparse.ArgumentParser) -> None:
     _io_flags(p)
     _sampling_flags(p)
-    _engine_flags(p)
+    engine_flags(p)
 
 
 def _io_flags(p: argparse.ArgumentParser) -> None:
@@ -162,7 +162,7 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
     add("--ignore-eos", action="store_true", help="do not stop at EOS")
 
 
-def _engine_flags(p: argparse.ArgumentParser) -> None:
+def engine_flags(p: argparse.ArgumentParser) -> None:
     add = p.add_argument
     add("--dies", type=positive_int, default=4, help="dies = DP groups (default 4)")
     add("--model", default="small", choices=tuple(PRESETS), help="model preset (default small)")
@@ -219,14 +219,15 @@ def parse_options(args: argparse.Namespace) -> Options:
         the model refuses (e.g. a stop token out of its vocabulary), no prompt, an unreadable
         prompts file, or a prompt that does not fit the context with --max-tokens.
     """
-    engine = _engine_config(args)
+    engine = engine_config(args)
     params = _sampling_params(args, engine.model_config().vocab_size)
     prompts, origins = read_prompts(args.prompt, args.prompts)
     check_context(prompts, origins, params.max_tokens, engine)
     return Options(engine, tuple(prompts), params, args.json, args.quiet, args.timeout)
 
 
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
+def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
+    """The EngineConfig of the engine flags (and `extra` fields); ConfigError names the flag."""
     try:
         cfg = EngineConfig(
             dies=args.dies,
@@ -244,6 +245,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             pin=args.pin,
             timeout_s=args.timeout,
             trace=args.trace or "",
+            **extra,
         )
         cfg.pod_config()  # the pod it sizes must be valid too
     except ConfigError as e:

@@ -78,6 +78,11 @@ class MasterSpec:
     gc_every: int = 0
     pin_cpu: int = -1
     trace: bool = False
+    output_proc: bool = False
+
+
+def output_socket(run_dir: str, group: int) -> str:
+    return f"ipc://{os.path.join(run_dir, f'o{group}.sock')}"
 
 
 def master_socket(run_dir: str, group: int) -> str:
@@ -100,6 +105,9 @@ class Master:
         self.words = self.region.words
         self.promised = lo.serve_word(L.SV_CMD_PROMISED)
         self.dummy_word = lo.serve_word(L.SV_DUMMY_STEPS)
+        self.ping_word, self.pong_word = lo.serve_word(L.SV_PING), lo.serve_word(L.SV_PONG)
+        self.phase_words = [lo.serve_word(i) for i in (L.SV_ATTN_NS, L.SV_MOE_NS, L.SV_STEP_NS)]
+        self.vote_word = lo.serve_word(L.SV_VOTE_STEP)
         self.cmds = Ring(self.region, "cmd", writer=True)
         self.results = Ring(self.region, "res", writer=False)
         self.die_bell = Bell(bell_path(spec.run_dir, f"d{g}"))
@@ -110,6 +118,13 @@ class Master:
         self.outbox = self.ctx.socket(zmq.PUSH)
         self.outbox.setsockopt(zmq.LINGER, 1000)
         self.outbox.connect(engine_socket(spec.run_dir))
+        # Output shortcutting (001 4.1): tokens go to this group's output process, which
+        # detokenizes, renders and sends them on to the shell; stats and pongs go straight.
+        self.tokens_out = self.outbox
+        if spec.output_proc:
+            self.tokens_out = self.ctx.socket(zmq.PUSH)
+            self.tokens_out.setsockopt(zmq.LINGER, 1000)
+            self.tokens_out.connect(output_socket(spec.run_dir, g))
         self.kv = KVManager(spec.num_blocks, spec.block_size, spec.prefix_cache)
         self.sched = Scheduler(
             SchedulerConfig(
@@ -126,6 +141,10 @@ class Master:
         self.held: dict[int, list[int]] = {}  # tokens sent with the finish (the others)
         self.streamed: set[int] = set()
         self.first: dict[int, float] = {}  # request -> time of its first token
+        self.sched_at: dict[int, float] = {}  # request -> time it was first planned
+        self.pings: list[int] = []  # heartbeats asked of the die, not echoed yet
+        self.step_new: list[float] = []  # step times (ms) since the last stats message
+        self.attn_new: list[list[int]] = []  # [step, attention ns] since the last stats
         self.done: list[list] = []
         self.steps: list[dict] = []  # the replay log
         self.counters = {"results": 0, "empty_plans": 0, "bubble_ns": 0, "dummy_steps": 0,
@@ -137,6 +156,8 @@ class Master:
         self.stopping = self.stopped = False
         self.stats_at = 0.0
         self.results_n = 0
+        self.die_step = 0
+        self.stats_dirty = False
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -153,7 +174,13 @@ class Master:
             if req is not None:
                 self.finish(req)
         elif kind == "ping":
-            self.send("pong", {"group": self.spec.group, "seq": body.get("seq", 0)})
+            # Through the die's loop: the die echoes the word (and rings back), `heartbeat`
+            # answers once it has. A die that hangs never echoes, so the shell sees no pong.
+            seq = body.get("seq", 0)
+            if isinstance(seq, int) and seq > self.words[self.ping_word]:
+                self.words[self.ping_word] = seq
+                self.pings.append(seq)
+                self.die_bell.ring()
         else:
             self.stopping = True
             for req in list(self.sched.waiting) + list(self.sched.running):
@@ -178,6 +205,9 @@ class Master:
                                    time.monotonic()))  # fmt: skip
             if body.get("stream", True):
                 self.streamed.add(rid)
+            if self.spec.output_proc:
+                self.tokens_out.send(wire.pack("open", {"id": rid, "n_prompt": len(prompt),
+                                                        "render": body.get("render")}))  # fmt: skip
         except (ValueError, TypeError) as e:
             self.counters["bad_requests"] += 1
             if isinstance(rid, int):
@@ -194,7 +224,8 @@ class Master:
             self.deltas.setdefault(rid, []).extend(held)
         self.streamed.discard(rid)
         first = self.first.pop(rid, 0.0)
-        self.done.append([rid, reason, len(req.prompt), req.num_cached, "", first])
+        self.done.append([rid, reason, len(req.prompt), req.num_cached, "", first,
+                          self.sched_at.pop(rid, 0.0)])  # fmt: skip
 
     # -- results and plans ---------------------------------------------------------------------
 
@@ -207,9 +238,15 @@ class Master:
                                    f" expected {plan_id}")  # fmt: skip
             self.counters["results"] += 1
             self.counters["bubble_ns"] += body.get("bubble_ns", 0)
-            if rows and len(self.step_ms) < MAX_SAMPLES:
-                self.step_ms.append((body["t1"] - body["t0"]) / 1e6)
-                self.bubble_ms.append(body.get("bubble_ns", 0) / 1e6)
+            if rows:
+                ms = (body["t1"] - body["t0"]) / 1e6
+                if len(self.step_ms) < MAX_SAMPLES:
+                    self.step_ms.append(ms)
+                    self.bubble_ms.append(body.get("bubble_ns", 0) / 1e6)
+                if len(self.step_new) < MAX_SAMPLES:
+                    self.step_new.append(ms)
+            if body["step"] and "attn_ns" in body and len(self.attn_new) < MAX_SAMPLES:
+                self.attn_new.append([body["step"], body["attn_ns"]])
             if self.spec.log_steps and body["step"] and rows:
                 self.log_step(body, rows)
             if plan_id < 0:
@@ -249,6 +286,9 @@ class Master:
                      "temperature": r.temperature, "seed": r.seed} for r in plan.rows]  # fmt: skip
             self.publish({"plan": plan.plan_id, "rows": rows, "released": plan.released}, rows)
             self.counters["rows"] += plan.num_tokens
+            now = time.monotonic()
+            for r in plan.rows:
+                self.sched_at.setdefault(r.request_id, now)
         owed = w[self.promised] > self.cmds.published()
         if owed and not self.sched.has_work() and self.cmds.can_put():
             self.publish({"plan": -1, "rows": [], "released": []}, [], plan_id=-1)
@@ -277,20 +317,38 @@ class Master:
 
     def flush(self) -> None:
         if self.deltas or self.done:
-            self.send("out", {"group": self.spec.group,
-                              "deltas": [[i, t] for i, t in self.deltas.items()],
-                              "done": self.done})  # fmt: skip
+            self.tokens_out.send(wire.pack("out", {
+                "group": self.spec.group, "deltas": [[i, t] for i, t in self.deltas.items()],
+                "done": self.done}))  # fmt: skip
             self.deltas, self.done = {}, []
         now = time.monotonic()
-        if now - self.stats_at >= STATS_EVERY_S:
+        # Every 0.1 s while busy, and once more as the group goes idle (gauges read 0 then).
+        idle = not (self.sched.has_work() or self.in_flight)
+        if now - self.stats_at >= STATS_EVERY_S or (idle and self.stats_dirty):
             self.stats_at = now
+            self.stats_dirty = False
             self.send("stats", self.stats())
 
+    def heartbeat(self) -> None:
+        """Answer the pings the die has echoed (its loop ran since they were asked)."""
+        echoed = self.words[self.pong_word]
+        while self.pings and self.pings[0] <= echoed:
+            seq = self.pings.pop(0)
+            self.send("pong", {"group": self.spec.group, "seq": seq,
+                               "die_step": int(self.words[self.vote_word])})  # fmt: skip
+
     def stats(self) -> dict:
+        """The scheduler's and the group's counters; the step times and the attention time of
+        each step since the last stats; `die_step`: every result of a step below it is in."""
         s = self.sched.stats()
         self.counters["dummy_steps"] = self.words[self.dummy_word]
-        return {"group": self.spec.group, "t": time.time(), **s, **self.counters,
-                "kv": self.kv.usage()}  # fmt: skip
+        attn, moe, step = (int(self.words[i]) for i in self.phase_words)
+        body = {"group": self.spec.group, "t": time.time(), **s, **self.counters,
+                "kv": self.kv.usage(), "attn_ns": attn, "moe_ns": moe, "step_ns": step,
+                "die_step": self.die_step, "step_ms_new": self.step_new,
+                "attn_new": self.attn_new}  # fmt: skip
+        self.step_new, self.attn_new = [], []
+        return body
 
     def trace(self, t0: int, t1: int, results: int, plans: int) -> None:
         """Spans of this wake-up (taking results, planning) and the counters after it."""
@@ -344,9 +402,14 @@ class Master:
                     except zmq.Again:
                         break
                     self.on_message(frame)
+            self.stats_dirty = True
             t0 = time.perf_counter_ns()
             n = self.counters["results"]
+            # The die publishes step s's result before it votes s + 1: read its step first.
+            self.die_step = int(self.words[self.vote_word])
             self.take_results()
+            if self.pings:
+                self.heartbeat()
             t1 = time.perf_counter_ns()
             published = self.cmds.published()
             if not self.stopping:
@@ -355,6 +418,8 @@ class Master:
                 self.trace(t0, t1, self.counters["results"] - n, self.cmds.published() - published)
             self.flush()
             self.stop_die()
+        if self.spec.output_proc:
+            self.tokens_out.send(wire.pack("eof"))
         if self.spec.log_steps or self.spec.trace:
             trace = {"spans": self.spans, "counters": self.counter_samples}
             self.send("log", {"group": self.spec.group, "steps": self.steps, "trace": trace})
@@ -362,7 +427,7 @@ class Master:
                             "bubble_ms": self.bubble_ms})  # fmt: skip
 
     def close(self) -> None:
-        for s in (self.inbox, self.outbox):
+        for s in {self.inbox, self.outbox, self.tokens_out}:
             s.close(linger=1000)
         self.ctx.term()
         self.bell.close()

@@ -43,8 +43,10 @@ from memory.errors import ConfigError, PodError
 from runtime import wire
 from runtime.config import PodConfig
 from runtime.executor import ServeSpec, serve_main
-from runtime.master import MasterSpec, engine_socket, master_main, master_socket
+from runtime.master import MasterSpec, engine_socket, master_main, master_socket, output_socket
 from runtime.model import EOS, ModelConfig, decode, encode
+from runtime.openai_api import Renderer
+from runtime.output import OutputHandler, OutputSpec, output_main
 from runtime.pod import Pod
 from runtime.stepring import Bell, bell_path
 from sched import LoadBalancer, SamplingParams
@@ -90,6 +92,9 @@ class EngineConfig:
             Perfetto timeline there at `close` (master tracks above the dies); "" = no trace.
         warmup: run one token on every group before `launch` returns (the first step of a die
             pays for page faults and first-call costs: ~0.2 s on the small model).
+        output_procs: output shortcutting (001 4.1): one output process per group renders the
+            tokens of rendered requests (`stream(render=...)`: the HTTP server's) and sends the
+            bytes straight to the caller; off: the caller's receiver thread renders them.
     """
 
     dies: int = 4
@@ -113,6 +118,7 @@ class EngineConfig:
     timeout_s: float = 60.0
     trace: str = ""
     warmup: bool = True
+    output_procs: bool = False
 
     def __post_init__(self) -> None:
         m = self.model_config()
@@ -206,13 +212,19 @@ class CompletionOutput:
 
 @dataclass
 class Delta:
-    """New tokens of a streamed request (`finish_reason` set on the last one)."""
+    """New tokens of a streamed request (`finish_reason` set on the last one). A rendered
+    request's deltas carry `data` instead: the bytes for its client, `n_tokens` tokens' worth,
+    `final` on its last bytes (which may come before the Delta with the finish reason)."""
 
     request_id: int
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
     error: str = ""
+    data: bytes = b""
+    n_tokens: int = 0
+    final: bool = False
+    status: int = 200  # of a rendered response: 500 if the engine failed it, 503 if down
 
 
 class _Tracked:
@@ -232,6 +244,19 @@ class _Tracked:
         self.listeners: list = []  # (loop, asyncio.Queue) of streams
         self.keep = False  # submit(): keep it after it finished, for result()
         self.pin: int | None = None  # a DP group chosen by the caller
+        self.render: dict | None = None  # rendered for an HTTP client (runtime.openai_api)
+        self.n_out = 0  # tokens generated (rendered: counted up to a stop string)
+        self.t_sched = 0.0  # first planned (from the master)
+        self.t_last = 0.0  # the last tokens arrived
+        self.final = False  # a rendered request's last bytes went out
+
+    @property
+    def streamed(self) -> bool:
+        """Does the master send tokens every step (else all of them with the finish)?"""
+        if not self.listeners:
+            return False
+        r = self.render
+        return r is None or bool(r.get("stream") or r.get("stop"))
 
     def output(self) -> CompletionOutput:
         return CompletionOutput(
@@ -272,6 +297,13 @@ class Engine:
         self.closed = False
         self.ready = threading.Semaphore(0)
         self._threads: list[threading.Thread] = []
+        self.outputs: list = []  # output processes (output_procs)
+        self.to_output: list = []
+        self.render = OutputHandler()  # renders in this process when output_procs is off
+        self.observer = None  # metrics: on_tokens(t, n, now), on_finish(t), on_stats(body)
+        self.ping_seq = 0
+        self.started_at = time.monotonic()
+        self.pongs: dict[int, tuple[int, float, int]] = {}  # group -> (seq, when, die step)
 
     # -- launch ---------------------------------------------------------------------------------
 
@@ -303,6 +335,11 @@ class Engine:
             Bell.create(bell_path(self.run_dir, f"d{r}"))
             Bell.create(bell_path(self.run_dir, f"m{r}"))
         ctx = mp.get_context("fork")
+        for g in range(cfg.dies if cfg.output_procs else 0):
+            p = ctx.Process(target=output_main, args=(OutputSpec(g, self.run_dir), os.getpid()),
+                            name=f"xpod-{self.pod.pod_id}-output{g}", daemon=True)  # fmt: skip
+            p.start()
+            self.outputs.append(p)
         cpus = sorted(os.sched_getaffinity(0))
         pin_masters = cfg.pin == "on" or (cfg.pin == "auto" and 2 * cfg.dies <= len(cpus))
         for g in range(cfg.dies):
@@ -320,6 +357,11 @@ class Engine:
             s.setsockopt(zmq.LINGER, 0)
             s.connect(master_socket(self.run_dir, g))
             self.to_master.append(s)
+        for g in range(len(self.outputs)):
+            s = self.ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(output_socket(self.run_dir, g))
+            self.to_output.append(s)
         serve = ServeSpec(self.model, cfg.protocol, cfg.quant, cfg.blocks, cfg.block_size,
                           self.run_dir, cfg.keep_logits, cfg.gc_every)  # fmt: skip
         self._thread(self._pod_loop, serve, name="xpod-pod-run")
@@ -349,7 +391,7 @@ class Engine:
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_seq_len=m.max_seq_len,
             long_prefill_threshold=cfg.long_prefill_threshold, async_depth=cfg.async_depth,
             prefix_cache=cfg.prefix_cache, log_steps=cfg.log_steps, gc_every=cfg.gc_every,
-            pin_cpu=cpu, trace=bool(cfg.trace),
+            pin_cpu=cpu, trace=bool(cfg.trace), output_proc=cfg.output_procs,
         )  # fmt: skip
 
     def _thread(self, fn, *args, name: str) -> None:
@@ -396,6 +438,10 @@ class Engine:
             if p.exitcode is not None:
                 self._fail(EngineError(f"master {g} (pid {p.pid}) exited ({p.exitcode})"))
                 return
+        for g, p in enumerate(self.outputs):
+            if p.exitcode is not None:
+                self._fail(EngineError(f"output process {g} (pid {p.pid}) exited ({p.exitcode})"))
+                return
 
     def _on_message(self, kind: str, body: dict) -> None:
         if kind == "ready":
@@ -405,6 +451,10 @@ class Engine:
         elif kind == "stats":
             self.stats[body["group"]] = body
             self.stats_log.append(body)
+            if self.observer is not None:
+                self.observer.on_stats(body)
+        elif kind == "pong":
+            self.pongs[body["group"]] = (body["seq"], time.monotonic(), body.get("die_step", 0))
         elif kind == "log":
             self.step_log[body["group"]] = body["steps"]
             self.master_trace[body["group"]] = body.get("trace", {})
@@ -412,30 +462,64 @@ class Engine:
     def _on_out(self, body: dict) -> None:
         now = time.monotonic()
         with self.lock:
+            if "data" not in body:  # from a master: render here what is rendered
+                body, stops = self.render.process(body)
+                for rid in stops:
+                    t = self.reqs.get(rid)
+                    if t is not None and t.group >= 0:
+                        self.to_master[t.group].send(wire.pack("abort", {"id": rid}))
             for rid, toks in body["deltas"]:
                 t = self.reqs.get(rid)
                 if t is None:
                     continue
-                if not t.t_first:
-                    t.t_first = now
+                self._tokens(t, len(toks), now)
                 t.out.extend(toks)
                 self._notify(t, Delta(rid, list(toks), decode(toks)))
-            for rid, reason, _n_prompt, n_cached, error, first in body["done"]:
+            for rid, n, data, final, status in body["data"]:
+                t = self.reqs.get(rid)
+                if t is None:
+                    continue
+                self._tokens(t, n, now)
+                t.final = t.final or final
+                self._notify(t, Delta(rid, [], "", data=data, n_tokens=n, final=final,
+                                      status=status))  # fmt: skip
+            for rec in body["done"]:
+                rid, reason, _n_prompt, n_cached, error, first = rec[:6]
                 t = self.reqs.pop(rid, None)
                 if t is None:
                     continue
-                if first and not t.listeners:  # not streamed: the master kept the tokens
+                if first and not t.streamed:  # the master sent the tokens with the finish
                     t.t_first = first
+                if len(rec) > 6:
+                    t.t_sched = rec[6]
                 self.lb.on_finish(rid)
                 self._end(t, reason, error, now, n_cached)
                 if t.keep:
                     self.finished[rid] = t
             self._dispatch_pending()
 
+    def _tokens(self, t: _Tracked, n: int, now: float) -> None:
+        if n and not t.t_first:
+            t.t_first = now
+        if n and self.observer is not None and t.streamed:
+            self.observer.on_tokens(t, n, now)
+        t.n_out += n
+        if n:
+            t.t_last = now
+
     def _end(self, t: _Tracked, reason: str, error: str, now: float, n_cached: int = 0) -> None:
         t.reason, t.error, t.t_done, t.n_cached = reason, error, now, n_cached
+        if t.render is not None and not t.final:  # the engine ended it (error, abort, close)
+            self.render.renderers.pop(t.id, None)
+            r = Renderer(t.render, len(t.tokens))
+            data = r.finish(reason, error)
+            t.final = True
+            status = 503 if self.failure is not None else (500 if error else 200)
+            self._notify(t, Delta(t.id, [], "", data=data, final=True, status=status))
         self._notify(t, Delta(t.id, [], "", reason, error))
         t.done.set()
+        if self.observer is not None and t.id >= 0:
+            self.observer.on_finish(t)
 
     @staticmethod
     def _notify(t: _Tracked, delta: Delta) -> None:
@@ -536,10 +620,15 @@ class Engine:
             self.lb.on_dispatch(g, t.id, len(t.tokens), t.params.max_tokens)
             t.group = g
             p = t.params
-            body = {"id": t.id, "prompt": t.tokens, "stream": bool(t.listeners),
+            body = {"id": t.id, "prompt": t.tokens, "stream": t.streamed,
                     "params": {"max_tokens": p.max_tokens, "temperature": p.temperature,
                                "seed": p.seed, "stop_token_ids": list(p.stop_token_ids),
                                "ignore_eos": p.ignore_eos}}  # fmt: skip
+            if t.render is not None:
+                if self.outputs:
+                    body["render"] = t.render
+                else:
+                    self.render.open(t.id, t.render, len(t.tokens))
             self.to_master[g].send(wire.pack("add", body))
 
     def abort(self, request_id: int) -> None:
@@ -591,22 +680,73 @@ class Engine:
                 raise TimeoutError(f"generate: not finished after {timeout_s} s")
         return [t.output() for t in tracked]
 
-    async def stream(self, prompt, params: SamplingParams | None = None, group: int | None = None):
+    async def stream(self, prompt, params: SamplingParams | None = None, group: int | None = None,
+                     render: dict | None = None):  # fmt: skip
         """Async generator of `Delta`s of one request, the last with `finish_reason`. Leaving
-        the loop early (break, cancellation) aborts the request."""
+        the loop early (break, cancellation) aborts the request.
+
+        `render`: a render spec (`runtime.openai_api.parse_*`, with its response `id`): the
+        deltas then carry the bytes for an HTTP client (`Delta.data`), rendered by the output
+        processes or by this process's receiver thread; the generator ends after the final
+        bytes (their request may end a step later: a stop string is an abort)."""
+        _, deltas = self.open_stream(prompt, params, group, render)
+        async with contextlib.aclosing(deltas):
+            async for delta in deltas:
+                yield delta
+
+    def open_stream(self, prompt, params: SamplingParams | None = None,
+                    group: int | None = None, render: dict | None = None):  # fmt: skip
+        """`stream`, with the request queued now (ValueError / TypeError / EngineError raised
+        here): returns (request id, async generator of its Deltas). Call it on the event loop
+        that iterates; closing the generator before the end aborts the request."""
         t = self._track(prompt, params, group)
+        t.render = render
         q: asyncio.Queue = asyncio.Queue()
         t.listeners.append((asyncio.get_running_loop(), q))
         self._enqueue([t])
+        return t.id, self._deltas(t, q)
+
+    async def _deltas(self, t: _Tracked, q: asyncio.Queue):
         try:
             while True:
                 delta = await q.get()
                 yield delta
-                if delta.finish_reason is not None:
+                if delta.finish_reason is not None or delta.final:
                     return
         finally:
-            if not t.done.is_set():
+            if not t.done.is_set() and not t.final:
                 self.abort(t.id)
+
+    def track_info(self, request_id: int) -> _Tracked | None:
+        """The engine's record of a live request (None once finished)."""
+        with self.lock:
+            return self.reqs.get(request_id)
+
+    # -- heartbeat ------------------------------------------------------------------------------
+
+    def ping(self) -> int:
+        """Send a heartbeat through every master's loop and its die's step loop; returns its
+        sequence number. A group answers (`pongs[g]`) once its die echoed it."""
+        with self.lock:
+            self._check_up()
+            self.ping_seq += 1
+            for s in self.to_master:
+                s.send(wire.pack("ping", {"seq": self.ping_seq}))
+            return self.ping_seq
+
+    def health(self, timeout_s: float) -> dict:
+        """Per group: seconds since its last heartbeat answer, and whether that is within
+        `timeout_s` (a group that never answered counts from the engine's start)."""
+        now = time.monotonic()
+        groups = {}
+        for g in range(self.config.dies):
+            seq, when, step = self.pongs.get(g, (0, self.started_at, 0))
+            age = now - when
+            groups[g] = {"age_s": round(age, 3), "ok": age <= timeout_s, "seq": seq,
+                         "die_step": step}  # fmt: skip
+        up = self.failure is None and not self.closing and not self.closed
+        return {"ok": up and all(v["ok"] for v in groups.values()), "up": up, "groups": groups,
+                "error": str(self.failure) if self.failure else ""}  # fmt: skip
 
     # -- teardown -------------------------------------------------------------------------------
 
@@ -634,6 +774,14 @@ class Engine:
             if p.is_alive():
                 p.kill()
             p.join(5)
+        with contextlib.suppress(zmq.ZMQError):  # they end at their master's eof, or now
+            for s in self.to_output:
+                s.send(wire.pack("shutdown"), zmq.NOBLOCK)
+        for p in self.outputs:
+            p.join(max(0.1, min(2.0, deadline - time.monotonic())))
+            if p.is_alive():
+                p.kill()
+            p.join(5)
         self.drained = True  # the receiver reads what the masters sent last (final stats, logs)
         for t in self._threads:
             if t is not threading.current_thread() and t.name == "xpod-engine-receive":
@@ -647,10 +795,10 @@ class Engine:
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(2)
-        for s in [*self.to_master, self.inbox]:
+        for s in [*self.to_master, *self.to_output, self.inbox]:
             if s is not None:
                 s.close(linger=0)
-        self.to_master, self.inbox = [], None
+        self.to_master, self.to_output, self.inbox = [], [], None
         if self.ctx is not None:
             self.ctx.term()
         if self.run_dir:

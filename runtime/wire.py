@@ -9,9 +9,14 @@ socket: a frame from anywhere is checked (marker, known kind, version, dict body
 it is used, and a bad one is a `WireError` naming what was wrong.
 
 Kinds (sender -> receiver):
-- engine -> master: `add` {id, prompt, params}, `abort` {id}, `shutdown` {}, `ping` {seq}
+- engine -> master: `add` {id, prompt, params, stream, render}, `abort` {id}, `shutdown` {},
+  `ping` {seq}
 - master -> engine: `ready` {group}, `out` {deltas: [[id, [tokens]]], done: [[id, reason,
-  n_prompt, n_cached, error]]}, `stats` {...}, `pong` {seq}, `log` {steps}
+  n_prompt, n_cached, error, t_first, t_sched]]}, `stats` {...}, `pong` {seq, die_step},
+  `log` {steps}
+- master -> output process (output shortcutting): `open` {id, n_prompt, render}, `out`, `eof`
+- output process -> engine: `out` {deltas, done, data: [[id, n_tokens, bytes, final, status]]};
+  -> master: `abort` {id} (a stop string)
 - master -> die (step ring): `step` {plan, rows, released}, `stop` {}
 - die -> master (result ring): `result` {plan, step, sampled, fed, t_*, logits}
 """
@@ -27,7 +32,7 @@ MARKER = "xpod"
 WIRE_VERSION = 1
 KINDS = frozenset(
     {"add", "abort", "shutdown", "ping", "ready", "out", "stats", "pong", "log", "step", "stop",
-     "result"}
+     "result", "open", "eof"}
 )  # fmt: skip
 
 

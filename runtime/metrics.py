@@ -1,0 +1,231 @@
+"""`/metrics`: the serving engine in Prometheus text (prometheus-client), label `group`.
+
+Two sources:
+- the requests, as the shell sees them (`Metrics` is the engine's observer, called on the
+  engine's receiver thread): finished requests by reason, prompt and generation tokens, and
+  histograms of time to first token, inter-token latency, end-to-end latency and queue time
+  (arrival in the shell to the first step that planned it);
+- the masters' stats (every 0.1 s; read at scrape time by `Metrics.collect`): running and
+  waiting requests, KV usage and blocks, prefix-cache queries and hits (tokens), preemptions,
+  steps and dummy steps, scheduling bubble, per-die attention / MoE-wait / forward time, and
+  the step-time histogram. Pod-wide: MoE wait share (dispatch + combine time over forward time,
+  all dies, since start) and attention imbalance (per global step, the max over dies of the
+  step's attention time over its mean: what DP balance buys, 001 Fig. 10; a die that had no
+  rows in a step counts 0).
+- process CPU seconds of every xpod process by role (shell, master, output, die), for the CPU
+  breakdown of `xpod bench serve`.
+
+Names follow vLLM's with an `xpod_` prefix (`xpod_time_to_first_token_seconds`, ...).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import psutil
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)  # fmt: skip
+ITL_BUCKETS = (0.002, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+               0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0)  # fmt: skip
+STEP_BUCKETS = (0.001, 0.002, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+                0.075, 0.1, 0.25, 0.5, 1.0)  # fmt: skip
+IMBALANCE_BUCKETS = (1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 8.0, 16.0, 32.0)
+MAX_OPEN_STEPS = 100_000  # attention samples waiting for every group's report
+
+
+disable_created_metrics()  # no `_created` series: the exposition stays readable
+
+
+class Metrics:
+    """The engine's observer and a Prometheus collector; `registry` is what `/metrics` shows."""
+
+    def __init__(self, engine, extra: dict | None = None):
+        self.engine = engine
+        self.groups = engine.config.dies
+        self.extra = extra or {}  # callables -> gauges of the shell (pending, health, ...)
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, g = self.registry, ["group"]
+        self.ttft = Histogram("xpod_time_to_first_token_seconds", "Time to first token.", g,
+                              buckets=TTFT_BUCKETS, registry=r)  # fmt: skip
+        self.itl = Histogram("xpod_inter_token_latency_seconds", "Inter-token latency.", g,
+                             buckets=ITL_BUCKETS, registry=r)  # fmt: skip
+        self.e2e = Histogram("xpod_e2e_request_latency_seconds", "End-to-end request latency.",
+                             g, buckets=E2E_BUCKETS, registry=r)  # fmt: skip
+        self.queue = Histogram("xpod_request_queue_time_seconds",
+                               "Arrival to the first step that planned the request.", g,
+                               buckets=TTFT_BUCKETS, registry=r)  # fmt: skip
+        self.step = Histogram("xpod_step_seconds", "Forward time of a step with rows.", g,
+                              buckets=STEP_BUCKETS, registry=r)  # fmt: skip
+        self.imbalance = Histogram("xpod_attention_imbalance",
+                                   "Per global step: max over dies of the attention time over"
+                                   " its mean.", buckets=IMBALANCE_BUCKETS, registry=r)  # fmt: skip
+        self.success = Counter("xpod_request_success", "Finished requests by reason.",
+                               ["group", "finished_reason"], registry=r)  # fmt: skip
+        self.prompt_tokens = Counter("xpod_prompt_tokens", "Prompt tokens of finished requests.",
+                                     g, registry=r)  # fmt: skip
+        self.gen_tokens = Counter("xpod_generation_tokens", "Generated tokens.", g, registry=r)
+        self.rejected = Counter("xpod_http_requests_rejected", "Requests refused before the"
+                                " engine.", ["reason"], registry=r)  # fmt: skip
+        for grp in range(self.groups):  # every group shows from the start
+            for h in (self.ttft, self.itl, self.e2e, self.queue, self.step):
+                h.labels(str(grp))
+            self.prompt_tokens.labels(str(grp))
+            self.gen_tokens.labels(str(grp))
+        self.lock = threading.Lock()
+        self.open_steps: dict[int, dict[int, int]] = {}  # step -> group -> attention ns
+        self.floor: dict[int, int] = {}  # group -> every result below this step is in
+        self.imb_sum = 0.0
+        self.imb_n = 0
+        self.procs: dict[int, psutil.Process] = {}
+        r.register(_Callback(self.collect))
+        engine.observer = self
+
+    # -- the engine's observer (its receiver thread) --------------------------------------------
+
+    def on_tokens(self, t, n: int, now: float) -> None:
+        if t.t_last and n:
+            gap = (now - t.t_last) / n
+            h = self.itl.labels(str(t.group))
+            for _ in range(n):
+                h.observe(gap)
+
+    def on_finish(self, t) -> None:
+        g = str(max(t.group, 0))
+        self.success.labels(g, t.reason or "error").inc()
+        self.prompt_tokens.labels(g).inc(len(t.tokens))
+        self.gen_tokens.labels(g).inc(t.n_out if t.render is not None else len(t.out))
+        if t.t_first:
+            self.ttft.labels(g).observe(max(0.0, t.t_first - t.t0))
+        if t.t_sched:
+            self.queue.labels(g).observe(max(0.0, t.t_sched - t.t0))
+        self.e2e.labels(g).observe(max(0.0, t.t_done - t.t0))
+
+    def on_stats(self, body: dict) -> None:
+        g = body.get("group", -1)
+        h = self.step.labels(str(g))
+        for ms in body.get("step_ms_new", ()):
+            h.observe(ms / 1e3)
+        with self.lock:
+            for step, ns in body.get("attn_new", ()):
+                self.open_steps.setdefault(step, {})[g] = ns
+            self.floor[g] = body.get("die_step", 0)
+            self._close_steps()
+
+    def _close_steps(self) -> None:
+        """Every step below each group's floor has all its reports: observe its imbalance."""
+        if len(self.floor) < self.groups:
+            return
+        floor = min(self.floor.values())
+        done = [s for s in self.open_steps if s < floor]
+        if len(self.open_steps) > MAX_OPEN_STEPS:  # a group stopped reporting: drop the oldest
+            done = sorted(self.open_steps)[: len(self.open_steps) - MAX_OPEN_STEPS // 2]
+        for s in done:
+            times = self.open_steps.pop(s)
+            total = sum(times.values())
+            if total <= 0:
+                continue
+            ratio = max(times.values()) / (total / self.groups)
+            self.imbalance.observe(ratio)
+            self.imb_sum += ratio
+            self.imb_n += 1
+
+    # -- scrape time ----------------------------------------------------------------------------
+
+    def collect(self):
+        stats = dict(self.engine.stats)
+        by = {g: stats.get(g) for g in range(self.groups)}
+        gauges = {
+            "xpod_num_requests_running": ("Requests running in a group.", "running"),
+            "xpod_num_requests_waiting": ("Requests waiting in a group's master.", "waiting"),
+        }
+        for name, (doc, key) in gauges.items():
+            m = GaugeMetricFamily(name, doc, labels=["group"])
+            for g, s in by.items():
+                m.add_metric([str(g)], s[key] if s else 0)
+            yield m
+        kv = {
+            "xpod_kv_cache_usage_perc": ("KV blocks in use over all blocks (0..1).", None),
+            "xpod_kv_blocks_total": ("KV blocks of a group.", "total"),
+            "xpod_kv_blocks_free": ("KV blocks not in use (cached ones included).", "unused"),
+            "xpod_kv_blocks_cached": ("Free KV blocks that still hold a cached prefix.", "cached"),
+        }
+        for name, (doc, key) in kv.items():
+            m = GaugeMetricFamily(name, doc, labels=["group"])
+            for g, s in by.items():
+                u = (s or {}).get("kv") or {}
+                if key is None:
+                    v = u.get("used", 0) / max(u.get("total", 0), 1)
+                elif key == "unused":
+                    v = u.get("total", 0) - u.get("used", 0)
+                else:
+                    v = u.get(key, 0)
+                m.add_metric([str(g)], v)
+            yield m
+        counters = {
+            "xpod_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.",
+                                          "prefix_query_tokens", 1),
+            "xpod_prefix_cache_hits": ("Prompt tokens found in the prefix cache.",
+                                       "prefix_hit_tokens", 1),
+            "xpod_num_preemptions": ("Preemptions (recompute).", "num_preemptions", 1),
+            "xpod_steps": ("Steps whose result the master took.", "results", 1),
+            "xpod_dummy_steps": ("Steps the group's die ran with no rows (pod-wide lockstep).",
+                                 "dummy_steps", 1),
+            "xpod_scheduling_bubble_seconds": ("Die time from a result to its next command.",
+                                               "bubble_ns", 1e-9),
+            "xpod_attention_seconds": ("Die attention time.", "attn_ns", 1e-9),
+            "xpod_moe_wait_seconds": ("Die dispatch + combine time.", "moe_ns", 1e-9),
+            "xpod_forward_seconds": ("Die forward time (every step).", "step_ns", 1e-9),
+        }  # fmt: skip
+        for name, (doc, key, scale) in counters.items():
+            m = CounterMetricFamily(name, doc, labels=["group"])
+            for g, s in by.items():
+                m.add_metric([str(g)], (s or {}).get(key, 0) * scale)
+            yield m
+        moe = sum((s or {}).get("moe_ns", 0) for s in by.values())
+        fwd = sum((s or {}).get("step_ns", 0) for s in by.values())
+        yield GaugeMetricFamily("xpod_moe_wait_share", "Pod-wide MoE wait share of forward time"
+                                " since start.", value=moe / fwd if fwd else 0.0)  # fmt: skip
+        with self.lock:
+            mean = self.imb_sum / self.imb_n if self.imb_n else 0.0
+        yield GaugeMetricFamily("xpod_attention_imbalance_mean", "Mean per-step attention"
+                                " imbalance since start.", value=mean)  # fmt: skip
+        for name, fn in self.extra.items():
+            yield GaugeMetricFamily(name, fn.__doc__ or name, value=fn())
+        yield self._cpu()
+
+    def _cpu(self):
+        m = CounterMetricFamily("xpod_process_cpu_seconds", "CPU time (user + system) of every"
+                                " xpod process, by role.", labels=["role", "group"])  # fmt: skip
+        eng = self.engine
+        procs = [("shell", "", os.getpid())]
+        procs += [("master", str(g), p.pid) for g, p in enumerate(eng.masters)]
+        procs += [("output", str(g), p.pid) for g, p in enumerate(eng.outputs)]
+        if eng.pod is not None:
+            procs += [("die", str(g), p.pid) for g, p in enumerate(eng.pod.procs)]
+        for role, g, pid in procs:
+            try:
+                p = self.procs.get(pid) or self.procs.setdefault(pid, psutil.Process(pid))
+                t = p.cpu_times()
+                m.add_metric([role, g], t.user + t.system)
+            except (psutil.Error, ValueError):
+                continue
+        return m
+
+
+class _Callback:
+    """A collector that yields `fn()`'s metric families at every scrape."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def collect(self):
+        yield from self.fn()
+
+    def describe(self):
+        return []

@@ -1,0 +1,128 @@
+"""Output handling: a request's tokens -> the bytes its HTTP client reads (001 4.1).
+
+`OutputHandler` keeps a `Renderer` (`runtime.openai_api`) per rendered request and turns a
+master's `out` message (token deltas and finishes) into the shell's: `data` entries
+`[id, tokens, bytes, final, status]` for rendered requests, token deltas for the others, the
+finishes unchanged (a stop string's finish says "stop"). A stop string found in the tokens ends the
+request at once for the client (`final` data) and is returned so that the caller aborts it in
+its master (abort-as-stop).
+
+Where it runs (`EngineConfig.output_procs`):
+- off: in the shell, on the engine's receiver thread;
+- on (output shortcutting): in one output process per DP group (`output_main`). The master
+  sends it `open` {id, n_prompt, render} when a request arrives and every `out` message, it
+  sends the rendered `out` to the shell and stop-string aborts to the master, and ends at the
+  master's `eof` (or the shell's `shutdown`).
+
+```
+ master g --(open, out, eof)--> output g --(out with data)--> shell
+     ^------------(abort: stop string)-----'
+```
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import traceback
+from dataclasses import dataclass
+
+import zmq
+
+from runtime import wire
+from runtime.openai_api import Renderer
+
+log = logging.getLogger(__name__)
+
+
+class OutputHandler:
+    """Renderers of the rendered requests of one group (or of all, in the shell)."""
+
+    def __init__(self) -> None:
+        self.renderers: dict[int, Renderer] = {}
+
+    def open(self, rid: int, spec: dict | None, n_prompt: int) -> None:
+        if spec:
+            self.renderers[rid] = Renderer(spec, n_prompt)
+
+    def process(self, body: dict) -> tuple[dict, list[int]]:
+        """A master's `out` body -> (the shell's `out` body, ids a stop string ended)."""
+        raw, data, stops = [], [], []
+        done = body.get("done", [])
+        ending = {rec[0] for rec in done if not rec[4]}  # their last chunk carries the text
+        for rid, toks in body.get("deltas", ()):
+            r = self.renderers.get(rid)
+            if r is None:
+                raw.append([rid, toks])
+                continue
+            if r.finished:
+                continue  # tokens planned before the stop's abort landed: dropped
+            chunk, stopped = r.feed(toks, last=rid in ending)
+            if stopped:
+                stops.append(rid)
+                data.append([rid, r.take_count(), chunk + r.finish("stop"), True, 200])
+            elif chunk or (r.stream and rid not in ending):
+                data.append([rid, r.take_count(), chunk, False, 200])
+        for rec in done:
+            r = self.renderers.pop(rec[0], None)
+            if r is None:
+                continue
+            if r.stopped:
+                rec[1] = "stop"
+                rec[4] = ""
+                continue
+            fin = r.finish(rec[1], rec[4])
+            data.append([rec[0], r.take_count(), fin, True, 500 if rec[4] else 200])
+        return {"group": body.get("group", -1), "deltas": raw, "done": done, "data": data}, stops
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    group: int
+    run_dir: str
+
+
+def output_main(spec: OutputSpec, engine_pid: int) -> None:
+    """Entry of an output process (see the module docstring)."""
+    from runtime.master import (
+        _batch_scheduling,
+        _die_with,
+        engine_socket,
+        master_socket,
+        output_socket,
+    )
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    _die_with(engine_pid)
+    _batch_scheduling()
+    logging.basicConfig(format=f"output {spec.group} %(levelname)s %(name)s: %(message)s")
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.bind(output_socket(spec.run_dir, spec.group))
+    shell = ctx.socket(zmq.PUSH)
+    shell.setsockopt(zmq.LINGER, 1000)
+    shell.connect(engine_socket(spec.run_dir))
+    master = ctx.socket(zmq.PUSH)
+    master.setsockopt(zmq.LINGER, 0)
+    master.connect(master_socket(spec.run_dir, spec.group))
+    handler = OutputHandler()
+    try:
+        while True:
+            kind, body = wire.unpack(inbox.recv(), {"open", "out", "eof", "shutdown"})
+            if kind == "open":
+                handler.open(body["id"], body.get("render"), body.get("n_prompt", 0))
+            elif kind == "out":
+                out, stops = handler.process(body)
+                for rid in stops:
+                    master.send(wire.pack("abort", {"id": rid}))
+                shell.send(wire.pack("out", out))
+            else:
+                break
+    except Exception:  # noqa: BLE001 - logged with the group, then exit non-zero
+        log.error("output %d failed:\n%s", spec.group, traceback.format_exc())
+        raise SystemExit(1) from None
+    finally:
+        for s in (inbox, shell, master):
+            s.close(linger=1000 if s is shell else 0)
+        ctx.term()

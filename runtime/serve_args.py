@@ -1,0 +1,91 @@
+"""`xpod serve`'s flags and their checked options (`ServerOptions`). Kept apart from
+`runtime.api_server` so that building the `xpod` parser does not import aiohttp (the `serve`
+extra): every other command works without it, and `xpod serve` says how to install it."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from memory.errors import ConfigError
+from runtime.argtypes import int_range, nonneg_int, positive_float, size
+from runtime.serve import EngineConfig
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """A checked `xpod serve` run.
+
+    Attributes:
+        engine: the EngineConfig (valid, its PodConfig too).
+        host, port: where to listen (port 0: a free one, printed).
+        model_name: the model id clients name (`xpod-<preset>` by default).
+        max_queue: requests the shell may hold while every group is full; past it: 503.
+        drain_timeout_s: on SIGTERM / Ctrl-C, how long in-flight requests may run on.
+        health_timeout_s: a group that has not answered a heartbeat for this long is unhealthy.
+        max_body_bytes: larger request bodies get 413.
+        access_log: log every HTTP request on stderr.
+    """
+
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str = ""
+    max_queue: int = 1024
+    drain_timeout_s: float = 30.0
+    health_timeout_s: float = 5.0
+    max_body_bytes: int = 1 << 20
+    access_log: bool = False
+
+    @property
+    def served_name(self) -> str:
+        return self.model_name or f"xpod-{self.engine.model}"
+
+    @property
+    def heartbeat_s(self) -> float:
+        return min(1.0, self.health_timeout_s / 4)
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    from runtime.generate import engine_flags
+
+    add = p.add_argument
+    add("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    add(
+        "--port", type=int_range(0, 65535), default=8000, help="port (default 8000; 0 = a free one)"
+    )
+    add("--served-model-name", default="", metavar="NAME",
+        help="the model id clients use (default xpod-<model>)")  # fmt: skip
+    add("--max-queue", type=nonneg_int, default=1024,
+        help="requests held while every DP group is full; past it 503 (default 1024)")  # fmt: skip
+    add("--queue-ahead", type=int, default=-1,
+        help="requests a group's master may hold beyond its batch (-1: max-num-seqs)")  # fmt: skip
+    add("--output-procs", action="store_true",
+        help="output shortcutting: one output process per group renders and streams")  # fmt: skip
+    add("--drain-timeout", type=positive_float, default=30.0,
+        help="seconds in-flight requests may run after SIGTERM / Ctrl-C (default 30)")  # fmt: skip
+    add("--health-timeout", type=positive_float, default=5.0,
+        help="a group with no heartbeat for this long makes /health 503 (default 5 s)")  # fmt: skip
+    add("--max-body", type=size, default=1 << 20, metavar="SIZE",
+        help="largest request body (default 1M; larger: 413)")  # fmt: skip
+    add("--timeout", type=positive_float, default=60.0,
+        help="deadline of every wait in the pod, seconds (default 60)")  # fmt: skip
+    add("--access-log", action="store_true", help="log every HTTP request on stderr")
+    engine_flags(p)
+
+
+def parse_options(args: argparse.Namespace) -> ServerOptions:
+    """Checked options; ConfigError naming the flag. Nothing is launched."""
+    from runtime.generate import engine_config
+
+    if args.queue_ahead < -1:
+        raise ConfigError(f"argument --queue-ahead: {args.queue_ahead} must be >= -1")
+    engine = engine_config(args, output_procs=args.output_procs, queue_ahead=args.queue_ahead)
+    if args.served_model_name and not args.served_model_name.strip():
+        raise ConfigError("argument --served-model-name: must not be blank")
+    return ServerOptions(engine, args.host, args.port, args.served_model_name.strip(),
+                         args.max_queue, args.drain_timeout, args.health_timeout, args.max_body,
+                         args.access_log)  # fmt: skip
