@@ -92,6 +92,7 @@ class Server:
             "xpod_health_ok": self._healthy,
         })  # fmt: skip
         self.url = ""
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def _pending(self) -> float:
         """Requests the shell holds because every group is at its limit."""
@@ -202,15 +203,15 @@ class Server:
         req.render["id"] = request_id(kind)
         rid, deltas = self.engine.open_stream(req.tokens, req.params, render=req.render)
         self.inflight.add(rid)
+        headers = {"X-Request-Id": req.render["id"], "X-Xpod-Request": str(rid)}
         try:
             async with contextlib.aclosing(deltas):
                 if req.render["stream"]:
-                    return await self._stream(request, deltas, req.render["id"])
+                    return await self._stream(request, deltas, headers)
                 data, status = b"", 200
                 async for d in deltas:
                     data += d.data
                     status = d.status if d.final else status
-                headers = {"X-Request-Id": req.render["id"]}
                 if status == 503:
                     headers["Retry-After"] = "1"
                 return web.Response(body=data, status=status, headers=headers,
@@ -219,8 +220,8 @@ class Server:
             self.inflight.discard(rid)
             self.served += 1
 
-    async def _stream(self, request: web.Request, deltas, rid: str) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": rid})
+    async def _stream(self, request: web.Request, deltas, headers: dict) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={**SSE_HEADERS, **headers})
         await resp.prepare(request)
         try:
             async for d in deltas:
@@ -258,6 +259,11 @@ class Server:
         if self.stop_event is not None:
             self.stop_event.set()
 
+    def stop(self) -> None:
+        """Drain and stop, as a signal does (from any thread)."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.on_signal, "stop")
+
     async def _heartbeat(self) -> None:
         while True:
             with contextlib.suppress(EngineError):
@@ -270,15 +276,19 @@ class Server:
                 return
             await asyncio.sleep(self.opts.heartbeat_s)
 
-    async def serve(self, sock: socket.socket) -> int:
-        loop = asyncio.get_running_loop()
+    async def serve(self, sock: socket.socket, signals: bool = True) -> int:
+        """Serve on `sock` until a signal (`signals`: SIGTERM, SIGINT, SIGHUP drain it; the
+        caller must be the main thread), `stop()`, or an engine failure; returns the exit
+        status (0, or 1 after an engine failure)."""
+        self.loop = loop = asyncio.get_running_loop()
         self.stop_event = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.add_signal_handler(sig, self.on_signal, signal.Signals(sig).name)
-        runner = web.AppRunner(self.app(), handler_cancellation=True,
+        if signals:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.add_signal_handler(sig, self.on_signal, signal.Signals(sig).name)
+        runner = web.AppRunner(self.app(), handler_cancellation=True, shutdown_timeout=1.0,
                                access_log=log if self.opts.access_log else None)  # fmt: skip
         await runner.setup()
-        site = web.SockSite(runner, sock, shutdown_timeout=1.0)
+        site = web.SockSite(runner, sock)
         await site.start()
         host, port = sock.getsockname()[:2]
         self.url = f"http://{host}:{port}"

@@ -197,9 +197,9 @@ class Metrics:
                                 " imbalance since start.", value=mean)  # fmt: skip
         for name, fn in self.extra.items():
             yield GaugeMetricFamily(name, fn.__doc__ or name, value=fn())
-        yield self._cpu()
+        yield from self._processes()
 
-    def _cpu(self):
+    def _processes(self):
         m = CounterMetricFamily("xpod_process_cpu_seconds", "CPU time (user + system) of every"
                                 " xpod process, by role.", labels=["role", "group"])  # fmt: skip
         eng = self.engine
@@ -208,14 +208,19 @@ class Metrics:
         procs += [("output", str(g), p.pid) for g, p in enumerate(eng.outputs)]
         if eng.pod is not None:
             procs += [("die", str(g), p.pid) for g, p in enumerate(eng.pod.procs)]
+        pids = GaugeMetricFamily("xpod_process_pid", "Process id of every xpod process, by"
+                                 " role.", labels=["role", "group"])  # fmt: skip
         for role, g, pid in procs:
+            if pid is None:
+                continue
+            pids.add_metric([role, g], pid)
             try:
                 p = self.procs.get(pid) or self.procs.setdefault(pid, psutil.Process(pid))
                 t = p.cpu_times()
                 m.add_metric([role, g], t.user + t.system)
             except (psutil.Error, ValueError):
                 continue
-        return m
+        return [m, pids]
 
 
 class _Callback:

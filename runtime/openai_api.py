@@ -164,7 +164,8 @@ def _common(body: dict, model: ModelInfo, kind: str) -> dict:
     include_usage = False
     if opts is not None:
         if not stream:
-            raise bad("stream_options is only allowed when stream is true", "stream_options")
+            raise bad("stream_options is only allowed when stream is true", "stream_options",
+                      "invalid_value")  # fmt: skip
         if not isinstance(opts, dict):
             raise bad("stream_options must be an object", "stream_options", "invalid_type")
         include_usage = _opt_bool(opts, "include_usage")
@@ -176,9 +177,11 @@ def _common(body: dict, model: ModelInfo, kind: str) -> dict:
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise bad("stop must be a string or a list of strings", "stop", "invalid_type")
     if len(stop) > MAX_STOP_STRINGS:
-        raise bad(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
+        raise bad(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop",
+                  "invalid_value")  # fmt: skip
     if any(not s or len(s) > MAX_STOP_LEN for s in stop):
-        raise bad(f"stop: every string must have 1 to {MAX_STOP_LEN} characters", "stop")
+        raise bad(f"stop: every string must have 1 to {MAX_STOP_LEN} characters", "stop",
+                  "invalid_value")  # fmt: skip
     return {"kind": kind, "model": model.name, "created": int(time.time()), "stream": stream,
             "include_usage": include_usage, "stop": stop,
             "return_token_ids": _opt_bool(body, "return_token_ids")}  # fmt: skip
