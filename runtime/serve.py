@@ -227,6 +227,11 @@ class Delta:
     status: int = 200  # of a rendered response: 500 if the engine failed it, 503 if down
 
 
+def _put_all(items: list) -> None:
+    for q, delta in items:
+        q.put_nowait(delta)
+
+
 class _Tracked:
     """The engine's view of one request."""
 
@@ -301,6 +306,7 @@ class Engine:
         self.to_output: list = []
         self.render = OutputHandler()  # renders in this process when output_procs is off
         self.observer = None  # metrics: on_tokens(t, n, now), on_finish(t), on_stats(body)
+        self.notes: dict = {}  # event loop -> [(queue, Delta)] to hand over (`_deliver`)
         self.ping_seq = 0
         self.started_at = time.monotonic()
         self.pongs: dict[int, tuple[int, float, int]] = {}  # group -> (seq, when, die step)
@@ -497,6 +503,7 @@ class Engine:
                 if t.keep:
                     self.finished[rid] = t
             self._dispatch_pending()
+            self._deliver()
 
     def _tokens(self, t: _Tracked, n: int, now: float) -> None:
         if n and not t.t_first:
@@ -521,11 +528,17 @@ class Engine:
         if self.observer is not None and t.id >= 0:
             self.observer.on_finish(t)
 
-    @staticmethod
-    def _notify(t: _Tracked, delta: Delta) -> None:
+    def _notify(self, t: _Tracked, delta: Delta) -> None:
+        """Queue a delta for the request's streams (caller holds the lock; `_deliver` sends)."""
         for loop, q in t.listeners:
+            self.notes.setdefault(loop, []).append((q, delta))
+
+    def _deliver(self) -> None:
+        """Hand the queued deltas to their event loops: one wake-up per loop, not per delta."""
+        notes, self.notes = self.notes, {}
+        for loop, items in notes.items():
             with contextlib.suppress(RuntimeError):  # that loop is closed: nobody listens
-                loop.call_soon_threadsafe(q.put_nowait, delta)
+                loop.call_soon_threadsafe(_put_all, items)
 
     def _fail(self, err: BaseException) -> None:
         with self.lock:
@@ -539,6 +552,7 @@ class Engine:
                     self.finished[t.id] = t
             self.reqs.clear()
             self.pending.clear()
+            self._deliver()
         self.ready.release()
 
     # -- requests -------------------------------------------------------------------------------
@@ -641,6 +655,7 @@ class Engine:
                 self.pending.remove(t)
                 self.reqs.pop(request_id, None)
                 self._end(t, "abort", "", time.monotonic())
+                self._deliver()
                 if t.keep:
                     self.finished[t.id] = t
                 return

@@ -25,6 +25,7 @@ class ServerOptions:
         health_timeout_s: a group that has not answered a heartbeat for this long is unhealthy.
         max_body_bytes: larger request bodies get 413.
         access_log: log every HTTP request on stderr.
+        shell_batch: run the shell's threads as SCHED_BATCH (`api_server.batch_scheduling`).
     """
 
     engine: EngineConfig
@@ -36,6 +37,7 @@ class ServerOptions:
     health_timeout_s: float = 5.0
     max_body_bytes: int = 1 << 20
     access_log: bool = False
+    shell_batch: bool = True
 
     @property
     def served_name(self) -> str:
@@ -74,6 +76,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add("--timeout", type=positive_float, default=60.0,
         help="deadline of every wait in the pod, seconds (default 60)")  # fmt: skip
     add("--access-log", action="store_true", help="log every HTTP request on stderr")
+    add("--shell-policy", default="batch", choices=("batch", "normal"),
+        help="scheduling policy of the shell's threads (default batch: a shell woken per step"
+        " does not preempt a die)")  # fmt: skip
     engine_flags(p)
 
 
@@ -88,4 +93,4 @@ def parse_options(args: argparse.Namespace) -> ServerOptions:
         raise ConfigError("argument --served-model-name: must not be blank")
     return ServerOptions(engine, args.host, args.port, args.served_model_name.strip(),
                          args.max_queue, args.drain_timeout, args.health_timeout, args.max_body,
-                         args.access_log)  # fmt: skip
+                         args.access_log, args.shell_policy == "batch")  # fmt: skip

@@ -26,6 +26,7 @@ import os
 import queue
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -54,7 +55,6 @@ class ServerProc:
     it exits with the expected status and that its processes and segments are gone."""
 
     def __init__(self, *args: str, dies: int = 2):
-        self.segs_before = _segments()
         cmd = [sys.executable, "-m", "runtime.cli", "serve", "--port", "0", "--model", "tiny",
                "--dies", str(dies), *args]  # fmt: skip
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
@@ -80,6 +80,9 @@ class ServerProc:
         u = urllib.parse.urlparse(self.url)
         self.host, self.port = u.hostname, u.port
         self.pids = [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
+        self.pods = {n.split(".")[1] for n in _segments() if n.endswith(".ctl")
+                     and _launcher(n) == self.proc.pid}  # fmt: skip
+        assert self.pods, "the server's pod has no control segment"
 
     @staticmethod
     def _read(stream, put) -> None:
@@ -110,7 +113,7 @@ class ServerProc:
         err = "".join(self.err)
         left = [p for p in self.pids if psutil.pid_exists(p)
                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]  # fmt: skip
-        segs = _segments() - self.segs_before
+        segs = {n for n in _segments() if n.split(".")[1] in self.pods}
         assert code == expect, f"exit status {code}, expected {expect}: {err}"
         assert not left, f"processes left: {left}"
         assert not segs, f"segments left: {segs}"
@@ -149,6 +152,16 @@ class ServerProc:
 
 def _segments() -> set[str]:
     return {e for e in os.listdir("/dev/shm") if e.startswith("xpod.")}
+
+
+def _launcher(ctl: str) -> int:
+    """The launcher pid a pod's control segment names (0 if unreadable)."""
+    try:
+        with open(f"/dev/shm/{ctl}", "rb") as f:
+            head = f.read(24)
+    except OSError:
+        return 0
+    return struct.unpack("<3q", head)[2] if len(head) == 24 else 0
 
 
 def metric(m: dict, name: str, **labels) -> float:
@@ -554,12 +567,12 @@ def test_health_sees_a_hung_die_or_master(role):
 # -- shutdown ---------------------------------------------------------------------------------
 
 
-async def _streams(url: str, n: int, max_tokens: int) -> list:
+async def _streams(url: str, n: int, max_tokens: int, model: str = MODEL) -> list:
     """n concurrent streams: [(finish_reason, chunks, usage)] or ("http", status, body)."""
     async with aiohttp.ClientSession() as http:
 
         async def one(i):
-            body = {"model": MODEL, "prompt": f"drain {i}", "max_tokens": max_tokens,
+            body = {"model": model, "prompt": f"drain {i}", "max_tokens": max_tokens,
                     "stream": True, "ignore_eos": True,
                     "stream_options": {"include_usage": True}}  # fmt: skip
             async with http.post(url + "/v1/completions", json=body) as r:
@@ -574,9 +587,11 @@ async def _streams(url: str, n: int, max_tokens: int) -> list:
         return await asyncio.gather(*[one(i) for i in range(n)])
 
 
-def _run_streams(url: str, n: int, max_tokens: int) -> tuple[threading.Thread, list]:
+def _run_streams(url: str, n: int, max_tokens: int, model: str = MODEL):
     out: list = []
-    t = threading.Thread(target=lambda: out.extend(asyncio.run(_streams(url, n, max_tokens))))
+    t = threading.Thread(
+        target=lambda: out.extend(asyncio.run(_streams(url, n, max_tokens, model)))
+    )
     t.start()
     return t, out
 
@@ -590,8 +605,8 @@ def _wait_running(s: ServerProc, n: int, timeout_s: float = 20) -> None:
 
 @pytest.mark.timeout(120)
 def test_sigterm_under_load_drains_and_exits_0():
-    s = ServerProc("--drain-timeout", "60")
-    t, out = _run_streams(s.url, 6, 60)
+    s = ServerProc("--drain-timeout", "60", "--model", "small")
+    t, out = _run_streams(s.url, 6, 150, "xpod-small")  # ~1.5 s to drain
     try:
         _wait_running(s, 6)
         s.send(signal.SIGTERM)
@@ -604,14 +619,14 @@ def test_sigterm_under_load_drains_and_exits_0():
         t.join(30)
     assert len(out) == 6
     for reason, _, usage in out:
-        assert reason == "length" and usage["completion_tokens"] == 60, out
+        assert reason == "length" and usage["completion_tokens"] == 150, out
     assert "drained 6 of 6" in err, err
 
 
 @pytest.mark.timeout(120)
 def test_ctrl_c_past_the_drain_timeout_aborts_and_exits_0():
-    s = ServerProc("--drain-timeout", "0.5", "--max-num-seqs", "2")
-    t, out = _run_streams(s.url, 4, 240)
+    s = ServerProc("--drain-timeout", "0.5", "--max-num-seqs", "2", "--model", "small")
+    t, out = _run_streams(s.url, 4, 240, "xpod-small")  # ~10 ms a step: > 2 s each
     try:
         _wait_running(s, 4)
         time.sleep(0.2)
@@ -627,8 +642,8 @@ def test_ctrl_c_past_the_drain_timeout_aborts_and_exits_0():
 
 @pytest.mark.timeout(120)
 def test_a_killed_die_ends_requests_with_an_error_and_exit_1():
-    s = ServerProc()
-    t, out = _run_streams(s.url, 2, 200)
+    s = ServerProc("--model", "small")
+    t, out = _run_streams(s.url, 2, 400, "xpod-small")  # ~4 s each
     try:
         _wait_running(s, 2)
         os.kill(_pid(s, "die", 1), signal.SIGKILL)
