@@ -16,7 +16,7 @@ thread, the pod launcher), one master per DP group, one output process per group
 | `GET /v1/models`, `/v1/models/{id}` | the served model (`xpod-<preset>`) |
 | `POST /v1/completions`, `/v1/chat/completions` | `runtime.openai_api` (fields, chat template) |
 | `GET /health` | 200 while every group answers heartbeats; else 503 (see below) |
-| `GET /metrics` | Prometheus text (`runtime.metrics`) |
+| `GET /metrics` | Prometheus text (`runtime.metrics`); `?name[]=...` picks samples |
 
 Admission: a request goes to the engine, whose balancer sends it to a group or holds it while
 every group is at its limit; past `--max-queue` held requests the answer is 503 with
@@ -180,7 +180,11 @@ class Server:
         return web.json_response(body, status=status)
 
     async def metrics_route(self, request: web.Request) -> web.Response:
-        data = generate_latest(self.metrics.registry)
+        """Prometheus text; `?name[]=a&name[]=b` restricts it to those samples (as
+        prometheus-client's own handler does): a cheap scrape of a few gauges."""
+        names = request.query.getall("name[]", [])
+        reg = self.metrics.registry
+        data = generate_latest(reg.restricted_registry(names) if names else reg)
         return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -297,13 +301,18 @@ class Server:
         print(f"{PROG}: serving {self.model.name} on {self.url}  ({e.dies} dies, max-num-seqs"
               f" {e.max_num_seqs}, lb {e.lb_policy}, output procs"
               f" {'on' if e.output_procs else 'off'})", flush=True)  # fmt: skip
+        if self.opts.loop_receiver:
+            self.engine.attach_loop(loop)
         beat = asyncio.create_task(self._heartbeat())
-        await self.stop_event.wait()
-        await self._drain()
-        beat.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await beat
-        await runner.cleanup()
+        try:
+            await self.stop_event.wait()
+            await self._drain()
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
+            await runner.cleanup()
+        finally:
+            self.engine.detach_loop()
         return self.exit_status
 
     async def _drain(self) -> None:

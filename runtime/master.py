@@ -147,7 +147,8 @@ class Master:
         self.attn_new: list[list[int]] = []  # [step, attention ns] since the last stats
         self.done: list[list] = []
         self.steps: list[dict] = []  # the replay log
-        self.counters = {"results": 0, "empty_plans": 0, "bubble_ns": 0, "dummy_steps": 0,
+        self.counters = {"results": 0, "busy_steps": 0, "empty_plans": 0, "bubble_ns": 0,
+                         "dummy_steps": 0,
                          "tokens": 0, "rows": 0, "bad_requests": 0}  # fmt: skip
         self.spans: list[list] = []  # [t_ns, dur_ns, name, rows, tokens] (trace)
         self.counter_samples: list[list] = []  # [t_ns, running, waiting, kv used, ...] (trace)
@@ -239,6 +240,7 @@ class Master:
             self.counters["results"] += 1
             self.counters["bubble_ns"] += body.get("bubble_ns", 0)
             if rows:
+                self.counters["busy_steps"] += 1
                 ms = (body["t1"] - body["t0"]) / 1e6
                 if len(self.step_ms) < MAX_SAMPLES:
                     self.step_ms.append(ms)

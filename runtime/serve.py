@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from memory import layout as L
 from memory.errors import ConfigError, PodError
 from runtime import wire
 from runtime.config import PodConfig
@@ -227,6 +228,13 @@ class Delta:
     status: int = 200  # of a rendered response: 500 if the engine failed it, 503 if down
 
 
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 def _put_all(items: list) -> None:
     for q, delta in items:
         q.put_nowait(delta)
@@ -306,7 +314,10 @@ class Engine:
         self.to_output: list = []
         self.render = OutputHandler()  # renders in this process when output_procs is off
         self.observer = None  # metrics: on_tokens(t, n, now), on_finish(t), on_stats(body)
-        self.notes: dict = {}  # event loop -> [(queue, Delta)] to hand over (`_deliver`)
+        self.notes: dict = {}
+        self.rx_loop: asyncio.AbstractEventLoop | None = None  # attach_loop
+        self.rx_watch = None
+        self.rx_handover = False  # event loop -> [(queue, Delta)] to hand over (`_deliver`)
         self.ping_seq = 0
         self.started_at = time.monotonic()
         self.pongs: dict[int, tuple[int, float, int]] = {}  # group -> (seq, when, die step)
@@ -418,7 +429,7 @@ class Engine:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
         watched = time.monotonic()
-        while True:
+        while not self.rx_handover:
             ready = poller.poll(WATCH_EVERY_S * 1000)
             if time.monotonic() - watched >= WATCH_EVERY_S:
                 watched = time.monotonic()
@@ -427,15 +438,59 @@ class Engine:
                 if self.drained:  # close(): every master is gone and nothing is left to read
                     return
                 continue
-            while True:
-                try:
-                    frame = self.inbox.recv(zmq.NOBLOCK)
-                except (zmq.Again, zmq.ZMQError):
-                    break
-                try:
-                    self._on_message(*wire.unpack(frame))
-                except Exception as e:  # noqa: BLE001 - a bad frame must not stop the engine
-                    log.warning("engine: dropped a message: %s", e)
+            self._read_inbox()
+
+    def _read_inbox(self) -> None:
+        while True:
+            try:
+                frame = self.inbox.recv(zmq.NOBLOCK)
+            except (zmq.Again, zmq.ZMQError):
+                return
+            try:
+                self._on_message(*wire.unpack(frame))
+            except Exception as e:  # noqa: BLE001 - a bad frame must not stop the engine
+                log.warning("engine: dropped a message: %s", e)
+
+    # -- an event loop as the receiver ----------------------------------------------------------
+
+    def attach_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the masters' messages on `loop` (call from its thread) instead of the receiver
+        thread: one wake-up per message instead of two (the thread's, then the loop's), and
+        the deltas go to their streams without crossing threads. `detach_loop` gives it back.
+        """
+        if self.rx_loop is not None:
+            return
+        rx = next((t for t in self._threads if t.name == "xpod-engine-receive"), None)
+        self.rx_handover = True
+        if rx is not None:
+            rx.join(2 * WATCH_EVERY_S + 1)
+            self._threads.remove(rx)
+        self.rx_loop = loop
+        loop.add_reader(self.inbox.getsockopt(zmq.FD), self._on_readable)
+        loop.call_soon(self._on_readable)  # what came before the reader was added
+        self.rx_watch = loop.call_later(WATCH_EVERY_S, self._watch_tick)
+
+    def _on_readable(self) -> None:
+        # the zmq FD signals edges: read until the socket says there is nothing left
+        while self.inbox is not None and self.inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._read_inbox()
+
+    def _watch_tick(self) -> None:
+        self._watch()
+        if self.rx_loop is not None:
+            self.rx_watch = self.rx_loop.call_later(WATCH_EVERY_S, self._watch_tick)
+
+    def detach_loop(self) -> None:
+        """Back to the receiver thread (call on the loop's thread, before the loop ends)."""
+        loop = self.rx_loop
+        if loop is None:
+            return
+        loop.remove_reader(self.inbox.getsockopt(zmq.FD))
+        if self.rx_watch is not None:
+            self.rx_watch.cancel()
+        self.rx_loop = self.rx_watch = None
+        self.rx_handover = False
+        self._thread(self._receive, name="xpod-engine-receive")
 
     def _watch(self) -> None:
         if self.closing or self.failure is not None:
@@ -534,9 +589,14 @@ class Engine:
             self.notes.setdefault(loop, []).append((q, delta))
 
     def _deliver(self) -> None:
-        """Hand the queued deltas to their event loops: one wake-up per loop, not per delta."""
+        """Hand the queued deltas to their event loops: one wake-up per loop, not per delta
+        (none for the loop this runs on: `attach_loop`)."""
         notes, self.notes = self.notes, {}
+        here = _running_loop()
         for loop, items in notes.items():
+            if loop is here:
+                _put_all(items)
+                continue
             with contextlib.suppress(RuntimeError):  # that loop is closed: nobody listens
                 loop.call_soon_threadsafe(_put_all, items)
 
@@ -736,6 +796,26 @@ class Engine:
         """The engine's record of a live request (None once finished)."""
         with self.lock:
             return self.reqs.get(request_id)
+
+    def die_counters(self) -> dict[int, dict[int, int]]:
+        """Per die, read now from its serving words (the shell launched the pod and maps every
+        region): dummy steps, cumulative attention / MoE wait / forward ns, its step number.
+        Fresh even for a group whose master sleeps ({} once the pod is closed)."""
+        pod = self.pod
+        if pod is None or pod.closed:
+            return {}
+        lo = pod.layout
+        idx = {k: lo.serve_word(w) for k, w in (("dummy_steps", L.SV_DUMMY_STEPS),
+               ("attn_ns", L.SV_ATTN_NS), ("moe_ns", L.SV_MOE_NS), ("step_ns", L.SV_STEP_NS),
+               ("die_step", L.SV_VOTE_STEP))}  # fmt: skip
+        out = {}
+        for g in range(self.config.dies):
+            try:
+                words = pod.region(g).words
+                out[g] = {k: int(words[i]) for k, i in idx.items()}
+            except (PodError, IndexError, ValueError, TypeError):
+                return {}
+        return out
 
     # -- heartbeat ------------------------------------------------------------------------------
 

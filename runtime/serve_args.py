@@ -26,6 +26,8 @@ class ServerOptions:
         max_body_bytes: larger request bodies get 413.
         access_log: log every HTTP request on stderr.
         shell_batch: run the shell's threads as SCHED_BATCH (`api_server.batch_scheduling`).
+        loop_receiver: the event loop reads the masters' messages (`Engine.attach_loop`), not
+            the engine's receiver thread.
     """
 
     engine: EngineConfig
@@ -38,6 +40,7 @@ class ServerOptions:
     max_body_bytes: int = 1 << 20
     access_log: bool = False
     shell_batch: bool = True
+    loop_receiver: bool = True
 
     @property
     def served_name(self) -> str:
@@ -79,6 +82,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add("--shell-policy", default="batch", choices=("batch", "normal"),
         help="scheduling policy of the shell's threads (default batch: a shell woken per step"
         " does not preempt a die)")  # fmt: skip
+    add("--receiver", default="loop", choices=("loop", "thread"),
+        help="who reads the masters' messages: the event loop (default) or a thread")  # fmt: skip
     engine_flags(p)
 
 
@@ -93,4 +98,5 @@ def parse_options(args: argparse.Namespace) -> ServerOptions:
         raise ConfigError("argument --served-model-name: must not be blank")
     return ServerOptions(engine, args.host, args.port, args.served_model_name.strip(),
                          args.max_queue, args.drain_timeout, args.health_timeout, args.max_body,
-                         args.access_log, args.shell_policy == "batch")  # fmt: skip
+                         args.access_log, args.shell_policy == "batch",
+                         args.receiver == "loop")  # fmt: skip

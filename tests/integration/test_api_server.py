@@ -440,31 +440,40 @@ def test_stop_strings_and_stop_token_ids(server):
 # -- disconnects and overload --------------------------------------------------------------------
 
 
-@pytest.mark.timeout(60)
-def test_client_disconnect_mid_stream_aborts_and_frees_kv(server):
-    before = server.metrics()
-    aborts0 = sum(metric(before, "xpod_request_success_total", group=g, finished_reason="abort")
-                  for g in (0, 1))  # fmt: skip
-    socks = []
-    for i in range(3):
-        s = socket.create_connection((server.host, server.port), timeout=10)
-        body = json.dumps({"model": MODEL, "prompt": f"leave {i}", "max_tokens": 200,
-                           "stream": True, "ignore_eos": True}).encode()  # fmt: skip
-        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                b"\r\nContent-Length: %d\r\n\r\n" % len(body))  # fmt: skip
-        s.sendall(head + body)
-        got = b""
-        while got.count(b"data: ") < 3:
-            got += s.recv(65536)
-        socks.append(s)
-    m = server.metrics()
-    assert sum(metric(m, "xpod_kv_cache_usage_perc", group=g) for g in (0, 1)) > 0
-    for s in socks:
-        s.close()
-    m = settle(server)  # running, waiting, KV usage 0 on every group
-    aborts = sum(metric(m, "xpod_request_success_total", group=g, finished_reason="abort")
-                 for g in (0, 1))  # fmt: skip
-    assert aborts - aborts0 == 3
+@pytest.mark.timeout(90)
+def test_client_disconnect_mid_stream_aborts_and_frees_kv():
+    """Three streams of 400 tokens (the small model: ~4 s each) whose clients leave after 3
+    chunks: each request is aborted and every group's KV usage returns to 0."""
+    server = ServerProc("--model", "small")
+    try:
+        socks = []
+        for i in range(3):
+            s = socket.create_connection((server.host, server.port), timeout=10)
+            body = json.dumps({"model": "xpod-small", "prompt": f"leave {i}", "max_tokens": 400,
+                               "stream": True, "ignore_eos": True}).encode()  # fmt: skip
+            head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                    b"\r\nContent-Length: %d\r\n\r\n" % len(body))  # fmt: skip
+            s.sendall(head + body)
+            got = b""
+            while got.count(b"data: ") < 3:
+                got += s.recv(65536)
+            socks.append(s)
+        deadline = time.monotonic() + 5
+        while not sum(metric(server.metrics(), "xpod_kv_cache_usage_perc", group=g)
+                      for g in (0, 1)):  # fmt: skip
+            assert time.monotonic() < deadline, "no KV in use while 3 requests run"
+            time.sleep(0.05)
+        for s in socks:
+            s.close()
+        m = settle(server)  # running, waiting, KV usage 0 on every group
+        aborts = sum(metric(m, "xpod_request_success_total", group=g, finished_reason="abort")
+                     for g in (0, 1))  # fmt: skip
+        assert aborts == 3
+        done = sum(metric(m, "xpod_request_success_total", group=g, finished_reason=r)
+                   for g in (0, 1) for r in ("stop", "length"))  # fmt: skip
+        assert done == 0
+    finally:
+        server.stop()
 
 
 @pytest.mark.timeout(120)
@@ -524,6 +533,11 @@ def test_metrics_have_every_family_by_group(server):
     assert 0 < metric(m, "xpod_moe_wait_share") < 1
     roles = {dict(k[1]).get("role") for k in m if k[0] == "xpod_process_pid"}
     assert roles == {"shell", "master", "die"}
+    # ?name[]= restricts the exposition to those samples (a cheap scrape)
+    _, _, data = server.request("GET", "/metrics?name[]=xpod_kv_cache_usage_perc")
+    fams = list(text_string_to_metric_families(data.decode()))
+    assert [f.name for f in fams] == ["xpod_kv_cache_usage_perc"]
+    assert sorted(s.labels["group"] for s in fams[0].samples) == ["0", "1"]
 
 
 def _pid(server: ServerProc, role: str, group: int) -> int:

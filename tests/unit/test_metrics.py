@@ -262,7 +262,7 @@ def master_stats(group: int, scale: int) -> dict:
     return {"group": group, "running": 2 * scale, "waiting": scale,
             "kv": {"total": 100, "used": 25 * scale, "cached": 5 * scale, "free": 10},
             "prefix_query_tokens": 1000 * scale, "prefix_hit_tokens": 400 * scale,
-            "num_preemptions": scale, "results": 50 * scale, "dummy_steps": 3 * scale,
+            "num_preemptions": scale, "busy_steps": 50 * scale, "dummy_steps": 3 * scale,
             "bubble_ns": 2_000_000_000 * scale, "attn_ns": 1_000_000_000 * scale,
             "moe_ns": 500_000_000 * scale, "step_ns": 4_000_000_000 * scale,
             "die_step": 0, "attn_new": [], "step_ms_new": []}  # fmt: skip
