@@ -203,6 +203,7 @@ class Options:
     request_timeout_s: float
     client_batch: bool = True
     repeat: int = 1
+    lb_compare: bool = False
 
     @property
     def load_concurrency(self) -> int:
@@ -301,6 +302,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=None,
         choices=("least_kv", "round_robin"),
         help="DP load balancing (default least_kv)",
+    )
+    s.add_argument(
+        "--lb-compare",
+        action="store_true",
+        help="then the main run again on a server with the other DP balancing policy"
+        " (least_kv / round_robin), same requests: KV balance and attention imbalance of both",
     )
     s.add_argument("--output-procs", action="store_true", help="one output process per group")
     s.add_argument(
@@ -490,6 +497,7 @@ def parse_options(args: argparse.Namespace) -> Options:
             ("--model", args.model),
             ("--max-num-seqs", args.max_num_seqs),
             ("--lb", args.lb),
+            ("--lb-compare", args.lb_compare or None),
             ("--output-procs", args.output_procs or None),
             ("--server-args", args.server_args or None),
         ):
@@ -631,6 +639,7 @@ def parse_options(args: argparse.Namespace) -> Options:
         client_batch=args.client_policy == "batch",
         request_timeout_s=args.request_timeout,
         repeat=1 if args.quick else args.repeat,
+        lb_compare=args.lb_compare,
     )
     if opts.repeat > 1 and not opts.launch:
         raise ConfigError("argument --repeat: needs --launch (pairs with xpod decode)")
@@ -1119,6 +1128,7 @@ class Scraper:
     def __init__(self, client: Client, bar: Bar | None = None):
         self.client, self.bar = client, bar
         self.snaps: list[dict] = []
+        self.times: list[float] = []  # perf_counter of each snap
         self.task: asyncio.Task | None = None
 
     async def _loop(self) -> None:
@@ -1127,6 +1137,7 @@ class Scraper:
             s = await self.client.scrape((KV_GAUGE,))
             if s:
                 self.snaps.append(s)
+                self.times.append(time.perf_counter())
             if self.bar is not None:
                 self.bar.draw()
             await asyncio.sleep(max(0.0, SCRAPE_S - (time.perf_counter() - t0)))
@@ -1149,8 +1160,9 @@ async def run_requests(
     bar: Bar,
     seed: int,
     ramp=None,
-) -> tuple[list[RequestResult], float]:
-    """Send `reqs` at their arrival times (through the semaphore); (results, duration)."""
+) -> tuple[list[RequestResult], float, float]:
+    """Send `reqs` at their arrival times (through the semaphore); (results, duration, the
+    perf_counter when the last request was sent)."""
     times = arrival_times(len(reqs), rate, opts.burstiness, seed, ramp)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
@@ -1168,6 +1180,7 @@ async def run_requests(
         if wait > 0:
             await asyncio.sleep(wait)
         tasks.append(asyncio.create_task(one(req)))
+    last_sent = time.perf_counter()
     try:
         results = await asyncio.gather(*tasks)
     finally:
@@ -1175,7 +1188,7 @@ async def run_requests(
             t.cancel()
     duration = time.perf_counter() - t0
     bar.close()
-    return list(results), duration
+    return list(results), duration, last_sent
 
 
 async def wait_idle(client: Client, timeout_s: float = 30.0) -> None:
@@ -1306,7 +1319,7 @@ async def measure(
     client.peak = client.inflight
     bar = Bar(label, len(reqs), opts.show_progress)
     with Scraper(client, bar) as sc:
-        results, duration = await run_requests(
+        results, duration, last_sent = await run_requests(
             client, reqs, rate, opts, max_concurrency, bar, seed, ramp
         )
     cpu_client = sum(me.cpu_times()[:2]) - cpu0
@@ -1318,6 +1331,10 @@ async def measure(
     res["cpu_s_client"] = cpu_client
     res["cpu_ms_per_token_client"] = cpu_client * 1e3 / n_out if n_out else 0.0
     res.update(server_figures(s0, s1, sc.snaps, n_out))
+    # while requests arrive (the tail, where the last requests end one group at a time, is left
+    # out: with a concurrency cap the last request goes out near the end anyway)
+    arriving = [snap for t, snap in zip(sc.times, sc.snaps, strict=True) if t <= last_sent]
+    res["kv_balance_arrivals"] = kv_balance(arriving)
     res["metrics_scrapes"] = len(sc.snaps)
     return res, results
 
@@ -1586,6 +1603,53 @@ def decode_baseline(opts: Options, i: int = 0, n: int = 1) -> dict:
     }
 
 
+LB_KEYS = ("kv_balance", "kv_balance_arrivals", "attention_imbalance_mean", "output_throughput",
+           "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "dummy_step_share",
+           "failed")  # fmt: skip
+
+
+def lb_policy(argv: tuple[str, ...]) -> str:
+    """The --lb the server argv ends up with (the last one wins, as in argparse)."""
+    policy = "least_kv"
+    for i, a in enumerate(argv[:-1]):
+        if a == "--lb":
+            policy = argv[i + 1]
+    return policy
+
+
+def lb_compare(opts: Options, pairs: list) -> dict:
+    """The main run once more on a server with the other policy; {policy: figures}."""
+    import uvloop
+
+    mine = lb_policy(opts.server_argv)
+    other = "round_robin" if mine == "least_kv" else "least_kv"
+    argv = (*opts.server_argv, "--lb", other)
+    progress(f"  DP balance: the main run again, --lb {other} ...")
+    out = {mine: {k: pairs[-1][0].get(k) for k in LB_KEYS}}
+    server = LaunchedServer(argv)
+    part: dict = {}
+    policies: dict[int, int] = {}
+    try:
+        base = server.start()
+        if opts.client_batch and hasattr(os, "SCHED_BATCH"):
+            policies = set_policy(os.SCHED_BATCH)
+        try:
+            uvloop.run(bench_async(opts, base, part, first=False, last=False))
+        finally:
+            if policies:
+                set_policy(policies)
+        code = server.stop()
+        if code != 0:
+            raise BenchError(f"xpod serve --lb {other} exited with status {code}")
+    except BaseException:
+        server.kill()
+        raise
+    finally:
+        server.close()
+    out[other] = {k: part.get(k) for k in LB_KEYS}
+    return out
+
+
 def run(opts: Options) -> int:
     import uvloop
 
@@ -1660,6 +1724,12 @@ def run(opts: Options) -> int:
     finally:
         if server is not None:
             server.close()
+    if opts.lb_compare:
+        try:
+            res["lb_compare"] = lb_compare(opts, pairs)
+        except BenchError as e:
+            progress(f"{PROG}: error: {e}")
+            return 1
     # the median pair's figures are the run's (by ratio to decode, else by throughput)
     key = "ratio_to_decode" if opts.launch else "output_throughput"
     order = sorted(range(len(pairs)), key=lambda k: pairs[k][0].get(key) or 0.0)
@@ -1735,6 +1805,7 @@ def print_report(r: dict, opts: Options) -> None:
     if "kv_balance" in r:
         print("{s:{c}^{n}}".format(s="Server (/metrics, over the run)", n=50, c="-"))
         row("KV balance (max/mean):", r["kv_balance"], ".3f")
+        row("  while requests arrive:", r.get("kv_balance_arrivals"), ".3f")
         row("Dummy-step share:", r["dummy_step_share"], ".3f")
         row("Bubble per step (ms):", r["bubble_ms_per_step"], ".3f")
         row("Step time, mean (ms):", r["step_ms_mean"], ".2f")
@@ -1759,6 +1830,14 @@ def print_report(r: dict, opts: Options) -> None:
         if r.get("pairs"):
             ratios = ", ".join(f"{p['ratio_to_decode']:.2f}" for p in r["pairs"])
             row("  pairs (median shown):", ratios)
+    if r.get("lb_compare"):
+        print("{s:{c}^{n}}".format(s="DP balance: least_kv vs round_robin", n=50, c="-"))
+        for policy, f in r["lb_compare"].items():
+            row(f"{policy}: KV max/mean, arriving / all:",
+                f"{f['kv_balance_arrivals']:.3f} / {f['kv_balance']:.3f}")  # fmt: skip
+            row(f"{policy}: attention imbalance:", f"{f['attention_imbalance_mean']:.3f}")
+            row(f"{policy}: TTFT / TPOT p50 (ms):",
+                f"{f['median_ttft_ms']:.1f} / {f['median_tpot_ms']:.2f}")  # fmt: skip
     if "ttft_idle_p50_ms" in r:
         print("{s:{c}^{n}}".format(s="TTFT phase", n=50, c="-"))
         row("Idle TTFT p50 (ms):", r["ttft_idle_p50_ms"], ".2f")
