@@ -21,6 +21,7 @@ run: $(STAMP)
 	$(XPOD) decode --dies 4 --batch 8 --prompt-len 32 --steps 16 --model small --check
 	$(XPOD) generate --dies 4 --max-tokens 24 --prompt "The pod is" --prompt "Experts run" \
 		--prompt "A decode step" --prompt "Each die owns" --prompt "Tokens travel"
+	$(XPOD) bench serve --launch --dies 4 --max-concurrency 8 --ignore-eos --num-prompts 32 --quick
 
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -39,6 +40,7 @@ bench: $(STAMP)
 	$(XPOD) bench alltoall --dies 8 --quick --protocol fused --quant int8 --peers
 	$(XPOD) decode --dies 4 --batch 8 --prompt-len 64 --steps 32 --check
 	$(XPOD) bench engine --dies 4 --batch 8 --quick
+	$(XPOD) bench serve --launch --dies 4 --max-concurrency 8 --ignore-eos --num-prompts 64
 
 bench-full: $(STAMP)
 	$(XPOD) bench p2p --dies 2 --peers --json p2p.jsonl --plot p2p.png

@@ -1166,10 +1166,15 @@ async def run_requests(
     times = arrival_times(len(reqs), rate, opts.burstiness, seed, ramp)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
+    last_sent = 0.0
+
     async def one(req: Request) -> RequestResult:
+        nonlocal last_sent
         if sem is None:
+            last_sent = time.perf_counter()
             return await client.send(req, bar)
         async with sem:
+            last_sent = time.perf_counter()  # the request goes out now (the cap let it)
             return await client.send(req, bar)
 
     tasks = []
@@ -1180,7 +1185,6 @@ async def run_requests(
         if wait > 0:
             await asyncio.sleep(wait)
         tasks.append(asyncio.create_task(one(req)))
-    last_sent = time.perf_counter()
     try:
         results = await asyncio.gather(*tasks)
     finally:
