@@ -69,6 +69,8 @@ FLAGS = {
     "serve_slot_bytes": "--max-num-seqs/--max-num-batched-tokens/--block-size",
     "async_depth": "--async-depth",
     "lb_policy": "--lb",
+    "queue_ahead": "--queue-ahead",
+    "stream_interval": "--stream-interval",
     "gc_every": "--gc-every",
     "pin": "--pin",
     "timeout_s": "--timeout",
@@ -170,8 +172,9 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
     add(
         "--max-num-batched-tokens",
         type=positive_int,
-        default=64,
-        help="token budget of one step per die (default 64)",
+        default=128,
+        help="token budget of one step per die (default 128: a 64-token prompt's prefill and"
+        " the decode rows of its group fit in one step)",
     )
     add("--block-size", type=positive_int, default=16, help="KV block, tokens (default 16)")
     add(

@@ -58,6 +58,8 @@ class MasterSpec:
         gc_every: 0 = automatic GC; N = freeze after warm-up, collect every N results.
         pin_cpu: -1 = no pinning, else the CPU this master runs on.
         trace: record planning / result spans and per-step counters for the engine's trace.
+        output_proc: tokens go to the group's output process (output shortcutting).
+        stream_interval: send a streamed request's tokens every N (its first at once).
     """
 
     group: int
@@ -79,6 +81,7 @@ class MasterSpec:
     pin_cpu: int = -1
     trace: bool = False
     output_proc: bool = False
+    stream_interval: int = 1
 
 
 def output_socket(run_dir: str, group: int) -> str:
@@ -140,6 +143,7 @@ class Master:
         self.deltas: dict[int, list[int]] = {}  # tokens to send now (streamed requests)
         self.held: dict[int, list[int]] = {}  # tokens sent with the finish (the others)
         self.streamed: set[int] = set()
+        self.started: set[int] = set()  # streamed requests whose first tokens went out
         self.first: dict[int, float] = {}  # request -> time of its first token
         self.sched_at: dict[int, float] = {}  # request -> time it was first planned
         self.pings: list[int] = []  # heartbeats asked of the die, not echoed yet
@@ -224,6 +228,7 @@ class Master:
         if held:
             self.deltas.setdefault(rid, []).extend(held)
         self.streamed.discard(rid)
+        self.started.discard(rid)
         first = self.first.pop(rid, 0.0)
         self.done.append([rid, reason, len(req.prompt), req.num_cached, "", first,
                           self.sched_at.pop(rid, 0.0)])  # fmt: skip
@@ -318,11 +323,12 @@ class Master:
         self.outbox.send(wire.pack(kind, body))
 
     def flush(self) -> None:
-        if self.deltas or self.done:
+        send = self._due()
+        if send or self.done:
             self.tokens_out.send(wire.pack("out", {
-                "group": self.spec.group, "deltas": [[i, t] for i, t in self.deltas.items()],
+                "group": self.spec.group, "deltas": [[i, t] for i, t in send.items()],
                 "done": self.done}))  # fmt: skip
-            self.deltas, self.done = {}, []
+            self.done = []
         now = time.monotonic()
         # Every 0.1 s while busy, and once more as the group goes idle (gauges read 0 then).
         idle = not (self.sched.has_work() or self.in_flight)
@@ -330,6 +336,23 @@ class Master:
             self.stats_at = now
             self.stats_dirty = False
             self.send("stats", self.stats())
+
+    def _due(self) -> dict[int, list[int]]:
+        """The deltas to send now: all of them, or with `stream_interval` N > 1 (vLLM's
+        --stream-interval) a streamed request's first token at once, then every N tokens, and
+        whatever is left when it finishes; the rest wait in `deltas`."""
+        n = self.spec.stream_interval
+        if n <= 1 or not self.deltas:
+            send, self.deltas = self.deltas, {}
+            return send
+        ending = {rec[0] for rec in self.done}
+        send = {rid: toks for rid, toks in self.deltas.items()
+                if len(toks) >= n or rid in ending or rid not in self.started}  # fmt: skip
+        for rid in send:
+            del self.deltas[rid]
+            if rid not in ending:
+                self.started.add(rid)
+        return send
 
     def heartbeat(self) -> None:
         """Answer the pings the die has echoed (its loop ran since they were asked)."""

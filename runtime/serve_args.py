@@ -8,7 +8,7 @@ import argparse
 from dataclasses import dataclass
 
 from memory.errors import ConfigError
-from runtime.argtypes import int_range, nonneg_int, positive_float, size
+from runtime.argtypes import int_range, nonneg_int, positive_float, positive_int, size
 from runtime.serve import EngineConfig
 
 
@@ -68,6 +68,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="requests held while every DP group is full; past it 503 (default 1024)")  # fmt: skip
     add("--queue-ahead", type=int, default=-1,
         help="requests a group's master may hold beyond its batch (-1: max-num-seqs)")  # fmt: skip
+    add("--stream-interval", type=positive_int, default=1,
+        help="streamed tokens go out every N tokens, the first at once (default 1)")  # fmt: skip
     add("--output-procs", action="store_true",
         help="output shortcutting: one output process per group renders and streams")  # fmt: skip
     add("--drain-timeout", type=positive_float, default=30.0,
@@ -93,7 +95,8 @@ def parse_options(args: argparse.Namespace) -> ServerOptions:
 
     if args.queue_ahead < -1:
         raise ConfigError(f"argument --queue-ahead: {args.queue_ahead} must be >= -1")
-    engine = engine_config(args, output_procs=args.output_procs, queue_ahead=args.queue_ahead)
+    engine = engine_config(args, output_procs=args.output_procs, queue_ahead=args.queue_ahead,
+                           stream_interval=args.stream_interval)  # fmt: skip
     if args.served_model_name and not args.served_model_name.strip():
         raise ConfigError("argument --served-model-name: must not be blank")
     return ServerOptions(engine, args.host, args.port, args.served_model_name.strip(),

@@ -437,6 +437,27 @@ def test_stop_strings_and_stop_token_ids(server):
     settle(server)
 
 
+@pytest.mark.timeout(60)
+def test_stream_interval_sends_every_n_tokens():
+    """--stream-interval 4: the first token at once, then chunks of at least 4 tokens, the rest
+    with the finish; the same tokens as one non-streamed response."""
+    s = ServerProc("--stream-interval", "4")
+    try:
+        base = {"model": MODEL, "prompt": "interval", "max_tokens": 17, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+        _, _, data = s.post("/v1/completions", base)
+        whole = json.loads(data)["choices"][0]
+        status, _, data = s.post("/v1/completions", {**base, "stream": True})
+        chunks = sse_events(data)
+        sizes = [len(e["choices"][0]["token_ids"]) for e in chunks]
+        assert status == 200 and sum(sizes) == 17 and sizes[0] == 1, sizes
+        assert all(n >= 4 for n in sizes[1:-1]) and len(sizes) <= 1 + 16 // 4 + 1, sizes
+        assert [t for e in chunks for t in e["choices"][0]["token_ids"]] == whole["token_ids"]
+        assert "".join(e["choices"][0]["text"] for e in chunks) == whole["text"]
+    finally:
+        s.stop()
+
+
 # -- disconnects and overload --------------------------------------------------------------------
 
 
