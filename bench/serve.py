@@ -1740,6 +1740,10 @@ def run(opts: Options) -> int:
     part, _, results = pairs[order[len(order) // 2]]
     exit_status = res.get("server_exit_status")
     res.update(part)
+    # the TTFT phase ran with the first pair, the rate sweep after the last
+    for p, _, _ in (pairs[0], pairs[-1]):
+        res.update({k: v for k, v in p.items() if k.startswith(("ttft_", "prefill_",
+                    "step_load_ms", "capacity_", "rate_sweep", "knee_"))})  # fmt: skip
     if exit_status is not None:
         res["server_exit_status"] = exit_status
     if opts.repeat > 1:

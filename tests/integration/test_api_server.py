@@ -464,7 +464,8 @@ def test_stream_interval_sends_every_n_tokens():
 @pytest.mark.timeout(90)
 def test_client_disconnect_mid_stream_aborts_and_frees_kv():
     """Three streams of 400 tokens (the small model: ~4 s each) whose clients leave after 3
-    chunks: each request is aborted and every group's KV usage returns to 0."""
+    chunks, and a non-streamed one whose client leaves: each request is aborted and every
+    group's KV usage returns to 0."""
     server = ServerProc("--model", "small")
     try:
         socks = []
@@ -484,12 +485,23 @@ def test_client_disconnect_mid_stream_aborts_and_frees_kv():
                       for g in (0, 1)):  # fmt: skip
             assert time.monotonic() < deadline, "no KV in use while 3 requests run"
             time.sleep(0.05)
+        # and one non-streamed request (aiohttp cancels its handler when the client leaves)
+        s = socket.create_connection((server.host, server.port), timeout=10)
+        body = json.dumps({"model": "xpod-small", "prompt": "wait", "max_tokens": 400,
+                           "ignore_eos": True}).encode()  # fmt: skip
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                  b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)  # fmt: skip
+        socks.append(s)
+        deadline = time.monotonic() + 5
+        while metric(server.metrics(), "xpod_num_requests_inflight_http") < 4:
+            assert time.monotonic() < deadline, "the non-streamed request did not start"
+            time.sleep(0.02)
         for s in socks:
             s.close()
         m = settle(server)  # running, waiting, KV usage 0 on every group
         aborts = sum(metric(m, "xpod_request_success_total", group=g, finished_reason="abort")
                      for g in (0, 1))  # fmt: skip
-        assert aborts == 3
+        assert aborts == 4
         done = sum(metric(m, "xpod_request_success_total", group=g, finished_reason=r)
                    for g in (0, 1) for r in ("stop", "length"))  # fmt: skip
         assert done == 0
@@ -690,6 +702,30 @@ def test_a_killed_die_ends_requests_with_an_error_and_exit_1():
         assert reason == "error" and error["type"] == "server_error", out
         assert "die 1" in error["message"], error
     assert "error" in err.lower()
+
+
+@pytest.mark.timeout(60)
+def test_a_busy_port_or_a_bad_flag_fails_before_launch():
+    """Exit status 2 and one line naming the flag; nothing launched, nothing left."""
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = busy.getsockname()[1]
+    segs = _segments()
+    try:
+        cases = [("--port", str(port)), ("--port", "70000"), ("--dies", "0"),
+                 ("--drain-timeout", "-1"), ("--max-body", "0"), ("--queue-ahead", "-2"),
+                 ("--stream-interval", "0")]  # fmt: skip
+        for flag, value in cases:
+            args = [flag, value]
+            cmd = [sys.executable, "-m", "runtime.cli", "serve", "--model", "tiny", *args]
+            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=30)
+            assert r.returncode == 2, (args, r.stderr)
+            lines = r.stderr.strip().splitlines()
+            assert len(lines) == 1 and flag in lines[0], (args, r.stderr)
+    finally:
+        busy.close()
+    assert _segments() == segs
 
 
 # -- correctness: concurrent streams against the schedule replay -------------------------------
