@@ -31,6 +31,12 @@ if str(ROOT) not in sys.path:
 
 from runtime import Pod, PodConfig  # noqa: E402
 
+# A shell starts a background job (`make test &`, nohup, some CI runners) with SIGINT ignored,
+# and exec keeps an ignored signal ignored: the tests' launchers and servers would then ignore
+# the Ctrl-C the signal tests send. A handled signal is reset to the default at exec instead.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 SHM_DIR = "/dev/shm"
 KiB, MiB = 1 << 10, 1 << 20
 

@@ -450,7 +450,9 @@ def test_stream_interval_sends_every_n_tokens():
         status, _, data = s.post("/v1/completions", {**base, "stream": True})
         chunks = sse_events(data)
         sizes = [len(e["choices"][0]["token_ids"]) for e in chunks]
-        assert status == 200 and sum(sizes) == 17 and sizes[0] == 1, sizes
+        # the first chunk goes out with the first result the master reads (two if it read two
+        # steps' results in one pass: a loaded machine), not after 4 tokens
+        assert status == 200 and sum(sizes) == 17 and sizes[0] < 4, sizes
         assert all(n >= 4 for n in sizes[1:-1]) and len(sizes) <= 1 + 16 // 4 + 1, sizes
         assert [t for e in chunks for t in e["choices"][0]["token_ids"]] == whole["token_ids"]
         assert "".join(e["choices"][0]["text"] for e in chunks) == whole["text"]
