@@ -38,6 +38,7 @@ import numpy as np
 
 import comm
 from bench import common, peers
+from comm.quant import COMBINE_DTYPES, combine_dtype
 from comm.routing import Placement, get_dispatch_layout
 from memory.errors import ConfigError
 from runtime import Pod, PodConfig
@@ -100,6 +101,7 @@ class Point:
     num_experts: int
     seed: int
     attention_dies: int = 0
+    combine_dtype: str = "bfloat16"
 
     @property
     def senders(self) -> int:
@@ -144,9 +146,9 @@ def counts_matrix(pt: Point) -> np.ndarray:
 
 
 def msg_bytes(pt: Point, quant: str) -> tuple[int, int]:
-    """(dispatch, combine) bytes of one message."""
+    """(dispatch, combine) bytes of one message (combine rows: bfloat16 or float32)."""
     dispatch = pt.hidden + SCALE_BYTES if quant == "int8" else 4 * pt.hidden
-    return dispatch, 4 * pt.hidden
+    return dispatch, combine_dtype(pt.combine_dtype).itemsize * pt.hidden
 
 
 def default_experts(expert_dies: int) -> int:
@@ -270,6 +272,7 @@ class Options:
     experts: int | None
     protocols: list[str]
     quants: list[str]
+    combine_dtype: str
     a2e_pods: list[tuple[int, int]]
     peers: bool
     budget_s: float
@@ -320,6 +323,7 @@ def a2a_row(
         "transport": transport,
         "protocol": protocol,
         "quant": quant,
+        "combine_dtype": pt.combine_dtype,
         "dies": pt.dies,
         "attention_dies": pt.attention_dies,
         "expert_dies": pt.dies - pt.attention_dies,
@@ -463,6 +467,7 @@ def _pod_config(pt: Point, opts: Options) -> PodConfig:
         app_bytes=1 << 20,  # the all-to-all areas are separate; the app area stays unused
         # INT8-only runs get the paper's INT8 row size (a quarter of the float32 rows)
         a2a_dispatch_dtype="int8" if opts.quants == ["int8"] else "float32",
+        a2a_combine_dtype=pt.combine_dtype,
         trace=True if opts.trace else None,
         timeout_s=opts.timeout,
     )
@@ -619,12 +624,13 @@ def _print_buffers(xp: list[dict]) -> None:
             a2a_experts_per_die=p["experts"],
             a2a_num_experts=p["num_dies"] * p["experts"],
             a2a_dispatch_bytes=nbytes,
+            a2a_combine_bytes=2,
         ).fused_buffer_bytes()
         print(
             f"  this layout at the paper's EP320, batch 96, hidden 7168, 1 expert per die,"
             f" a2a_dispatch_dtype={dtype}: dispatch {lo['dispatch'] / 1e6:.0f} MB,"
             f" combine {lo['combine'] / 1e6:.0f} MB (paper: 225 MB + 420 MB; our combine"
-            " buffer is indexed by (slot, k) of this die's tokens, float32)"
+            " buffer is indexed by (slot, k) of this die's tokens, bfloat16)"
         )
 
 
@@ -768,6 +774,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default="int8,none",
         help=f"comma list of {','.join(QUANTS)}",
     )
+    p.add_argument(
+        "--combine-dtype",
+        default="bfloat16",
+        choices=COMBINE_DTYPES,
+        help="combine rows in 16 bits (the paper's, default) or float32",
+    )
     p.add_argument("--a2e", action="store_true", help="add A2E/E2A rows (protocol a2e)")
     p.add_argument(
         "--attention-dies", type=int_list(1), default="2", help="A2E attention dies, comma list"
@@ -840,6 +852,7 @@ def parse_options(args: argparse.Namespace) -> Options:
         experts=args.experts,
         protocols=protocols,
         quants=args.quant,
+        combine_dtype=args.combine_dtype,
         a2e_pods=_a2e_pods(args.attention_dies, args.expert_dies),
         peers=args.peers,
         budget_s=(QUICK_BUDGET_S if quick else BUDGET_S) * args.iters_scale,
@@ -880,11 +893,13 @@ def plan(opts: Options) -> list[tuple[Point, list[str]]]:
     for dies in opts.dies if ep_protocols else []:
         e = opts.experts or default_experts(dies)
         for b in opts.batches:
-            out.append((Point(dies, b, opts.hidden, opts.topk, e, opts.seed), ep_protocols))
+            pt = Point(dies, b, opts.hidden, opts.topk, e, opts.seed, 0, opts.combine_dtype)
+            out.append((pt, ep_protocols))
     for a, x in opts.a2e_pods if "a2e" in opts.protocols else []:
         e = opts.experts or default_experts(x)
         for b in opts.batches:
-            out.append((Point(a + x, b, opts.hidden, opts.topk, e, opts.seed, a), ["a2e"]))
+            pt = Point(a + x, b, opts.hidden, opts.topk, e, opts.seed, a, opts.combine_dtype)
+            out.append((pt, ["a2e"]))
     return out
 
 

@@ -242,7 +242,8 @@ def replay_check(opts: Options) -> dict:
     params = [SamplingParams(max_tokens=40, temperature=0.7 * (i % 2), seed=i) for i in range(10)]
     with Engine.launch(cfg) as eng:
         eng.generate(prompts, params)
-    rep = replay(eng.model, dies, None, cfg.blocks, cfg.block_size, eng.step_log)
+    rep = replay(eng.model, dies, None, cfg.blocks, cfg.block_size, eng.step_log,
+                 cfg.combine_dtype)  # fmt: skip
     return {"replay_bit_equal": rep.bit_equal, "replay_steps": rep.steps,
             "replay_sampled": rep.sampled}  # fmt: skip
 

@@ -22,7 +22,10 @@ Dispatch steps (the trace records each):
 7.   write it to the output, rows grouped by local expert, then (src_rank, batch_slot, k_index).
 Combine mirrors it: expert rows into this die's own combine area, blocks by source, fields to
 every source, poll, pull, and reduce `out[slot] = sum_k w[slot, k] * row(slot, k)` in ascending
-k in float32, the exact operation order of `comm.reference.combine_ref`.
+k in float32, the exact operation order of `comm.reference.combine_ref`. Combine rows travel in
+the pod's `a2a_combine_dtype`: bfloat16 by default (the paper's 16-bit combine message; each
+float32 expert row is rounded to nearest even once, on the expert die, and widened exactly on
+the token's die), or float32.
 
 Reuse of a half: a die starts operation n+2 (overwriting half n % 2) only after step 5 of n+1,
 which needs every peer's step 4 of n+1, which each peer does only after finishing its pulls of
@@ -47,7 +50,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from comm.endpoint import Endpoint
-from comm.quant import quantize_int8
+from comm.quant import combine_dtype, quantize_int8
 from comm.routing import DispatchLayout, Placement, get_dispatch_layout
 from comm.trace import now_ns
 from memory import layout as L
@@ -562,7 +565,8 @@ def combine(
     # step 3: own combine rows, blocks by source die in each source's send order
     order = np.argsort(handle.recv_src_rank, kind="stable")
     rows = _rows(ep, ep.die_id, COMBINE, half, 0, n_rows)
-    rows[:, : 4 * hidden] = expert_out[order].view(np.uint8).reshape(n_rows, 4 * hidden)
+    cdt = _comb_dtype(ep)
+    rows[:, : cdt.itemsize * hidden].view(cdt)[:] = expert_out[order]  # bfloat16: rounded here
     t1 = now_ns()
     counts = np.bincount(handle.recv_src_rank, minlength=ep.num_dies)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
@@ -705,17 +709,23 @@ def _flag(ep: Endpoint, dst: int, f: int, event_word: int, count: int, op: int, 
 def _weighted_sum(contrib: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.ndarray:
     """out[slot] = sum over routed k, ascending, of w[slot, k] * contrib[slot, k], in float32:
     the operation order of `comm.reference.combine_ref`, so results are bit for bit the same.
-    `contrib` is scratch (a receive buffer): each fully routed column is multiplied in place and
-    added, so no product temporary crosses the cache; unrouted entries are never read."""
-    out = np.zeros((idx.shape[0], contrib.shape[2]), np.float32)
+    `contrib` (float32 or bfloat16 rows, widened exactly) is scratch (a receive buffer): a fully
+    routed float32 column is multiplied in place and added, so no product temporary crosses the
+    cache; a bfloat16 column is widened by the multiply into one reused float32 row block;
+    unrouted entries are never read."""
+    batch, hidden = idx.shape[0], contrib.shape[2]
+    out = np.zeros((batch, hidden), np.float32)
+    wide = contrib.dtype == np.float32
+    tmp = None if wide else np.empty((batch, hidden), np.float32)
     for k in range(idx.shape[1]):
         m = idx[:, k] >= 0
         if m.all():
             ck = contrib[:, k]
-            np.multiply(w[:, k, None], ck, out=ck)
-            out += ck
+            dst = ck if wide else tmp
+            np.multiply(w[:, k, None], ck, out=dst, dtype=np.float32)
+            out += dst
         elif m.any():
-            out[m] = out[m] + w[m, k, None] * contrib[m, k]
+            out[m] = out[m] + w[m, k, None] * contrib[m, k].astype(np.float32)
     return out
 
 
@@ -724,7 +734,8 @@ def _reduce(ep: Endpoint, handle: DispatchHandle, where: list[tuple], half: int)
     idx, w = handle.topk_idx, handle.topk_weights
     batch, k_max = idx.shape
     hidden = ep.layout.a2a_hidden
-    contrib = np.empty((batch, k_max, hidden), np.float32)  # unrouted entries are never read
+    cdt = _comb_dtype(ep)
+    contrib = np.empty((batch, k_max, hidden), cdt)  # unrouted entries are never read
     for p, d in enumerate(placement.dies):
         a, b = int(lay.dest_offsets[p]), int(lay.dest_offsets[p + 1])
         off, count = where[d]
@@ -733,8 +744,8 @@ def _reduce(ep: Endpoint, handle: DispatchHandle, where: list[tuple], half: int)
                 f"die {ep.die_id}: combine from die {d} returns {count} rows, this die sent it"
                 f" {b - a} (expert_out rows out of step with the dispatch)"
             )
-        got = _rows(ep, d, COMBINE, half, off, count)[:, : 4 * hidden]  # remote read
-        contrib[lay.msg_slot[a:b], lay.msg_k[a:b]] = got.view(np.float32)
+        got = _rows(ep, d, COMBINE, half, off, count)[:, : cdt.itemsize * hidden]  # remote read
+        contrib[lay.msg_slot[a:b], lay.msg_k[a:b]] = got.view(cdt)
     return _weighted_sum(contrib, idx, w)
 
 
@@ -884,7 +895,7 @@ def _fused_combine(ep, expert_out, handle, event_id):
     out = _weighted_sum(_comb_rows(ep, idx.shape[0]), idx, w)
     if tr:
         t3 = now_ns()
-        nbytes = 4 * lo.a2a_hidden * len(handle.recv_src_rank)
+        nbytes = lo.a2a_combine_bytes * lo.a2a_hidden * len(handle.recv_src_rank)
         for step, a, b, nb in ((1, t0, t1, nbytes), (3, t1, t2, 0), (4, t2, t3, 0)):
             tr.rec(a, b - a, "fused_combine", step, -1, 0, event_id, nb)
     return out
@@ -910,34 +921,45 @@ def _check_sources(ep: Endpoint, owners: np.ndarray, op: int, event_id: int, wha
             )
 
 
-def _comb_f32(ep: Endpoint, die: int) -> np.ndarray:
-    """float32 [max_batch * topk, comb_stride / 4]: die's combine buffer, row slot * topk + k."""
+def _comb_dtype(ep: Endpoint) -> np.dtype:
+    """The dtype of this pod's combine rows (PodConfig.a2a_combine_dtype)."""
+    return combine_dtype(ep.layout.a2a_combine_bytes)
+
+
+def _comb_buf(ep: Endpoint, die: int) -> np.ndarray:
+    """[max_batch * topk, comb_stride / element] of the combine dtype: die's fused combine
+    buffer, row slot * topk + k."""
     views = ep.a2a.comb_f32
     v = views.get(die)
     if v is None:
         lo = ep.layout
         n, stride = lo.a2a_max_batch * lo.a2a_topk, lo.pull_comb_stride
         raw = ep.regions[die].array[lo.fused_comb_off : lo.fused_comb_off + n * stride]
-        v = views[die] = raw.view(np.float32).reshape(n, stride // 4)
+        cdt = _comb_dtype(ep)
+        v = views[die] = raw.view(cdt).reshape(n, stride // cdt.itemsize)
     return v
 
 
 def _comb_rows(ep: Endpoint, batch: int) -> np.ndarray:
-    """float32 [batch, topk, hidden] view of this die's own combine buffer (unrouted entries
-    hold stale bytes that `_weighted_sum` never reads)."""
+    """[batch, topk, hidden] view of this die's own combine buffer, combine dtype (unrouted
+    entries hold stale bytes that `_weighted_sum` never reads)."""
     lo = ep.layout
-    v = _comb_f32(ep, ep.die_id)[: batch * lo.a2a_topk, : lo.a2a_hidden]
+    v = _comb_buf(ep, ep.die_id)[: batch * lo.a2a_topk, : lo.a2a_hidden]
     return v.reshape(batch, lo.a2a_topk, lo.a2a_hidden)
 
 
 def _write_slots_by_src(ep, rows, dest, slots, ks, op, event_id) -> None:
     """Steps 1-2 of a fused combine (and of E2A): per destination, this die's event id word,
     then row i straight into die dest[i]'s combine buffer at (slots[i], ks[i]), one row copy
-    each and no gathered temporary, then the completion words of those (slot, k) LAST."""
+    each and no gathered temporary, then the completion words of those (slot, k) LAST. Rows in
+    float32 are rounded to the combine dtype first, once (bfloat16 rows go as they are)."""
     n = len(dest)
     if not n:
         return
     lo = ep.layout
+    cdt = _comb_dtype(ep)
+    if rows.dtype != cdt:
+        rows = rows.astype(cdt)
     hidden, topk = lo.a2a_hidden, lo.a2a_topk
     order = np.argsort(dest, kind="stable")
     ordered = dest[order]
@@ -948,7 +970,7 @@ def _write_slots_by_src(ep, rows, dest, slots, ks, op, event_id) -> None:
         lin = slots[sel] * topk + ks[sel]
         _lin_check(ep, d, lin)
         _words(ep, d, lo.fused_cevent_off, ep.num_dies)[ep.die_id] = event_id
-        buf = _comb_f32(ep, d)
+        buf = _comb_buf(ep, d)
         for i, j in zip(sel.tolist(), lin.tolist(), strict=True):
             buf[j, :hidden] = rows[i]  # remote write
         _words(ep, d, lo.fused_cflag_off, lo.a2a_max_batch * topk)[lin] = op  # LAST
@@ -1212,7 +1234,7 @@ def _e2a_expert(ep, expert_out, handle, op, event_id, bad) -> None:
         if any(refuse[e] == op for e in range(n_att, ep.num_dies)):
             _refuse_slots(ep, partner, slots, ks, op, event_id)  # pass the refusal on
         else:
-            rows = _comb_f32(ep, me)[slots * lo.a2a_topk + ks, :hidden]
+            rows = _comb_buf(ep, me)[slots * lo.a2a_topk + ks, :hidden]
             _write_slots_by_src(ep, rows, partner, slots, ks, op, event_id)
             if tr:
                 tr.rec(t1, t2 - t1, "e2a", 3, me - n_att, 0, event_id, 0)

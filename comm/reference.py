@@ -17,7 +17,10 @@ skipping unrouted `k` (`topk_idx[slot, k] == -1`):
     out  = out + prod                                          # float32 add, rounded
 
 elementwise over `hidden`, two roundings per term, no fused multiply-add, no pairwise or
-reordered summation. `row(slot, k)` is the expert output row whose origin is `(src, slot, k)`.
+reordered summation. `row(slot, k)` is the expert output row whose origin is `(src, slot, k)`,
+as the combine delivers it: with `combine_dtype="bfloat16"` (the pods' default, 000 §4.2.1's
+16-bit combine message) each row is first rounded to bfloat16, nearest even, and widened back to
+float32 exactly (`comm.quant.round_combine`); with "float32" it is the row itself.
 A token with no routed k is all zeros. Since the order is fixed by `k`, not by arrival, the
 result is the same whatever order the rows arrived in.
 
@@ -33,7 +36,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from comm.quant import dequantize_int8, quantize_int8
+from comm.quant import combine_dtype, dequantize_int8, quantize_int8, round_combine
 from comm.routing import Placement, check_topk_idx, get_dispatch_layout
 
 __all__ = [
@@ -293,6 +296,7 @@ def combine_ref(
     topk_idxs: Sequence[np.ndarray],
     topk_weights: Sequence[np.ndarray],
     src_ranks: Sequence[int] | None = None,
+    combine_dtype: str = "bfloat16",
 ) -> list[np.ndarray]:
     """Reference combine: weighted sum of each token's expert outputs, back on its source die.
 
@@ -303,12 +307,15 @@ def combine_ref(
         topk_idxs: one int `[b_i, k_i]` per source, as given to the dispatch (-1 = not routed).
         topk_weights: one float `[b_i, k_i]` per source; converted to float32 first.
         src_ranks: die id of each source, as given to the dispatch; default `0..len-1`.
+        combine_dtype: "bfloat16" (rows rounded to bfloat16 on the way, as a pod's default
+            `a2a_combine_dtype`) or "float32".
 
     Returns:
         outs: one float32 `[b_i, hidden]` per source, `out[slot] = sum over routed k, ascending, of
             float32(w[slot, k]) * row(slot, k)`, accumulated exactly as the module docstring says;
             zeros for a token with no routed k.
     """
+    cdt = _combine_dtype(combine_dtype)
     hidden = _check_expert_outs(expert_outs, dispatch_outs)
     topks = [_check_topk_shape(t, f"topk_idxs[{i}]") for i, t in enumerate(topk_idxs)]
     weights = _check_weights(topks, topk_weights)
@@ -319,6 +326,7 @@ def combine_ref(
     outs = []
     for rank, topk, w in zip(ranks, topks, weights, strict=True):
         rows, routed = _gather_rows(expert_outs, dispatch_outs, rank, topk, hidden)
+        rows = round_combine(rows, cdt)
         out = np.zeros((topk.shape[0], hidden), dtype=np.float32)
         for k in range(topk.shape[1]):  # ascending k: the fixed accumulation order
             sel = routed[:, k]
@@ -326,6 +334,13 @@ def combine_ref(
             out[sel] = out[sel] + prod  # float32 add, rounded once
         outs.append(out)
     return outs
+
+
+def _combine_dtype(name) -> np.dtype:
+    try:
+        return combine_dtype(name)
+    except ValueError:
+        raise ValueError(f"combine_dtype: {name!r} must be 'bfloat16' or 'float32'") from None
 
 
 # -- disaggregated wrappers and the whole MoE layer ------------------------------------------------
@@ -361,19 +376,22 @@ def a2e_ref(xs, topk_idxs, placement: Placement, att_dies, quant=None) -> dict[i
     return dispatch_ref(xs, topk_idxs, placement, quant=quant, src_ranks=ranks)
 
 
-def e2a_ref(expert_outs, dispatch_outs, topk_idxs, topk_weights, att_dies) -> list[np.ndarray]:
+def e2a_ref(
+    expert_outs, dispatch_outs, topk_idxs, topk_weights, att_dies, combine_dtype: str = "bfloat16"
+) -> list[np.ndarray]:
     """Reference E2A (expert -> attention, docs/protocols.md §8): `combine_ref` with the attention
     dies as sources. E2A + E2A' through the trampolines must give these outputs bit for bit.
 
     Arguments:
-        expert_outs, dispatch_outs, topk_idxs, topk_weights: as in `combine_ref`.
+        expert_outs, dispatch_outs, topk_idxs, topk_weights, combine_dtype: as in `combine_ref`.
         att_dies: die id of each attention die, as given to `a2e_ref`.
 
     Returns:
         outs: one float32 `[b_i, hidden]` per attention die, as `combine_ref`.
     """
     ranks = _check_sources(len(topk_idxs), att_dies, "att_dies")
-    return combine_ref(expert_outs, dispatch_outs, topk_idxs, topk_weights, src_ranks=ranks)
+    return combine_ref(expert_outs, dispatch_outs, topk_idxs, topk_weights, src_ranks=ranks,
+                       combine_dtype=combine_dtype)  # fmt: skip
 
 
 def moe_ref(
@@ -384,12 +402,13 @@ def moe_ref(
     expert_fn: Callable[[int, DispatchOut], np.ndarray],
     quant: str | None = None,
     src_ranks: Sequence[int] | None = None,
+    combine_dtype: str = "bfloat16",
 ) -> list[np.ndarray]:
     """Reference routed-expert MoE layer: dispatch, run the experts, combine.
 
     Arguments:
-        xs, topk_idxs, topk_weights, placement, quant, src_ranks: as in `dispatch_ref` and
-            `combine_ref`.
+        xs, topk_idxs, topk_weights, placement, quant, src_ranks, combine_dtype: as in
+            `dispatch_ref` and `combine_ref`.
         expert_fn: `expert_fn(die, out) -> float32 [out.num_rows, hidden]`, called once per die of
             `placement.dies` in order, with `out` already dequantized (`dequantize_dispatch`: `x`
             float32, `scales=None`) so experts see what the expert die computes on.
@@ -399,4 +418,5 @@ def moe_ref(
     """
     dispatched = dispatch_ref(xs, topk_idxs, placement, quant=quant, src_ranks=src_ranks)
     expert_outs = {die: expert_fn(die, dequantize_dispatch(d)) for die, d in dispatched.items()}
-    return combine_ref(expert_outs, dispatched, topk_idxs, topk_weights, src_ranks=src_ranks)
+    return combine_ref(expert_outs, dispatched, topk_idxs, topk_weights, src_ranks=src_ranks,
+                       combine_dtype=combine_dtype)  # fmt: skip

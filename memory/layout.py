@@ -175,6 +175,7 @@ class RegionLayout:
     a2a_experts_per_die: int = 0
     a2a_num_experts: int = 0
     a2a_dispatch_bytes: int = 4  # 4: float32 (or INT8) dispatch rows; 1: INT8-only rows
+    a2a_combine_bytes: int = 2  # 2: bfloat16 combine rows; 4: float32
     pull_field_off: int = 0
     pull_disp_off: int = 0
     pull_disp_rows: int = 0
@@ -210,6 +211,7 @@ class RegionLayout:
             key += f",{self.a2a_experts_per_die},{self.a2a_num_experts}"
             if self.a2a_dispatch_bytes != 4:
                 key += f",disp{self.a2a_dispatch_bytes}"
+            key += f",comb{self.a2a_combine_bytes}"
         if self.serve_slot_bytes:
             key += f",serve:{self.serve_slot_bytes}"
         return zlib.crc32(key.encode())
@@ -232,7 +234,7 @@ class RegionLayout:
 
     def fused_buffer_bytes(self) -> dict[str, int]:
         """The pre-allocated fused receive buffers of one die (the paper's formula, 000 §4.2.1:
-        n_ranks x max_tokens x msg_bytes for dispatch; combine rows here are float32 and
+        n_ranks x max_tokens x msg_bytes for dispatch; combine rows, bfloat16 (or float32), are
         indexed by (batch_slot, k_index), so max_batch x topk of them)."""
         return {
             "dispatch": self.num_dies * self.fused_disp_rows * self.pull_disp_stride,
@@ -307,6 +309,7 @@ def compute(
     a2a_num_experts: int = 0,
     a2a_dispatch_bytes: int = 4,
     serve_slot_bytes: int = 0,
+    a2a_combine_bytes: int = 2,
 ) -> RegionLayout:
     """Compute the layout of one region from the pod's sizes.
 
@@ -322,6 +325,7 @@ def compute(
             most experts one die may host); none when a2a_max_batch is 0.
         a2a_dispatch_bytes: bytes per element of a dispatch row: 4 (float32 or INT8 dispatch)
             or 1 (INT8 only: rows of hidden + PULL_ROW_META bytes, the paper's buffer formula).
+        a2a_combine_bytes: bytes per element of a combine row: 2 (bfloat16) or 4 (float32).
         serve_slot_bytes: bytes per slot of the serving command and result rings (0: none).
     Returns:
         RegionLayout with every offset; raises ConfigError naming the bad argument.
@@ -348,8 +352,18 @@ def compute(
         raise ConfigError(
             f"a2a_dispatch_bytes: {a2a_dispatch_bytes!r} must be 4 (float32) or 1 (int8)"
         )
+    if a2a_combine_bytes not in (2, 4):
+        raise ConfigError(
+            f"a2a_combine_bytes: {a2a_combine_bytes!r} must be 2 (bfloat16) or 4 (float32)"
+        )
     a2a = _a2a_sizes(
-        num_dies, a2a_max_batch, a2a_hidden, a2a_topk, a2a_experts_per_die, a2a_dispatch_bytes
+        num_dies,
+        a2a_max_batch,
+        a2a_hidden,
+        a2a_topk,
+        a2a_experts_per_die,
+        a2a_dispatch_bytes,
+        a2a_combine_bytes,
     )
     on = bool(a2a_max_batch)
     pull_field_off = sync_off + FIELD_BYTES
@@ -398,6 +412,7 @@ def compute(
         a2a_experts_per_die=a2a_experts_per_die,
         a2a_num_experts=a2a_num_experts,
         a2a_dispatch_bytes=a2a_dispatch_bytes,
+        a2a_combine_bytes=a2a_combine_bytes,
         pull_field_off=pull_field_off if a2a_max_batch else 0,
         pull_disp_off=pull_disp_off if a2a_max_batch else 0,
         pull_disp_rows=a2a["disp_rows"],
@@ -426,15 +441,22 @@ PULL_ROW_META = 16  # bytes after a dispatch row's payload: scale f32, slot i32,
 
 
 def _a2a_sizes(
-    num_dies: int, batch: int, hidden: int, topk: int, per_die: int, disp_bytes: int = 4
+    num_dies: int,
+    batch: int,
+    hidden: int,
+    topk: int,
+    per_die: int,
+    disp_bytes: int = 4,
+    comb_bytes: int = 2,
 ) -> dict:
     """Rows and strides of the pull send areas (docs/protocols.md §6), zeros when batch is 0.
 
     Dispatch: one half holds every message a die sends in one step, `batch x topk` rows, each a
     float32 payload (INT8 uses the first `hidden` bytes; an INT8-only pod, `disp_bytes` 1, has
-    `hidden`-byte payloads) plus PULL_ROW_META. Combine: one half
-    holds every row an expert die returns, at most `batch x min(topk, experts_per_die)` from
-    each source die. Strides are rounded to 64 bytes (a cache line).
+    `hidden`-byte payloads) plus PULL_ROW_META. Combine: rows of `comb_bytes x hidden` (bfloat16
+    or float32); one half holds every row an expert die returns, at most
+    `batch x min(topk, experts_per_die)` from each source die. Strides are rounded to 64 bytes
+    (a cache line).
     """
     if not batch:
         return {"disp_rows": 0, "disp_stride": 0, "comb_rows": 0, "comb_stride": 0}
@@ -445,7 +467,7 @@ def _a2a_sizes(
         "disp_rows": batch * topk,
         "disp_stride": _round_up(disp_bytes * hidden + PULL_ROW_META, 64),
         "comb_rows": num_dies * batch * min(topk, per_die),
-        "comb_stride": _round_up(4 * hidden, 64),
+        "comb_stride": _round_up(comb_bytes * hidden, 64),
     }
 
 

@@ -13,6 +13,7 @@ import os
 import tomllib
 from dataclasses import dataclass, fields
 
+from comm.quant import COMBINE_DTYPES
 from comm.wait import WaitPolicy
 from memory import layout as L
 from memory.errors import ConfigError
@@ -48,6 +49,9 @@ class PodConfig:
         a2a_dispatch_dtype: "float32" (dispatch rows hold float32 payloads, so both quant=None
             and quant="int8" work) or "int8" (rows of `hidden` bytes + 16 B of metadata, the
             paper's buffer formula, a quarter of the memory; quant=None is then refused).
+        a2a_combine_dtype: "bfloat16" (combine rows travel in 16 bits, as the paper sends them,
+            000 §4.2.1: each expert output row is rounded to nearest even once, the token's die
+            sums them in float32) or "float32" (rows travel unrounded, twice the bytes).
         serve_slot_bytes: bytes of each slot of the serving command and result rings in every
             die's region (0: a pod that does not serve; `runtime.serve.Engine` sets it).
     """
@@ -73,6 +77,7 @@ class PodConfig:
     num_experts: int = 0
     a2a_max_local_experts: int = 0
     a2a_dispatch_dtype: str = "float32"
+    a2a_combine_dtype: str = "bfloat16"
     serve_slot_bytes: int = 0
 
     def __post_init__(self) -> None:
@@ -102,6 +107,7 @@ class PodConfig:
             raise ConfigError(f"trace: {self.trace!r} must be true or false")
         _int_in("a2a_max_batch", self.a2a_max_batch, 0, 1 << 20)
         _choice("a2a_dispatch_dtype", self.a2a_dispatch_dtype, ("float32", "int8"))
+        _choice("a2a_combine_dtype", self.a2a_combine_dtype, COMBINE_DTYPES)
         _int_in("serve_slot_bytes", self.serve_slot_bytes, 0, 1 << 30)
         if self.serve_slot_bytes % 64:
             raise ConfigError(f"serve_slot_bytes: {self.serve_slot_bytes} must be a multiple of 64")
@@ -141,6 +147,7 @@ class PodConfig:
             else 0,
             a2a_num_experts=self.num_experts if self.a2a_max_batch else 0,
             a2a_dispatch_bytes=1 if self.a2a_dispatch_dtype == "int8" else 4,
+            a2a_combine_bytes=2 if self.a2a_combine_dtype == "bfloat16" else 4,
             serve_slot_bytes=self.serve_slot_bytes,
         )
 

@@ -166,6 +166,7 @@ class DecodeOptions:
     steps: int = 32
     model: str = "small"
     quant: str | None = None
+    combine_dtype: str = "bfloat16"
     protocol: str = "fused"
     temperature: float = 0.0
     seed: int = 0
@@ -217,6 +218,7 @@ def pod_config(model: ModelConfig, spec_prompts, opts: DecodeOptions) -> PodConf
         a2a_topk=model.topk,
         num_experts=model.num_experts,
         a2a_dispatch_dtype="int8" if opts.quant == "int8" else "float32",
+        a2a_combine_dtype=opts.combine_dtype,
         app_bytes=kv_bytes + (1 << 20),
         trace=bool(opts.trace),
         trace_capacity=1 << 20 if opts.trace else 1 << 16,
@@ -265,7 +267,7 @@ def run_decode(opts: DecodeOptions) -> dict:
         f" {model.num_experts} experts top-{model.topk}), {opts.dies} dies on {cfg.cores} cores,"
         f" batch {opts.batch} ({', '.join(str(len(p)) for p in per_die)} per die), prompt"
         f" {opts.prompt_len}, {opts.steps} steps, {opts.protocol}"
-        f" {opts.quant or 'float32'} dispatch"
+        f" {opts.quant or 'float32'} dispatch, {opts.combine_dtype} combine"
     )
     t0 = time.monotonic()
     with Pod.launch(cfg) as pod:

@@ -36,6 +36,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--model", default="small", choices=tuple(PRESETS), help="model preset")
     p.add_argument("--quant", default="none", choices=("none", "int8"))
+    p.add_argument("--combine-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="combine rows in 16 bits (the paper's) or float32")  # fmt: skip
     p.add_argument("--protocol", default="fused", choices=comm.alltoall.PROTOCOLS)
     p.add_argument("--temperature", type=nonneg_float, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=nonneg_int, default=0, help="prompts, weights and sampling seed")
@@ -83,6 +85,7 @@ def options(args: argparse.Namespace) -> DecodeOptions:
         steps=args.steps,
         model=args.model,
         quant=None if args.quant == "none" else args.quant,
+        combine_dtype=args.combine_dtype,
         protocol=args.protocol,
         temperature=args.temperature,
         seed=args.seed,

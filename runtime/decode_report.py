@@ -34,6 +34,7 @@ def summarize(res: list[dict], opts: DecodeOptions, model: ModelConfig) -> dict:
         "prompt_len": opts.prompt_len,
         "steps": steps,
         "quant": opts.quant or "none",
+        "combine_dtype": opts.combine_dtype,
         "protocol": opts.protocol,
         "tokens_per_s": opts.batch * steps / decode_s if decode_s else 0.0,
         "tpot_p50_ms": float(np.percentile(step_ms, 50)) if steps else 0.0,
@@ -61,16 +62,16 @@ def check(res: list[dict], per_die, opts: DecodeOptions, model: ModelConfig) -> 
     limit_blas_threads(1)  # the reference is one process on one core (the pod's dies: the same)
     keep_freed_memory()  # as every die does
     progress("  --check: single-process reference (float32 dispatch) ...")
-    ref = ReferencePod(model, opts.dies, quant=None).generate(
+    ref = ReferencePod(model, opts.dies, quant=None, combine_dtype=opts.combine_dtype).generate(
         per_die, opts.steps, opts.temperature, opts.seed
     )
     out = {"ref_tokens_per_s": ref.decode_tokens_per_s, "ref_prefill_ms": ref.prefill_s * 1e3}
     out.update(compare(res, ref, exact=opts.quant is None))
     if opts.quant == "int8":
         progress("  --check: single-process reference with INT8 dispatch ...")
-        ref8 = ReferencePod(model, opts.dies, quant="int8").generate(
-            per_die, opts.steps, opts.temperature, opts.seed
-        )
+        ref8 = ReferencePod(
+            model, opts.dies, quant="int8", combine_dtype=opts.combine_dtype
+        ).generate(per_die, opts.steps, opts.temperature, opts.seed)
         exact = compare(res, ref8, exact=True)
         out["int8_ref_mismatched_tokens"] = exact["mismatched_tokens"]
         out["int8_ref_logits_bit_equal"] = exact["logits_bit_equal"]
@@ -126,7 +127,8 @@ def compare(res: list[dict], ref, exact: bool) -> dict:
 def print_summary(s: dict) -> None:
     print(
         f"\ndecode: {s['dies']} dies, model {s['model']}, batch {s['batch']}, prompt"
-        f" {s['prompt_len']}, {s['steps']} steps, {s['protocol']} {s['quant']} dispatch"
+        f" {s['prompt_len']}, {s['steps']} steps, {s['protocol']} {s['quant']} dispatch,"
+        f" {s['combine_dtype']} combine"
     )
     print(
         f"  tokens/s {s['tokens_per_s']:.1f}   TPOT p50 {s['tpot_p50_ms']:.2f} ms  p99"

@@ -198,6 +198,8 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
     )
     add("--protocol", default="fused", choices=comm.alltoall.PROTOCOLS, help="MoE all-to-all")
     add("--quant", default="none", choices=("none", "int8"), help="MoE dispatch quantization")
+    add("--combine-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+        help="MoE combine rows in 16 bits (the paper's, default) or float32")  # fmt: skip
     add(
         "--gc-every",
         type=nonneg_int,
@@ -244,6 +246,7 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
             lb_policy=args.lb,
             protocol=args.protocol,
             quant=None if args.quant == "none" else args.quant,
+            combine_dtype=args.combine_dtype,
             gc_every=args.gc_every,
             pin=args.pin,
             timeout_s=args.timeout,

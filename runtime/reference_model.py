@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from comm.quant import COMBINE_DTYPES
 from comm.reference import QUANT_MODES, combine_ref, dequantize_dispatch, dispatch_ref
 from comm.routing import Placement
 from memory.errors import ConfigError
@@ -81,6 +82,8 @@ class ReferencePod:
         quant: None (float32 dispatch) or "int8" (per-token INT8 dispatch payloads).
         kv: one KV store per die (default: a `DictKV` each); the schedule replay passes
             `runtime.kvpool.PagedKV` stores driven by the served block tables.
+        combine_dtype: "bfloat16" (expert rows rounded as a pod's default combine sends them)
+            or "float32": the pod's `a2a_combine_dtype`.
     """
 
     def __init__(
@@ -89,11 +92,17 @@ class ReferencePod:
         num_dies: int,
         quant: str | None = None,
         kv: Sequence | None = None,
+        combine_dtype: str = "bfloat16",
     ):
         cfg.validate(num_dies)
         if quant not in QUANT_MODES:
             raise ConfigError(f"quant: expected one of {QUANT_MODES}, got {quant!r}")
+        if combine_dtype not in COMBINE_DTYPES:
+            raise ConfigError(
+                f"combine_dtype: expected one of {COMBINE_DTYPES}, got {combine_dtype!r}"
+            )
         self.cfg, self.num_dies, self.quant = cfg, num_dies, quant
+        self.combine_dtype = combine_dtype
         self.placement = Placement.default(cfg.num_experts, tuple(range(num_dies)))
         if kv is not None and len(kv) != num_dies:
             raise ValueError(f"kv: expected {num_dies} stores (one per die), got {len(kv)}")
@@ -140,7 +149,7 @@ class ReferencePod:
             rows = dequantize_dispatch(out).x
             ids = self.placement.experts_on(d)
             expert_outs[d] = self.dies[d].experts(layer, rows, out.expert_counts, ids)
-        routed = combine_ref(expert_outs, dispatched, idxs, ws)
+        routed = combine_ref(expert_outs, dispatched, idxs, ws, combine_dtype=self.combine_dtype)
         return [
             die.finish_moe(layer, h, xn, r)
             for die, h, xn, r in zip(self.dies, hs, xns, routed, strict=True)

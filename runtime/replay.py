@@ -52,11 +52,13 @@ def replay(
     num_blocks: int,
     block_size: int,
     logs: dict[int, list[dict]],
+    combine_dtype: str = "bfloat16",
 ) -> ReplayReport:
-    """Replay every logged step (logs: group -> the master's step records)."""
+    """Replay every logged step (logs: group -> the master's step records); combine_dtype:
+    the served pod's (`EngineConfig.combine_dtype`)."""
     kv = [PagedKV.zeros(cfg.n_layers, num_blocks, block_size, cfg.kv_cache_dim)
           for _ in range(num_dies)]  # fmt: skip
-    pod = ReferencePod(cfg, num_dies, quant, kv)
+    pod = ReferencePod(cfg, num_dies, quant, kv, combine_dtype)
     by_step: dict[int, dict[int, dict]] = {}
     for group, records in logs.items():
         for rec in records:

@@ -83,6 +83,7 @@ class EngineConfig:
         prefix_cache: reuse the KV of prompt prefixes (full blocks).
         lb_policy: "least_kv" or "round_robin".
         protocol, quant: the MoE all-to-all ("fused" | "pull", None | "int8").
+        combine_dtype: combine rows in "bfloat16" (the paper's 16 bits) or "float32".
         gc_every: 0 = automatic GC; N = freeze after warm-up, collect every N steps (001 §4.4).
         pin: dies and masters pinned to cores: "auto" (when they fit), "on", "off".
         long_prefill_threshold: most tokens of one request per step (0 = the budget).
@@ -114,6 +115,7 @@ class EngineConfig:
     lb_policy: str = "least_kv"
     protocol: str = "fused"
     quant: str | None = None
+    combine_dtype: str = "bfloat16"
     gc_every: int = 0
     pin: str = "auto"
     long_prefill_threshold: int = 0
@@ -143,6 +145,8 @@ class EngineConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"{name}: {v!r} must be an int >= {lo}")  # fmt: skip
+        if self.combine_dtype not in ("bfloat16", "float32"):
+            raise ConfigError(f"combine_dtype: {self.combine_dtype!r} must be bfloat16 or float32")
         if self.async_depth not in (1, 2):
             raise ConfigError(f"async_depth: {self.async_depth!r} must be 1 or 2")
         if self.lb_policy not in ("least_kv", "round_robin"):
@@ -176,6 +180,7 @@ class EngineConfig:
             a2a_topk=m.topk,
             num_experts=m.num_experts,
             a2a_dispatch_dtype="int8" if self.quant == "int8" else "float32",
+            a2a_combine_dtype=self.combine_dtype,
             app_bytes=kv_bytes + (4 << 20),
             serve_slot_bytes=self.slot_bytes(m),
             timeout_s=self.timeout_s,

@@ -46,6 +46,10 @@ def expert_fn(die_id: int, rows: np.ndarray) -> np.ndarray:
     return (rows * np.float32(1.5 + die_id) + np.float32(die_id)).astype(np.float32)
 
 
+def cdt(pod) -> str:
+    return pod.config.a2a_combine_dtype
+
+
 def placement_for(case: str, num_dies: int, num_experts: int) -> Placement:
     dies = tuple(range(num_dies))
     if case == "receives-nothing":  # the last die hosts no expert
@@ -77,7 +81,8 @@ def moe_step(die, seed, quant, case, num_experts, placement, sleep_s=0.0, protoc
     }
 
 
-def check_against_reference(res, seed, quant, case, num_dies, num_experts, placement):
+def check_against_reference(res, seed, quant, case, num_dies, num_experts, placement,
+                            combine_dtype="bfloat16"):  # fmt: skip
     ins = [make_inputs(seed, r, num_experts, case) for r in range(num_dies)]
     douts = ref.dispatch_ref([i[0] for i in ins], [i[1] for i in ins], placement, quant=quant)
     for r in range(num_dies):
@@ -94,16 +99,22 @@ def check_against_reference(res, seed, quant, case, num_dies, num_experts, place
         for r in douts
     }
     eouts = {r: expert_fn(r, rows[r]) for r in douts}
-    couts = ref.combine_ref(eouts, douts, [i[1] for i in ins], [i[2] for i in ins])
+    couts = ref.combine_ref(eouts, douts, [i[1] for i in ins], [i[2] for i in ins],
+                            combine_dtype=combine_dtype)  # fmt: skip
     for r in range(num_dies):
         assert res[r]["out"].dtype == np.float32
         assert np.array_equal(res[r]["out"], couts[r]), f"seed {seed} die {r}: combine differs"
 
 
-@pytest.fixture(scope="module", params=[2, 4, 8], ids=lambda n: f"ep{n}")
+@pytest.fixture(
+    scope="module",
+    params=[(2, "bfloat16"), (4, "bfloat16"), (8, "bfloat16"), (2, "float32"), (4, "float32")],
+    ids=lambda p: f"ep{p[0]}-{p[1]}",
+)
 def ep_pod(request):
-    n = request.param
+    n, combine_dtype = request.param
     cfg = PodConfig(
+        a2a_combine_dtype=combine_dtype,
         num_dies=n,
         a2a_max_batch=B,
         a2a_hidden=H,
@@ -130,7 +141,7 @@ def test_matches_reference(ep_pod, protocol, quant, case):
     for seed in range(3):
         print(f"seed {seed}, ep{n}, {protocol}, {quant}, {case}")
         res = ep_pod.run(moe_step, seed, quant, case, e, placement, 0.0, protocol)
-        check_against_reference(res, seed, quant, case, n, e, placement)
+        check_against_reference(res, seed, quant, case, n, e, placement, cdt(ep_pod))
 
 
 def back_to_back(die, seeds, num_experts, placement):
@@ -150,10 +161,11 @@ def test_back_to_back_alternating_quant_and_a_slow_die(ep_pod):
     res = ep_pod.run(back_to_back, seeds, e, placement)
     for j, seed in enumerate(seeds):
         quant = "int8" if seed % 2 else None
-        check_against_reference([r[j] for r in res], seed, quant, "random", n, e, placement)
+        check_against_reference([r[j] for r in res], seed, quant, "random", n, e, placement,
+                                cdt(ep_pod))  # fmt: skip
     for protocol in ("pull", "fused"):  # die 1 sleeps between the steps
         res = ep_pod.run(moe_step, 20, None, "random", e, placement, 0.02, protocol)
-        check_against_reference(res, 20, None, "random", n, e, placement)
+        check_against_reference(res, 20, None, "random", n, e, placement, cdt(ep_pod))
 
 
 def over_max(die):
@@ -195,7 +207,7 @@ def test_bad_input_is_refused_and_the_pod_stays_usable(ep_pod):
         assert ep_pod.run(bad_shapes, what) == [exc] * n, what
     placement = placement_for("random", n, e)
     res = ep_pod.run(moe_step, 30, "int8", "random", e, placement)
-    check_against_reference(res, 30, "int8", "random", n, e, placement)
+    check_against_reference(res, 30, "int8", "random", n, e, placement, cdt(ep_pod))
 
 
 def traced_step(die, num_experts, placement, protocol):
@@ -293,10 +305,12 @@ def a2e_step(die, seed, n_att, num_experts, quant):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n_att, n_exp", [(2, 4), (4, 8)])
 @pytest.mark.parametrize("quant", [None, "int8"])
-def test_a2e_e2a_through_trampolines_match_reference(n_att, n_exp, quant):
+@pytest.mark.parametrize("combine_dtype", ["bfloat16", "float32"])
+def test_a2e_e2a_through_trampolines_match_reference(n_att, n_exp, quant, combine_dtype):
     n, e = n_att + n_exp, 2 * n_exp
     cfg = PodConfig(num_dies=n, a2a_max_batch=B, a2a_hidden=H, a2a_topk=K, num_experts=e,
-                    a2a_max_local_experts=e // n_exp, timeout_s=20)  # fmt: skip
+                    a2a_max_local_experts=e // n_exp, a2a_combine_dtype=combine_dtype,
+                    timeout_s=20)  # fmt: skip
     placement = Placement.default(e, tuple(range(n_att, n)))
     att = list(range(n_att))
     with Pod.launch(cfg) as pod:
@@ -312,7 +326,8 @@ def test_a2e_e2a_through_trampolines_match_reference(n_att, n_exp, quant):
             rows = {d: o.x.astype(np.float32) * o.scales[:, None] if quant == "int8" else o.x
                     for d, o in douts.items()}  # fmt: skip
             eouts = {d: expert_fn(d, rows[d]) for d in douts}
-            couts = ref.e2a_ref(eouts, douts, [i[1] for i in ins], [i[2] for i in ins], att)
+            couts = ref.e2a_ref(eouts, douts, [i[1] for i in ins], [i[2] for i in ins], att,
+                                combine_dtype)  # fmt: skip
             for r in att:
                 assert np.array_equal(res[r]["out"], couts[r]), (seed, r, "e2a")
                 assert res[r]["writes"] == 1, "one metadata write per attention die per step"

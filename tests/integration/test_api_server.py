@@ -818,7 +818,7 @@ def test_concurrent_streams_equal_the_schedule_replay(output_procs):
         # (sampled after the finish, or in flight when the request was preempted)
         seq = [t for _, t in sorted(sampled[rid])]
         assert _subsequence(toks, seq) and len(seq) - len(toks) <= 2 + 2 * preempted, (toks, seq)
-    rep = replay(m, c.dies, c.quant, c.blocks, c.block_size, logs)
+    rep = replay(m, c.dies, c.quant, c.blocks, c.block_size, logs, c.combine_dtype)
     assert rep.token_mismatches == [] and rep.logit_mismatches == [], rep
     assert rep.bit_equal and rep.logits_compared == rep.sampled
 

@@ -37,19 +37,22 @@ def _run(**kw) -> dict:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
-    "dies, batch, prompt_len, seed, protocol",
+    "dies, batch, prompt_len, seed, protocol, combine_dtype",
     [
-        (2, 4, 12, 0, "fused"),
-        (4, 8, 9, 1, "fused"),
-        (4, 3, 7, 2, "pull"),  # die 3 has no request: it joins every step with an empty batch
-        (8, 5, 6, 3, "fused"),  # three dies idle
+        (2, 4, 12, 0, "fused", "bfloat16"),
+        (4, 8, 9, 1, "fused", "bfloat16"),
+        (4, 3, 7, 2, "pull", "bfloat16"),  # die 3 has no request: it joins every step, empty
+        (8, 5, 6, 3, "fused", "bfloat16"),  # three dies idle
+        (4, 8, 9, 1, "fused", "float32"),
+        (4, 3, 7, 2, "pull", "float32"),
     ],
 )
 def test_distributed_decode_equals_the_reference_bit_for_bit(
-    dies, batch, prompt_len, seed, protocol
+    dies, batch, prompt_len, seed, protocol, combine_dtype
 ):
     s = _run(dies=dies, batch=batch, prompt_len=prompt_len, steps=6, seed=seed, protocol=protocol,
-             overrides={"seed": seed})  # fmt: skip
+             combine_dtype=combine_dtype, overrides={"seed": seed})  # fmt: skip
+    assert s["combine_dtype"] == combine_dtype
     assert s["mismatched_tokens"] == 0, s["first_mismatch"]
     assert s["total_tokens"] == batch * 7
     assert s["logits_bit_equal"], s["logits_max_abs_diff"]

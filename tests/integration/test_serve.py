@@ -73,7 +73,7 @@ def test_served_tokens_and_logits_equal_a_replay_of_the_schedule(async_depth):
     assert sum(s["prefix_hit_tokens"] for s in stats.values()) > 0, "shared prefixes must hit"
     rows = [r for g in logs.values() for step in g for r in step["rows"]]
     assert any(len(r[1]) == 32 and not r[4] for r in rows), "a long prompt must be chunked"
-    rep = replay(m, c.dies, c.quant, c.blocks, c.block_size, logs)
+    rep = replay(m, c.dies, c.quant, c.blocks, c.block_size, logs, c.combine_dtype)
     assert rep.sampled == sum(len(o.token_ids) for o in outs) + _dropped(logs, outs)
     assert rep.token_mismatches == [] and rep.logit_mismatches == [], rep
     assert rep.bit_equal and rep.logits_compared == rep.sampled

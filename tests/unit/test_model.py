@@ -409,3 +409,19 @@ def test_rope_scores_depend_on_relative_position_only():
     _, q0, _ = mla_project(TINY, lw, x, die.cos[:6], die.sin[:6])
     _, q1, _ = mla_project(TINY, lw, x, die.cos[37:43], die.sin[37:43])
     assert not np.allclose(q0, q1)  # the rotation itself did move
+
+
+def test_bfloat16_combine_rounds_the_expert_rows_and_stays_close():
+    """The default combine sends expert rows in bfloat16: the logits move (by the rounding of
+    8-bit mantissas, well under the INT8 dispatch's 0.1), and float32 is the option."""
+    prompts = prompts_for(4, [2, 2, 1, 1])
+    bf = ReferencePod(TINY, 4).generate(prompts, 2)
+    f32 = ReferencePod(TINY, 4, combine_dtype="float32").generate(prompts, 2)
+    assert ReferencePod(TINY, 4).combine_dtype == "bfloat16"
+    diffs = [np.abs(a - b).max(initial=0.0) for a, b in
+             zip(bf.logits[0], f32.logits[0], strict=True)]  # fmt: skip
+    print(f"bfloat16 vs float32 combine, die 0: max |delta logits| per step {diffs}")
+    assert max(diffs) > 0, "bfloat16 must change something, or the option proves nothing"
+    assert diffs[0] < 0.05
+    with pytest.raises(ConfigError, match="combine_dtype"):
+        ReferencePod(TINY, 4, combine_dtype="float16")

@@ -53,8 +53,16 @@ def hand_xs() -> list[np.ndarray]:
 # -- an independent, straightforward reference of the whole MoE layer ------------------------------
 
 
-def loop_moe(xs, topk_idxs, topk_weights, expert_row, quant=None):
-    """For every source token: acc = 0; for k ascending: acc = acc + f32(w) * expert_row(e, row)."""
+def bf16_trip(row: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 (round to nearest, ties to even, in integers) -> float32, finite rows."""
+    u = row.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+
+
+def loop_moe(xs, topk_idxs, topk_weights, expert_row, quant=None, combine_dtype="bfloat16"):
+    """For every source token: acc = 0; for k ascending: acc = acc + f32(w) * expert_row(e, row)
+    (the row through bfloat16 first with combine_dtype "bfloat16", as the combine sends it)."""
+    trip = bf16_trip if combine_dtype == "bfloat16" else (lambda r: r)
     outs = []
     for x, topk, w in zip(xs, topk_idxs, topk_weights, strict=True):
         if quant == "int8":
@@ -68,7 +76,7 @@ def loop_moe(xs, topk_idxs, topk_weights, expert_row, quant=None):
             for k in range(topk.shape[1]):
                 e = int(topk[slot, k])
                 if e >= 0:
-                    acc = acc + np.float32(w[slot, k]) * expert_row(e, x[slot])
+                    acc = acc + np.float32(w[slot, k]) * trip(expert_row(e, x[slot]))
             out[slot] = acc
         outs.append(out)
     return outs
@@ -147,7 +155,8 @@ HAND_WEIGHTS = [
 
 def test_combine_by_hand_identity_experts():
     xs = hand_xs()  # source 0 rows [0, .125] [1, 1.125] [2, 2.125]; source 1 rows [100, ...] ...
-    outs = moe_ref(xs, HAND_TOPKS, HAND_WEIGHTS, HAND_PLACEMENT, lambda die, d: d.x)
+    outs = moe_ref(xs, HAND_TOPKS, HAND_WEIGHTS, HAND_PLACEMENT, lambda die, d: d.x,
+                   combine_dtype="float32")  # fmt: skip
     np.testing.assert_array_equal(outs[0], [[0, 0.09375], [2, 2.25], [0, 0]])
     np.testing.assert_array_equal(outs[1], [[200, 200.25], [0, 0], [102, 102.125]])
 
@@ -155,11 +164,18 @@ def test_combine_by_hand_identity_experts():
 def test_combine_by_hand_scaled_experts():
     # expert e multiplies by e + 1.  src0: slot0 .5*2*r + .25*3*r = 1.75 r;  slot1 2*4*r;
     # slot2 1*1*r - 1*2*r = -r.   src1: slot0 1*3*r + 1*1*r = 4 r;  slot2 .5*4*r + .5*3*r = 3.5 r
-    outs = moe_ref(
-        hand_xs(), HAND_TOPKS, HAND_WEIGHTS, HAND_PLACEMENT, scaled_expert(HAND_PLACEMENT)
-    )
+    outs = moe_ref(hand_xs(), HAND_TOPKS, HAND_WEIGHTS, HAND_PLACEMENT,
+                   scaled_expert(HAND_PLACEMENT), combine_dtype="float32")  # fmt: skip
     np.testing.assert_array_equal(outs[0], [[0, 0.21875], [8, 9], [-2, -2.125]])
     np.testing.assert_array_equal(outs[1], [[400, 400.5], [0, 0], [357, 357.4375]])
+
+
+def test_combine_by_hand_bfloat16_rows():
+    # bfloat16 keeps 8 significant bits: 100.125 (10 bits) travels as 100, 102.125 as 102;
+    # 0.125, 1.125, 2.125 and 200 are exact
+    outs = moe_ref(hand_xs(), HAND_TOPKS, HAND_WEIGHTS, HAND_PLACEMENT, lambda die, d: d.x)
+    np.testing.assert_array_equal(outs[0], [[0, 0.09375], [2, 2.25], [0, 0]])
+    np.testing.assert_array_equal(outs[1], [[200, 200], [0, 0], [102, 102]])
 
 
 # -- properties over random routing ----------------------------------------------------------------
@@ -224,8 +240,13 @@ def test_dispatch_properties(case):
 
 
 @settings(max_examples=150, deadline=None)
-@given(scenarios(), st.integers(0, 2**32 - 1), st.sampled_from(["identity", "scaled"]))
-def test_moe_matches_a_straightforward_loop_bit_for_bit(case, seed, kind):
+@given(
+    scenarios(),
+    st.integers(0, 2**32 - 1),
+    st.sampled_from(["identity", "scaled"]),
+    st.sampled_from(["bfloat16", "float32"]),
+)
+def test_moe_matches_a_straightforward_loop_bit_for_bit(case, seed, kind, combine_dtype):
     placement, src_ranks, xs, topks, quant = case
     print(f"seed={seed}")
     rng = np.random.default_rng(seed)
@@ -233,8 +254,9 @@ def test_moe_matches_a_straightforward_loop_bit_for_bit(case, seed, kind):
     weights = [rng.standard_normal(t.shape).astype(np.float32) for t in topks]
     expert_fn = scaled_expert(placement) if kind == "scaled" else (lambda die, d: d.x)
     expert_row = scaled_row if kind == "scaled" else identity_row
-    got = moe_ref(xs, topks, weights, placement, expert_fn, quant=quant, src_ranks=src_ranks)
-    want = loop_moe(xs, topks, weights, expert_row, quant=quant)
+    got = moe_ref(xs, topks, weights, placement, expert_fn, quant=quant, src_ranks=src_ranks,
+                  combine_dtype=combine_dtype)  # fmt: skip
+    want = loop_moe(xs, topks, weights, expert_row, quant=quant, combine_dtype=combine_dtype)
     for g, w in zip(got, want, strict=True):
         assert g.dtype == np.float32
         np.testing.assert_array_equal(g, w)
@@ -276,8 +298,9 @@ def test_int8_moe_is_close_to_float_moe(seed):
     xs = [rng.standard_normal((10, 64)).astype(np.float32) * 10 for _ in range(4)]
     weights = [rng.random((10, 3)).astype(np.float32) for _ in range(4)]
     identity = lambda die, d: d.x  # noqa: E731
-    exact = moe_ref(xs, topks, weights, placement, identity)
-    approx = moe_ref(xs, topks, weights, placement, identity, quant="int8")
+    exact = moe_ref(xs, topks, weights, placement, identity, combine_dtype="float32")
+    approx = moe_ref(xs, topks, weights, placement, identity, quant="int8",
+                     combine_dtype="float32")  # fmt: skip
     for x, t, w, a, b in zip(xs, topks, weights, exact, approx, strict=True):
         _, scale = quantize_int8(x)
         limit = (np.abs(w) * (t >= 0)).sum(axis=1) * scale * INT8_ERROR_BOUND * 1.001 + 1e-5
