@@ -43,6 +43,8 @@ class DmaJob:
         for ln in self.lanes:
             moved |= ln.pump()
         if all(ln.finished() for ln in self.lanes):
+            for ln in self.lanes:  # a refusal is raised once every lane is acked (the engine
+                ln.check()  # loop stores it in `error` before it sets `done`)
             self.done.set()
             return True
         return moved

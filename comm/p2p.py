@@ -43,7 +43,8 @@ of another message can never be taken for this one.
 A mismatch found by the receiver (event id, size, lanes, dtype, variant) is answered by draining
 the sender's message (ring variants) or refusing its rendezvous (zero-copy) and acking every
 lane with a non-zero `status`: both sides raise ProtocolError and the pair's counters stay
-consistent, so the pod stays usable.
+consistent, so the pod stays usable. The sender raises only after EVERY lane is acked (the
+receiver may still be draining lane 3 when it acked lane 0).
 """
 
 from __future__ import annotations
@@ -237,14 +238,18 @@ class _TxRing:
         return self.aw, self.ack + L.ACK_DONE, self.seq, self.dst, "ack.done"
 
     def finished(self) -> bool:
+        """True once the receiver acked this lane (whatever its status: see `check`)."""
         if self.fin:
             return True
         if self.k < self.nchunks or self.aw[self.ack + L.ACK_DONE] < self.seq:
             return False
         self.fin = True
         _trace_done(self.ep, self.op, self.dst, self.lane, self.event_id, self.hi - self.lo)
-        _check_ack(self.ep, self.aw, self.ack, self.dst, self.event_id)
         return True
+
+    def check(self) -> None:
+        """Raise the receiver's refusal of this lane (call once every lane is finished)."""
+        _check_ack(self.ep, self.aw, self.ack, self.dst, self.event_id)
 
 
 def _trace_done(ep: Endpoint, op: str, dst: int, lane: int, event_id: int, nbytes: int) -> None:
@@ -340,14 +345,18 @@ class _TxZeroCopy:
         return self.aw, self.ack + L.ACK_DONE, self.seq, self.dst, "ack.done"
 
     def finished(self) -> bool:
+        """True once the receiver acked this lane (whatever its status: see `check`)."""
         if self.fin:
             return True
         if not self.sent or self.aw[self.ack + L.ACK_DONE] < self.seq:
             return False
         self.fin = True
         _trace_done(self.ep, "zc_send", self.dst, self.lane, self.event_id, self.hi - self.lo)
-        _check_ack(self.ep, self.aw, self.ack, self.dst, self.event_id)
         return True
+
+    def check(self) -> None:
+        """Raise the receiver's refusal of this lane (call once every lane is finished)."""
+        _check_ack(self.ep, self.aw, self.ack, self.dst, self.event_id)
 
 
 def _check_ack(ep: Endpoint, aw, ack: int, dst: int, event_id: int) -> None:
@@ -478,6 +487,9 @@ class _Rx:
     def finished(self) -> bool:
         return self.acked
 
+    def check(self) -> None:
+        """A receiver lane's errors are raised by `pump`."""
+
 
 # ------------------------------------------------------------------------------------------------
 # Requests: one message between this die and one peer, over `cores` lanes.
@@ -530,6 +542,7 @@ class Request:
             for ln in self._lanes:
                 moved |= ln.pump()
             if all(ln.finished() for ln in self._lanes):
+                _check_lanes(self._lanes)
                 self._finish(None)
                 return True
             return moved
@@ -633,6 +646,15 @@ class _Idler:
             )
 
 
+def _check_lanes(lanes: Sequence) -> None:
+    """Raise the first lane's refusal, once EVERY lane is acked: a sender that gave up at the
+    first refused lane would start its next message while the receiver still drains the other
+    lanes, whose rings would then hold a chunk of each message (the next receive takes the
+    refused message's chunk for its own: wrong bytes, acked)."""
+    for ln in lanes:
+        ln.check()
+
+
 def _run_lanes(lanes: Sequence, ep: Endpoint) -> None:
     """Drive lanes to completion (the DMA engine's loop, and the drain of a bad message)."""
     while True:
@@ -640,6 +662,7 @@ def _run_lanes(lanes: Sequence, ep: Endpoint) -> None:
             ln.pump()
         pending = [ln for ln in lanes if not ln.finished()]
         if not pending:
+            _check_lanes(lanes)
             return
         words, idx, target, peer, field = pending[0].blocked()
         ep.wait_ge(words, idx, target, peer, field)

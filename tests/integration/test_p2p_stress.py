@@ -222,3 +222,51 @@ def test_receiver_refuses_a_lane_of_another_message(pod_factory, lane):
     res = pod.run(forged_lane_send, None)
     assert res[0] == "ok", res
     assert_payload(res[1], 0, 1, 5, 8192)
+
+
+# -- a refused multi-lane message keeps the pair in step, however slowly the receiver drains ----
+
+
+def refused_then_drained_slowly(die, kind: str, n: int, cores: int, variant: str):
+    """A refused `kind` transfer whose receiver drains every lane but lane 0 late (it acks lane
+    0 first), then a good transfer 0 -> 1 of `n` bytes on `cores` lanes: the sender must not
+    start it before every lane of the refused message is acked, or the slow lanes hold a chunk
+    of each message and the good one is taken for the refused one (wrong bytes, or a lane out
+    of step)."""
+    import time
+
+    if die.die_id == 1:
+        original = p2p._Rx.pump
+        slept = set()
+
+        def slow_drain(self):
+            if self.mode == 0 and self.lane > 0 and id(self) not in slept:
+                time.sleep(0.05)  # lane 0 is acked by now: the sender has seen the refusal
+                slept.add(id(self))
+            return original(self)
+
+        p2p._Rx.pump = slow_drain
+    try:
+        out = [refused(die, kind, 5)]
+    finally:
+        if die.die_id == 1:
+            p2p._Rx.pump = original
+    out.append(transfer(die, 0, 1, 6, n, cores, variant))
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "kind, n, cores, variant",
+    [
+        ("mte-lanes", 4 * 4096, 4, "mte"),
+        ("mte-lanes", 4096, 3, "zero-copy"),
+        ("dma-event", 3 * 4096, 3, "dma"),
+        ("dma-send-zc-recv", 4 * 4096, 4, "mte"),
+        ("plain-send-zc-recv", 2 * 4096, 2, "mte"),
+    ],
+)
+def test_a_refused_message_is_drained_on_every_lane_before_the_next(pod, kind, n, cores, variant):
+    res = pod.run(refused_then_drained_slowly, kind, n, cores, variant)
+    assert res[0][0] == res[1][0] == "ProtocolError", (res[0][0], res[1][0])
+    assert_payload(res[1][1], 0, 1, 6, n)
