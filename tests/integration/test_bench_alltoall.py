@@ -78,7 +78,9 @@ def test_xpod_rows_over_batch_dies_protocol_and_quant(tmp_path, capsys):
     by = {(r["dies"], r["batch"], r["quant"]): r for r in rows}
     # 4 dies, batch 4, top-2, int8: 8 messages of 64 + 4 bytes each per die
     assert by[(4, 4, "int8")]["dispatch_bytes_per_die"] == 8 * 68
-    assert by[(4, 4, "none")]["combine_bytes_per_die"] == 8 * 64 * 4
+    # combine: 8 rows of 64 bfloat16 (the default), or float32 with --combine-dtype float32
+    assert by[(4, 4, "none")]["combine_bytes_per_die"] == 8 * 64 * 2
+    assert by[(4, 4, "none")]["combine_dtype"] == "bfloat16"
     out = capsys.readouterr().out
     assert "disp_p50" in out and "Table 7 shape" in out and "fused receive buffers" in out
     from importlib.util import find_spec
@@ -88,6 +90,17 @@ def test_xpod_rows_over_batch_dies_protocol_and_quant(tmp_path, capsys):
 
         plot_rows(rows, str(tmp_path / "a2a.png"))
         assert (tmp_path / "a2a.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.timeout(120)
+def test_float32_combine_moves_twice_the_bytes(tmp_path):
+    args = ("--dies", "4", "--batch", "4", "--protocol", "fused", "--quant", "none")
+    bf = bench(tmp_path, *args)[0]
+    f32 = bench(tmp_path, *args, "--combine-dtype", "float32")[0]
+    assert (bf["combine_dtype"], f32["combine_dtype"]) == ("bfloat16", "float32")
+    assert f32["combine_bytes_per_die"] == 2 * bf["combine_bytes_per_die"] == 8 * 64 * 4
+    assert f32["fused_combine_buffer_bytes"] == 2 * bf["fused_combine_buffer_bytes"]
+    assert f32["dispatch_bytes_per_die"] == bf["dispatch_bytes_per_die"]
 
 
 @pytest.mark.timeout(120)
