@@ -11,6 +11,7 @@ $(STAMP): setup.cfg pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[test,plot,serve]'
+	$(PY) -c "from comm import kernels; kernels.warm()"  # compile numba kernels into the cache
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from comm.endpoint import Endpoint
-from comm.quant import combine_dtype, quantize_int8
+from comm.quant import BF16, combine_dtype, quantize_int8
 from comm.routing import DispatchLayout, Placement, get_dispatch_layout
 from comm.trace import now_ns
 from memory import layout as L
@@ -566,7 +566,11 @@ def combine(
     order = np.argsort(handle.recv_src_rank, kind="stable")
     rows = _rows(ep, ep.die_id, COMBINE, half, 0, n_rows)
     cdt = _comb_dtype(ep)
-    rows[:, : cdt.itemsize * hidden].view(cdt)[:] = expert_out[order]  # bfloat16: rounded here
+    dst = rows[:, : cdt.itemsize * hidden].view(cdt)
+    if cdt == BF16:  # rounded here, gathered in the same pass
+        kernels().to_bfloat16(expert_out, dst, order)
+    else:
+        dst[:] = expert_out[order]
     t1 = now_ns()
     counts = np.bincount(handle.recv_src_rank, minlength=ep.num_dies)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
@@ -921,6 +925,14 @@ def _check_sources(ep: Endpoint, owners: np.ndarray, op: int, event_id: int, wha
             )
 
 
+def kernels():
+    """`comm.kernels` (numba), imported on first use: a pod with bfloat16 combine rows loads it
+    in the launcher before its dies fork (`runtime.pod`), so they start with it compiled."""
+    from comm import kernels as k
+
+    return k
+
+
 def _comb_dtype(ep: Endpoint) -> np.dtype:
     """The dtype of this pod's combine rows (PodConfig.a2a_combine_dtype)."""
     return combine_dtype(ep.layout.a2a_combine_bytes)
@@ -958,8 +970,8 @@ def _write_slots_by_src(ep, rows, dest, slots, ks, op, event_id) -> None:
         return
     lo = ep.layout
     cdt = _comb_dtype(ep)
-    if rows.dtype != cdt:
-        rows = rows.astype(cdt)
+    if rows.dtype != cdt:  # float32 expert rows of a bfloat16 pod: rounded once, here
+        rows = kernels().to_bfloat16(rows)
     hidden, topk = lo.a2a_hidden, lo.a2a_topk
     order = np.argsort(dest, kind="stable")
     ordered = dest[order]

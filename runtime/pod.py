@@ -159,6 +159,10 @@ class Pod:
         if overrides:
             config = config.replace(**overrides)
         check_memory_model()
+        if config.a2a_max_batch and config.a2a_combine_dtype == "bfloat16":
+            from comm import kernels
+
+            kernels.warm()  # compiled once here (or loaded from the disk cache): dies fork with it
         pod = cls(config)
         try:
             pod._start()

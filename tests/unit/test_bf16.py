@@ -79,3 +79,55 @@ def test_combine_dtype_names():
     assert combine_dtype("float32") == np.float32 == combine_dtype(4)
     with pytest.raises(ValueError, match="bfloat16"):
         combine_dtype("float16")
+
+
+# -- the compiled kernel the pods use (comm.kernels) -----------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast")
+@pytest.mark.parametrize("seed", range(3))
+def test_kernel_equals_the_rounding_on_edges_and_random_bits(seed):
+    from comm.kernels import to_bfloat16
+
+    u = np.random.default_rng(seed).integers(0, 1 << 32, (64, 4096), dtype=np.uint64)
+    x = u.astype(np.uint32).view(np.float32)
+    x[0, : len(EDGES)] = bits(EDGES)
+    got = to_bfloat16(x).view(np.uint16)
+    finite = ~np.isnan(x)
+    assert np.array_equal(got[finite], rne_bits(x)[finite])
+    assert np.array_equal(got[finite], x.astype(BF16).view(np.uint16)[finite])
+    back = got[~finite].view(BF16).astype(np.float32)
+    assert np.isnan(back).all()
+    assert np.array_equal(np.signbit(back), np.signbit(x[~finite]))  # a NaN keeps its sign
+
+
+def test_kernel_gathers_rows_into_a_strided_buffer():
+    from comm.kernels import to_bfloat16
+
+    rng = np.random.default_rng(3)
+    rows = rng.standard_normal((7, 33)).astype(np.float32)
+    order = np.array([6, 0, 0, 3], np.int64)
+    buf = np.full((4, 48), 7, BF16)  # rows of 48, the first 33 written
+    to_bfloat16(rows, buf[:, :33], order)
+    assert np.array_equal(buf[:, :33].view(np.uint16), rne_bits(rows[order]))
+    assert (buf[:, 33:].astype(np.float32) == 7).all()  # the padding is not touched
+    assert to_bfloat16(rows[:0]).shape == (0, 33)
+
+
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        ((np.zeros((2, 3), np.float64),), TypeError),
+        ((np.zeros(3, np.float32),), TypeError),
+        ((np.zeros((2, 3), np.float32), np.zeros((2, 3), np.float32)), TypeError),
+        ((np.zeros((2, 3), np.float32), np.zeros((3, 3), BF16)), TypeError),
+        ((np.zeros((2, 3), np.float32), np.zeros((2, 6), BF16)[:, ::2]), ValueError),
+        ((np.zeros((2, 3), np.float32), None, np.array([0, 2])), ValueError),
+        ((np.zeros((2, 3), np.float32), None, np.array([-1])), ValueError),
+    ],
+)
+def test_kernel_refuses_bad_arguments(args, error):
+    from comm.kernels import to_bfloat16
+
+    with pytest.raises(error):
+        to_bfloat16(*args)
