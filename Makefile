@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): setup.cfg pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[test,plot,serve]'
+	$(PIP) install -q -e '.[test,plot,serve,mpi]'
 	$(PY) -c "from comm import kernels; kernels.warm()"  # compile numba kernels into the cache
 	touch $(STAMP)
 
@@ -49,8 +49,7 @@ bench-full: $(STAMP)
 
 # Optional MPI peer for `xpod bench p2p --peers`: OpenMPI from Debian, mpi4py into the venv.
 mpi: $(STAMP)
-	apt-get install -y openmpi-bin libopenmpi-dev
-	$(PIP) install -q mpi4py
+	$(PIP) install -q -e '.[mpi]'
 
 clean-shm: $(STAMP)
 	$(XPOD) clean

