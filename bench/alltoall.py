@@ -30,6 +30,7 @@ Per (dies, batch) one pod sized for that batch runs every protocol x quant row, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -349,6 +350,11 @@ def a2a_row(
     row["memcpy_gbps"] = memcpy
     row["copy_limit_gbps"] = memcpy * cores
     row["copy_ratio"] = row["aggregate_gbps"] / row["copy_limit_gbps"] if memcpy else 0.0
+    # the floor: every sending die's bytes copied once, at the copy limit of the cores in use
+    floor_ns = pt.senders * per_die / row["copy_limit_gbps"] if memcpy else 0.0
+    row["floor_us"] = floor_ns / 1e3
+    row["time_over_floor"] = total_ns / floor_ns if floor_ns else 0.0
+    row["cpu_ms_per_step"] = 1e3 * float(res.get("cpu_s_per_die", 0.0)) / max(int(disp.size), 1)
     row["cpu_s_per_die"] = float(res.get("cpu_s_per_die", 0.0))
     row["cores"] = cores
     row.update(extra)
@@ -408,26 +414,19 @@ def measure_peers(pt: Point, counts, opts: Options, memcpy: dict, cores: int) ->
                 common.progress(f"  skipping mpi4py peer: {why}")
                 continue
         common.progress(f"  {pt.label}: peer {transport} ...")
+        cases = _peer_cases(pt, counts, opts.quants, opts)
+        kinds = [(PEER_PROTOCOL[transport], q) for q in opts.quants]
+        if transport == "mpi4py" and not pt.attention_dies:  # the same job as xpod's (11.4)
+            cases += [{**c, "ep": {"point": dataclasses.asdict(pt), "quant": q}}
+                      for c, q in zip(cases, opts.quants, strict=True)]  # fmt: skip
+            kinds += [("ep", q) for q in opts.quants]
         try:
-            results = peers.run_a2a_peer(
-                transport, _peer_cases(pt, counts, opts.quants, opts), timeout_s=RUN_TIMEOUT_S
-            )
+            results = peers.run_a2a_peer(transport, cases, timeout_s=RUN_TIMEOUT_S)
         except RuntimeError as e:
             common.progress(f"  peer {transport} failed: {e}")
             continue
-        for quant, res in zip(opts.quants, results, strict=True):
-            rows.append(
-                a2a_row(
-                    transport,
-                    PEER_PROTOCOL[transport],
-                    quant,
-                    pt,
-                    res,
-                    counts,
-                    cores,
-                    memcpy[quant],
-                )
-            )
+        for (protocol, quant), res in zip(kinds, results, strict=True):
+            rows.append(a2a_row(transport, protocol, quant, pt, res, counts, cores, memcpy[quant]))
     return rows
 
 
@@ -649,26 +648,27 @@ def _print_vs_peers(rows: list[dict]) -> None:
     if not peer_rows:
         return
     print(
-        "\nvs peers, same run (total = dispatch + combine p50; mpi ratio = xpod / mpi4py,"
-        " < 1: xpod faster; zmq ratio = zmq / xpod, > 1: xpod faster):"
+        "\nvs peers, same run (total = dispatch + combine p50, and its ratio to the copy floor;"
+        " ratios xpod / mpi4py ep (the same job on MPI), xpod / mpi4py alltoallv (the bytes"
+        " only): < 1 xpod faster; zmq / xpod: > 1 xpod faster; CPU ms per step per die):"
     )
     for x in _find(rows, transport="xpod", attention_dies=0):
         key = dict(dies=x["dies"], batch=x["batch"], quant=x["quant"], attention_dies=0)
         parts = [
             f"EP{x['dies']} b{x['batch']:<3} {x['protocol']:>5} {x['quant']:>4}:"
-            f" xpod {x['total_p50_us']:9.0f} us"
+            f" xpod {x['total_p50_us']:7.0f} us ({x['time_over_floor']:.0f}x floor,"
+            f" cpu {x['cpu_ms_per_step']:.2f})"
         ]
-        for t, label in (("mpi4py", "mpi4py"), ("zmq", "zmq")):
-            p = _find(peer_rows, transport=t, **key)
+        for t, proto in (("mpi4py", "ep"), ("mpi4py", "alltoallv"), ("zmq", "push-pull")):
+            p = _find(peer_rows, transport=t, protocol=proto, **key)
             if not p:
                 continue
             p = p[0]
-            ratio = (
-                x["total_p50_us"] / p["total_p50_us"]
-                if t == "mpi4py"
-                else p["total_p50_us"] / x["total_p50_us"]
-            )
-            parts.append(f"{label} {p['total_p50_us']:8.0f} us -> {ratio:6.2f}x")
+            mpi = t == "mpi4py"
+            ratio = x["total_p50_us"] / p["total_p50_us"] if mpi else p["total_p50_us"] / x[
+                "total_p50_us"]  # fmt: skip
+            cpu = f", cpu {p['cpu_ms_per_step']:.2f}" if proto == "ep" else ""
+            parts.append(f"{t} {proto} {p['total_p50_us']:6.0f} us{cpu} -> {ratio:5.2f}x")
         print("  " + ", ".join(parts))
 
 

@@ -86,11 +86,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _alltoall(comm, mpi_byte, case: dict) -> dict | None:
-    """Time one case: Alltoallv of the dispatch bytes, then of the combine bytes back.
-    Rank 0 returns the merged result, the other ranks None."""
+    """Time one case: Alltoallv of the dispatch bytes, then of the combine bytes back (or, for
+    a case with "ep", the whole EP job: `bench.ep_job`). Rank 0 returns the merged result, the
+    other ranks None."""
     rank, n = comm.Get_rank(), comm.Get_size()
     if len(case["counts"]) != n:
         raise RuntimeError(f"case counts are {len(case['counts'])} x N, mpirun -np {n}")
+    if case.get("ep"):
+        return _ep(comm, mpi_byte, case)
     phases = []
     for phase, (msg_bytes, reverse) in enumerate(
         ((case["dispatch_msg_bytes"], False), (case["combine_msg_bytes"], True))
@@ -121,6 +124,43 @@ def _alltoall(comm, mpi_byte, case: dict) -> dict | None:
     res = a2a_timed(step, lambda v: comm.bcast(v, root=0), case)
     for phase, (_, _, recv, recv_b) in enumerate(phases):
         a2a_check("mpi4py", rank, recv, recv_b, phase)
+    every = comm.gather(res, root=0)
+    return a2a_merge_ranks(every) if rank == 0 else None
+
+
+def _ep(comm, mpi_byte, case: dict) -> dict | None:
+    """The EP job (quantize, pack, Alltoall of counts + Alltoallv of rows, group by expert;
+    bfloat16 rows back with Alltoallv, weighted sum), timed as the xpod rows are and checked
+    against comm.reference after the timed steps."""
+    from bench.ep_job import EPJob
+
+    rank, n = comm.Get_rank(), comm.Get_size()
+    job = EPJob(case["ep"]["point"], case["ep"]["quant"], rank, n)
+
+    def alltoall(counts: np.ndarray) -> np.ndarray:
+        got = np.empty_like(counts)
+        comm.Alltoall(counts, got)
+        return got
+
+    def alltoallv(send: np.ndarray, send_b: np.ndarray, recv_b: np.ndarray) -> np.ndarray:
+        recv = np.empty(int(recv_b.sum()), np.uint8)
+        comm.Alltoallv(_vspec(send, send_b, mpi_byte), _vspec(recv, recv_b, mpi_byte))
+        return recv
+
+    barrier, now = comm.Barrier, time.perf_counter_ns
+
+    def step() -> tuple:
+        barrier()
+        t0 = now()
+        job.dispatch(alltoall, alltoallv)
+        t1 = now()
+        barrier()
+        t2 = now()
+        job.combine(alltoallv)
+        return t1 - t0, now() - t2
+
+    res = a2a_timed(step, lambda v: comm.bcast(v, root=0), case)
+    job.check("mpi4py")
     every = comm.gather(res, root=0)
     return a2a_merge_ranks(every) if rank == 0 else None
 

@@ -128,6 +128,12 @@ def test_peer_rows_move_the_same_bytes(tmp_path):
         same = [r for r in rows if r["quant"] == quant]
         assert len({r["dispatch_bytes_per_die"] for r in same}) == 1, same
         assert len({r["combine_bytes_per_die"] for r in same}) == 1, same
+        for r in same:
+            assert r["floor_us"] > 0 and r["time_over_floor"] > 0 and r["cpu_ms_per_step"] >= 0
+    if mpi_available()[0]:  # the same job on MPI (it checks itself against comm.reference)
+        ep = [(r["protocol"], r["quant"]) for r in rows if r["transport"] == "mpi4py"]
+        assert sorted(ep) == [("alltoallv", "int8"), ("alltoallv", "none"),
+                              ("ep", "int8"), ("ep", "none")], ep  # fmt: skip
 
 
 @pytest.mark.timeout(120)
