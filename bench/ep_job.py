@@ -15,8 +15,10 @@ combine: each expert row back to its token's rank in the order that rank sent it
   (`comm.alltoall._weighted_sum`, the order of `comm.reference.combine_ref`).
 
 The inputs are `bench.alltoall`'s (tokens, routing, expert outputs of ones), so the work and the
-bytes are those of the xpod rows; `check` compares the last step's dispatch output and combine
-output with `comm.reference` (dispatch_ref, combine_ref), bit for bit.
+bytes are those of the xpod rows. As xpod's dies have pre-allocated areas, the job keeps its
+buffers between steps (a user would too): no step pays for allocating and first-touching them.
+`check` compares the last step's dispatch output and combine output with `comm.reference`
+(dispatch_ref, combine_ref), bit for bit.
 """
 
 from __future__ import annotations
@@ -55,6 +57,16 @@ class EPJob:
         self.pb = pt.hidden if quant == "int8" else 4 * pt.hidden  # payload bytes of a row
         self.out = None
         self.got = None
+        self._bufs: dict = {}
+
+    def buf(self, name: str, shape: tuple, dtype) -> np.ndarray:
+        """A buffer kept between steps (grown when a step needs more)."""
+        dt = np.dtype(dtype)
+        n = int(np.prod(shape)) * dt.itemsize
+        b = self._bufs.get(name)
+        if b is None or b.size < n:
+            b = self._bufs[name] = np.empty(max(n, 64), np.uint8)
+        return b[:n].view(dt).reshape(shape)
 
     # -- dispatch ---------------------------------------------------------------------------
 
@@ -67,7 +79,7 @@ class EPJob:
         else:
             payload, scale = self.x.view(np.uint8), np.ones(len(self.x), np.float32)
         row = pb + META
-        send = np.empty((lay.num_msgs, row), np.uint8)
+        send = self.buf("send", (lay.num_msgs, row), np.uint8)
         np.take(payload, lay.msg_slot, axis=0, out=send[:, :pb])  # pack, in the send order
         meta = send[:, pb:].view(np.int32)
         meta[:, 0] = scale[lay.msg_slot].view(np.int32)
@@ -80,13 +92,18 @@ class EPJob:
         rmeta = recv[:, pb:].view(np.int32)
         src = np.repeat(np.arange(self.n), got)
         order = np.lexsort((rmeta[:, 2], rmeta[:, 1], src, rmeta[:, 3]))  # by expert, src, slot, k
-        grouped = recv[order]  # the dispatch output, grouped by local expert
+        grouped = self.buf("grouped", recv.shape, np.uint8)
+        np.take(recv, order, axis=0, out=grouped)  # the dispatch output, grouped by local expert
         self.lay, self.sent, self.got, self.order = lay, sent, got, order
         self.d_x = grouped[:, :pb].view(np.int8 if self.quant == "int8" else np.float32)
         gm = grouped[:, pb:].view(np.int32)
         self.d_scales = gm[:, 0].view(np.float32)
         self.d_src, self.d_slot, self.d_k, self.d_local = src[order], gm[:, 1], gm[:, 2], gm[:, 3]
-        self.eout = np.ones((len(order), pt.hidden), np.float32)  # what the bench's experts return
+        if self._bufs.get("eout") is None:  # what the bench's experts return (kept, as xpod's)
+            self._bufs["eout"] = np.ones((max(len(order), 1), pt.hidden), np.float32)
+        elif len(self._bufs["eout"]) < len(order):
+            self._bufs["eout"] = np.ones((len(order), pt.hidden), np.float32)
+        self.eout = self._bufs["eout"][: len(order)]
 
     # -- combine ----------------------------------------------------------------------------
 
@@ -96,10 +113,14 @@ class EPJob:
         back = np.empty(len(self.order), np.int64)
         back[self.order] = np.arange(len(self.order))  # expert row of each received message
         # bfloat16: rounded once, gathered back into the receive order in the same pass
-        send = to_bfloat16(self.eout, order=back) if cdt == BF16 else self.eout[back]
+        send = self.buf("csend", (len(back), pt.hidden), cdt)
+        if cdt == BF16:
+            to_bfloat16(self.eout, send, back)
+        else:
+            np.take(self.eout, back, axis=0, out=send)
         recv = alltoallv(send.view(np.uint8).reshape(-1), self.got * rb, self.sent * rb)
         rows = recv.view(cdt).reshape(-1, pt.hidden)  # this rank's messages, in its send order
-        contrib = np.empty((*self.idx.shape, pt.hidden), cdt)
+        contrib = self.buf("contrib", (*self.idx.shape, pt.hidden), cdt)
         contrib[self.lay.msg_slot, self.lay.msg_k] = rows
         self.out = _weighted_sum(contrib, self.idx, self.w)
 

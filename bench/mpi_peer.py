@@ -142,8 +142,13 @@ def _ep(comm, mpi_byte, case: dict) -> dict | None:
         comm.Alltoall(counts, got)
         return got
 
+    bufs: dict[int, np.ndarray] = {}  # receive buffers kept between steps, by size
+
     def alltoallv(send: np.ndarray, send_b: np.ndarray, recv_b: np.ndarray) -> np.ndarray:
-        recv = np.empty(int(recv_b.sum()), np.uint8)
+        n = int(recv_b.sum())
+        recv = bufs.get(n)
+        if recv is None:
+            recv = bufs[n] = np.empty(n, np.uint8)
         comm.Alltoallv(_vspec(send, send_b, mpi_byte), _vspec(recv, recv_b, mpi_byte))
         return recv
 
