@@ -668,7 +668,8 @@ def _print_vs_peers(rows: list[dict]) -> None:
             ratio = x["total_p50_us"] / p["total_p50_us"] if mpi else p["total_p50_us"] / x[
                 "total_p50_us"]  # fmt: skip
             cpu = f", cpu {p['cpu_ms_per_step']:.2f}" if proto == "ep" else ""
-            parts.append(f"{t} {proto} {p['total_p50_us']:6.0f} us{cpu} -> {ratio:5.2f}x")
+            parts.append(f"{t} {proto} {p['total_p50_us']:6.0f} us ({p['time_over_floor']:.0f}x"
+                         f" floor{cpu}) -> {ratio:5.2f}x")  # fmt: skip
         print("  " + ", ".join(parts))
 
 
