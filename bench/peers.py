@@ -499,23 +499,32 @@ def _mpirun(cmd: list[str], num_rows: int, timeout_s: float) -> list[dict]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT_DIR, env.get("PYTHONPATH")) if p)
     # Leave vader's single-copy mechanism (CMA) at its default: that is the MPI we compare with.
     env.pop("OMPI_MCA_btl_vader_single_copy_mechanism", None)
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT_DIR,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own process group, so a kill reaches the ranks too
-    )
+    # Open MPI's shared-memory segments (sm_segment.*) go into a private directory in /dev/shm
+    # (the same memory as its default), removed with everything in it when mpirun is done: a
+    # rank that is killed, or dies, cannot leave one behind in /dev/shm itself.
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    backing = tempfile.mkdtemp(prefix="xpod-mpi.", dir=shm)
+    env["OMPI_MCA_btl_sm_backing_directory"] = backing
     try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        _kill_tree(proc)
-        raise RuntimeError(f"mpi4py: no result after {timeout_s} s: {' '.join(cmd)}") from None
-    finally:
-        if proc.poll() is None:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT_DIR,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # its own process group, so a kill reaches the ranks too
+        )
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
             _kill_tree(proc)
+            raise RuntimeError(f"mpi4py: no result after {timeout_s} s: {' '.join(cmd)}") from None
+        finally:
+            if proc.poll() is None:
+                _kill_tree(proc)
+    finally:
+        shutil.rmtree(backing, ignore_errors=True)
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or len(rows) != num_rows:
         tail = "\n".join(err.strip().splitlines()[-15:])
