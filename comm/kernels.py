@@ -28,7 +28,7 @@ import numpy as np
 
 from comm.quant import BF16
 
-__all__ = ["to_bfloat16", "warm"]
+__all__ = ["to_bfloat16", "warm", "weighted_sum"]
 
 
 _SIG = "void(uint32[:, ::1], int64[::1], uint16[::1], int64)"
@@ -91,7 +91,91 @@ def _describe(a) -> str:
     return type(a).__name__
 
 
+_SIG_BF16 = "void(uint16[::1], int64, int64[:, ::1], float32[:, ::1], float32[:, ::1])"
+_SIG_F32 = "void(float32[::1], int64, int64[:, ::1], float32[:, ::1], float32[:, ::1])"
+
+
+@numba.njit(_SIG_BF16, cache=True, nogil=True, boundscheck=False)
+def _reduce_bf16(rows, stride, idx, w, out):  # pragma: no cover - compiled
+    """out[b] = sum over routed k, ascending, of w[b, k] * row(b, k), in float32, row (b, k) the
+    bfloat16 bits at rows[(b * K + k) * stride:][:H], widened exactly (bits << 16). Each product
+    and each sum rounded to float32, no fused multiply-add (numba leaves fastmath off): the
+    order of comm.reference.combine_ref, bit for bit."""
+    nb, nk = idx.shape
+    h = out.shape[1]
+    wide = np.empty(h, np.uint32)
+    f = wide.view(np.float32)
+    for b in range(nb):
+        o = out[b]
+        for c in range(h):
+            o[c] = np.float32(0.0)
+        for k in range(nk):
+            if idx[b, k] < 0:
+                continue
+            wk = w[b, k]
+            base = (b * nk + k) * stride
+            r = rows[base : base + h]
+            for c in range(h):
+                wide[c] = np.uint32(r[c]) << np.uint32(16)
+            for c in range(h):
+                o[c] = o[c] + wk * f[c]
+
+
+@numba.njit(_SIG_F32, cache=True, nogil=True, boundscheck=False)
+def _reduce_f32(rows, stride, idx, w, out):  # pragma: no cover - compiled
+    """`_reduce_bf16` for float32 rows."""
+    nb, nk = idx.shape
+    h = out.shape[1]
+    for b in range(nb):
+        o = out[b]
+        for c in range(h):
+            o[c] = np.float32(0.0)
+        for k in range(nk):
+            if idx[b, k] < 0:
+                continue
+            wk = w[b, k]
+            base = (b * nk + k) * stride
+            r = rows[base : base + h]
+            for c in range(h):
+                o[c] = o[c] + wk * r[c]
+
+
+def weighted_sum(contrib: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """out[slot] = sum over routed k (idx >= 0), ascending, of w[slot, k] * contrib[slot, k],
+    in float32 (comm.reference.combine_ref's order, bit for bit), in one pass over the rows.
+
+    contrib: bfloat16 or float32 `[batch, k, hidden]`, any view whose rows (slot, k) are
+    contiguous and evenly spaced in slot-major order (a combine buffer's rows); unrouted entries
+    are never read. idx: int `[batch, k]`; w: float32 `[batch, k]`. Returns float32
+    `[batch, hidden]`."""
+    if contrib.dtype not in (BF16, np.float32) or contrib.ndim != 3:
+        raise TypeError(f"contrib: expected bfloat16 or float32 [batch, k, hidden], got"
+                        f" {_describe(contrib)}")  # fmt: skip
+    nb, nk, h = contrib.shape
+    if idx.shape != (nb, nk) or w.shape != (nb, nk):
+        raise ValueError(f"idx {idx.shape} and w {w.shape} must be {[nb, nk]}")
+    out = np.empty((nb, h), np.float32)
+    if not nb or not h:
+        out[:] = 0
+        return out
+    item = contrib.dtype.itemsize
+    s2, s1, s0 = contrib.strides[2], contrib.strides[1], contrib.strides[0]
+    if s2 != item or s1 % item or s1 < h * item or (nk > 1 and s0 != nk * s1):
+        raise ValueError(f"contrib: rows must be contiguous and evenly spaced: {contrib.strides}")
+    stride = s1 // item
+    span = (nb * nk - 1) * stride + h
+    base = contrib.view(np.uint16 if contrib.dtype == BF16 else np.float32)
+    flat = np.lib.stride_tricks.as_strided(base, (span,), (item,))
+    idx = np.ascontiguousarray(idx, np.int64)
+    w = np.ascontiguousarray(w, np.float32)
+    (_reduce_bf16 if contrib.dtype == BF16 else _reduce_f32)(flat, stride, idx, w, out)
+    return out
+
+
 def warm() -> None:
     """Load every kernel (compiled at import from the on-disk cache, or compiled there once)
     and run it once, so that a die forked afterwards starts with it ready."""
     to_bfloat16(np.zeros((2, 64), np.float32), np.empty((2, 96), BF16)[:, :64])
+    idx, w = np.zeros((1, 2), np.int64), np.ones((1, 2), np.float32)
+    weighted_sum(np.zeros((1, 2, 8), BF16), idx, w)
+    weighted_sum(np.zeros((1, 2, 8), np.float32), idx, w)

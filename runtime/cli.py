@@ -42,7 +42,7 @@ from runtime.argtypes import size as size_arg
 from runtime.config import PodConfig
 from runtime.pod import Pod
 
-BENCHES = ("p2p", "ring", "alltoall", "faults", "engine", "serve")
+BENCHES = ("p2p", "ring", "alltoall", "passes", "faults", "engine", "serve")
 
 
 # A job: what a command runs once every option has been parsed and checked (no process before).

@@ -159,7 +159,7 @@ class Pod:
         if overrides:
             config = config.replace(**overrides)
         check_memory_model()
-        if config.a2a_max_batch and config.a2a_combine_dtype == "bfloat16":
+        if config.a2a_max_batch:
             from comm import kernels
 
             kernels.warm()  # compiled once here (or loaded from the disk cache): dies fork with it

@@ -1,0 +1,156 @@
+"""`xpod bench passes`: each pass one die makes over the bytes of an EP dispatch + combine, timed
+alone in one process, against `np.copyto` of the same bytes (issue 11.2's table).
+
+The shape is `xpod bench alltoall`'s (the same tokens and routing of die 0, uniform routing over
+the pod's dies): per step a die quantizes its `batch` tokens, packs one row per (token, expert)
+message, groups the rows it receives by expert, rounds its expert outputs to bfloat16, writes each
+row into its token's die, and reduces its own tokens' rows in ascending k. A pass's GB/s counts
+the bytes it reads and writes; `x copy` = its time over `np.copyto` of its output bytes (1.0: as
+fast as a copy). Every pass runs on the code the protocols run (comm.quant, comm.kernels,
+comm.alltoall._weighted_sum) or on the same numpy statement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from bench import common
+from bench.alltoall import Point, default_experts, routing, tokens
+from comm.alltoall import _weighted_sum
+from comm.quant import BF16, quantize_int8
+from comm.routing import Placement, get_dispatch_layout
+from memory.layout import PULL_ROW_META
+from runtime.argtypes import nonneg_int, output_file, positive_int
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    point: Point
+    reps: int
+    json: str | None
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dies", type=positive_int, default=8, help="EP degree (default 8)")
+    p.add_argument("--batch", type=positive_int, default=16, help="tokens per die (default 16)")
+    p.add_argument("--hidden", type=positive_int, default=7168, help="hidden size (default 7168)")
+    p.add_argument("--topk", type=positive_int, default=8, help="experts per token (default 8)")
+    p.add_argument("--experts", type=positive_int, default=None, help="default 256")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="routing and token seed")
+    p.add_argument("--reps", type=positive_int, default=50, help="timed repetitions per pass")
+    p.add_argument("--json", type=output_file, default=None, help="write one JSON line per pass")
+
+
+def parse_options(args: argparse.Namespace) -> Options:
+    experts = args.experts or default_experts(args.dies)
+    if experts % args.dies or args.topk > experts:
+        from memory.errors import ConfigError
+
+        raise ConfigError(
+            f"argument --experts/--topk: {experts} experts over {args.dies} dies, top-{args.topk}"
+        )
+    pt = Point(args.dies, args.batch, args.hidden, args.topk, experts, args.seed)
+    return Options(pt, args.reps, args.json)
+
+
+def _time(fn: Callable[[], object], reps: int) -> float:
+    """Median seconds of `fn` over `reps` runs (after one warm-up)."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def measure(pt: Point, reps: int) -> list[dict]:
+    """One row per pass: name, bytes read + written, seconds, GB/s, time over np.copyto."""
+    from comm.kernels import to_bfloat16  # numba: loaded only when the bench runs
+
+    x = tokens(pt, 0)
+    idx, w = routing(pt, 0)
+    placement = Placement.default(pt.num_experts, tuple(range(pt.dies)))
+    lay = get_dispatch_layout(idx, placement)
+    n_msgs, h = lay.num_msgs, pt.hidden
+    stride = -(-(h + PULL_ROW_META) // 64) * 64 * 4  # a float32 pod's dispatch row
+    q, scale = quantize_int8(x)
+    send = np.zeros((n_msgs, stride), np.uint8)
+    # a die receives about as many rows as it sends (uniform routing): its own messages stand
+    # in for what its peers send it
+    recv = send.copy()
+    order = np.lexsort((lay.msg_k, lay.msg_slot, lay.msg_local_expert))
+    eout = np.random.default_rng(1).standard_normal((n_msgs, h)).astype(np.float32)
+    ebf = to_bfloat16(eout)
+    comb = np.zeros((pt.batch * pt.topk, -(-2 * h // 64) * 32), BF16)  # the combine buffer
+    lin = lay.msg_slot * pt.topk + lay.msg_k
+    contrib = comb[:, :h][: pt.batch * pt.topk].reshape(pt.batch, pt.topk, h)
+    comb[lin, :h] = ebf
+
+    def pack():
+        for p in range(pt.dies):
+            a, b = int(lay.dest_offsets[p]), int(lay.dest_offsets[p + 1])
+            s = lay.msg_slot[a:b]
+            send[a:b, :h] = q[s].view(np.uint8)
+            meta = send[a:b, stride - PULL_ROW_META :].view(np.int32)
+            meta[:, 0] = scale[s].view(np.int32)
+            meta[:, 1], meta[:, 2], meta[:, 3] = s, lay.msg_k[a:b], lay.msg_local_expert[a:b]
+
+    def assemble():
+        return np.ascontiguousarray(recv[order, :h]).view(np.int8)
+
+    def write_rows():
+        for i, j in enumerate(lin.tolist()):
+            comb[j, :h] = ebf[i]
+
+    passes = [
+        ("quantize int8 (comm.quant)", lambda: quantize_int8(x), x.nbytes, q.nbytes + 4 * len(q)),
+        ("pack rows per destination", pack, n_msgs * (h + 16), n_msgs * (h + 16)),
+        ("group received rows by expert", assemble, n_msgs * h, n_msgs * h),
+        ("round expert rows to bfloat16 (kernel)", lambda: to_bfloat16(eout, ebf),
+         eout.nbytes, ebf.nbytes),
+        ("write each row into its token's die", write_rows, ebf.nbytes, ebf.nbytes),
+        ("weighted reduce, ascending k", lambda: _weighted_sum(contrib, idx, w),
+         contrib.nbytes, pt.batch * h * 4),
+    ]  # fmt: skip
+    rows = []
+    for name, fn, read, written in passes:
+        s = _time(fn, reps)
+        src = np.ones(written, np.uint8)
+        dst = np.empty_like(src)
+        c = _time(lambda src=src, dst=dst: np.copyto(dst, src), reps)
+        rows.append({
+            "bench": "passes", "pass": name, "bytes_read": int(read), "bytes_written": int(written),
+            "us": s * 1e6, "gbps": (read + written) / s / 1e9, "copy_us": c * 1e6,
+            "copy_gbps": 2 * written / c / 1e9, "x_copy": s / c if c else 0.0,
+            **dataclasses.asdict(pt), **common.run_info(),
+        })  # fmt: skip
+    return rows
+
+
+def run(opts: Options) -> int:
+    pt = opts.point
+    common.progress(
+        f"xpod bench passes: EP{pt.dies} b{pt.batch}, hidden {pt.hidden}, top-{pt.topk},"
+        f" {pt.num_experts} experts: one die's passes, {opts.reps} reps each, one process"
+    )
+    rows = measure(pt, opts.reps)
+    print(f"\n{'pass':42} {'MB r+w':>8} {'us':>8} {'GB/s':>7} {'copy us':>8} {'x copy':>7}")
+    for r in rows:
+        mb = (r["bytes_read"] + r["bytes_written"]) / 1e6
+        print(f"{r['pass']:42} {mb:8.2f} {r['us']:8.0f} {r['gbps']:7.2f} {r['copy_us']:8.0f}"
+              f" {r['x_copy']:7.2f}")  # fmt: skip
+    total = sum(r["us"] for r in rows)
+    print(f"{'all passes':42} {'':8} {total:8.0f}   (one die's CPU per step, without waiting)")
+    if opts.json:
+        with open(opts.json, "a", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        print(f"wrote {len(rows)} rows to {opts.json}")
+    return 0

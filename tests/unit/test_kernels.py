@@ -1,0 +1,52 @@
+"""comm.kernels.weighted_sum against comm.reference.combine_ref's arithmetic written out in
+numpy (ascending k, float32 products and sums, no fused multiply-add), bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from comm.kernels import weighted_sum
+from comm.quant import BF16
+
+
+def numpy_sum(contrib, idx, w) -> np.ndarray:
+    rows = contrib.astype(np.float32)
+    out = np.zeros((idx.shape[0], contrib.shape[2]), np.float32)
+    for k in range(idx.shape[1]):
+        sel = idx[:, k] >= 0
+        out[sel] = out[sel] + w[sel, k][:, None] * rows[sel, k]
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+@pytest.mark.parametrize("dtype", [BF16, np.float32])
+@pytest.mark.parametrize("batch, k, hidden, stride", [(16, 8, 7168, 7168), (5, 3, 48, 64),
+                                                      (1, 1, 1, 32), (7, 4, 100, 128),
+                                                      (3, 2, 33, 33)])  # fmt: skip
+def test_weighted_sum_equals_the_reference_order(dtype, batch, k, hidden, stride):
+    rng = np.random.default_rng(batch * 100 + hidden)
+    buf = (rng.standard_normal((batch * k, stride)) * 10.0 ** rng.integers(-3, 4)).astype(
+        np.float32
+    )
+    buf[0, :3] = [np.inf, -np.inf, np.nan][: min(3, stride)]  # specials propagate the same way
+    buf = buf.astype(dtype)
+    contrib = buf[:, :hidden].reshape(batch, k, hidden)  # a combine buffer's rows, padded
+    idx = rng.integers(-1, 6, (batch, k))
+    w = rng.standard_normal((batch, k)).astype(np.float32)
+    got = weighted_sum(contrib, idx, w)
+    want = numpy_sum(contrib, idx, w)
+    assert got.dtype == np.float32
+    assert np.array_equal(got, want, equal_nan=True)
+    assert (got[(idx < 0).all(axis=1)] == 0).all()  # a token with no routed k is zeros
+
+
+def test_weighted_sum_refuses_rows_it_cannot_walk():
+    w, idx = np.ones((2, 2), np.float32), np.zeros((2, 2), np.int64)
+    with pytest.raises(ValueError):
+        weighted_sum(np.zeros((2, 2, 8), np.float32)[:, :, ::2], idx, w)  # strided columns
+    with pytest.raises(ValueError):
+        weighted_sum(np.zeros((2, 2, 8), np.float32), idx[:1], w)
+    with pytest.raises(TypeError):
+        weighted_sum(np.zeros((2, 2, 8), np.float64), idx, w)
+    assert weighted_sum(np.zeros((0, 2, 8), BF16), idx[:0], w[:0]).shape == (0, 8)
