@@ -11,6 +11,11 @@ costs several trips over the bytes. A numba kernel does it in one trip, at copy 
 | ml_dtypes `astype(bfloat16)` | 0.38-0.50 |
 | the same rounding in numpy integer ufuncs | 0.75-0.87 |
 
+The others: `weighted_sum`, the combine's reduce in ascending k (0.17 ms for EP8 b16 against
+0.39 ms of numpy passes), and `quantize_int8`, comm.quant's INT8 quantization in two passes
+(0.045 ms for [16, 7168] against 0.145 ms). Every kernel is bit-equal to the numpy it replaces
+(tests/unit/test_kernels.py); comm.reference keeps the numpy versions.
+
 Kernels are compiled once and cached on disk next to this file (`cache=True`; `make` warms the
 cache, so dies load it instead of compiling: ~0.6 s once, then ~0.05 s per process).
 `warm()` compiles or loads every kernel of the pod's types.
@@ -28,7 +33,7 @@ import numpy as np
 
 from comm.quant import BF16
 
-__all__ = ["to_bfloat16", "warm", "weighted_sum"]
+__all__ = ["quantize_int8", "to_bfloat16", "warm", "weighted_sum"]
 
 
 _SIG = "void(uint32[:, ::1], int64[::1], uint16[::1], int64)"
@@ -172,6 +177,55 @@ def weighted_sum(contrib: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.ndar
     return out
 
 
+@numba.njit("void(uint32[:, ::1], uint32[::1])", cache=True, nogil=True, boundscheck=False)
+def _row_amax(bits, amax):  # pragma: no cover - compiled
+    """amax[r] = the float32 bits of max |x[r]| (0 for an empty row), from x's bits: with the
+    sign cleared, float order is integer order, and an integer max vectorizes (a float max
+    reduction would need fast-math); bits >= 0x7F800000 mean the row holds inf or NaN."""
+    n, h = bits.shape
+    mag = np.uint32(0x7FFFFFFF)
+    for r in range(n):
+        row = bits[r]
+        m = np.uint32(0)
+        for c in range(h):
+            m = max(m, row[c] & mag)
+        amax[r] = m
+
+
+@numba.njit("void(float32[:, ::1], float32[::1], int8[:, ::1])", cache=True, nogil=True,
+            boundscheck=False)  # fmt: skip
+def _quantize_rows(x, scale, q):  # pragma: no cover - compiled
+    """q[r, c] = clip(rint(x[r, c] / scale[r]), -127, 127): float32 division, round half to
+    even, as comm.quant.quantize_int8."""
+    n, h = x.shape
+    lo, hi = np.float32(-127.0), np.float32(127.0)
+    for r in range(n):
+        row, out, s = x[r], q[r], scale[r]
+        for c in range(h):
+            v = np.rint(row[c] / s)
+            out[c] = np.int8(min(max(v, lo), hi))
+
+
+def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`comm.quant.quantize_int8` of float32 `[n, hidden]` rows in two compiled passes (the row
+    maxima, then the quantization), bit for bit its result; a row with inf or NaN is handed to
+    it, which raises its ValueError naming the element."""
+    from comm.quant import _row_scales
+    from comm.quant import quantize_int8 as reference
+
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2:
+        return reference(x)  # its checks and messages
+    x = np.ascontiguousarray(x)
+    amax = np.empty(len(x), np.float32)
+    _row_amax(x.view(np.uint32), amax.view(np.uint32))
+    if not np.isfinite(amax).all():
+        return reference(x)  # raises, naming the first non-finite element
+    scale = _row_scales(amax)
+    q = np.empty(x.shape, np.int8)
+    _quantize_rows(x, scale, q)
+    return q, scale
+
+
 def warm() -> None:
     """Load every kernel (compiled at import from the on-disk cache, or compiled there once)
     and run it once, so that a die forked afterwards starts with it ready."""
@@ -179,3 +233,4 @@ def warm() -> None:
     idx, w = np.zeros((1, 2), np.int64), np.ones((1, 2), np.float32)
     weighted_sum(np.zeros((1, 2, 8), BF16), idx, w)
     weighted_sum(np.zeros((1, 2, 8), np.float32), idx, w)
+    quantize_int8(np.ones((2, 8), np.float32))

@@ -50,3 +50,29 @@ def test_weighted_sum_refuses_rows_it_cannot_walk():
     with pytest.raises(TypeError):
         weighted_sum(np.zeros((2, 2, 8), np.float64), idx, w)
     assert weighted_sum(np.zeros((0, 2, 8), BF16), idx[:0], w[:0]).shape == (0, 8)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_quantize_kernel_equals_comm_quant(seed):
+    from comm import kernels, quant
+
+    rng = np.random.default_rng(seed)
+    for trial in range(60):
+        n, h = int(rng.integers(0, 12)), int(rng.integers(1, 200))
+        x = (rng.standard_normal((n, h)) * 10.0 ** rng.integers(-45, 38)).astype(np.float32)
+        if n:  # the ends of the range: zero rows, -0, subnormals, values near float32 max
+            x[trial % n, :] = [0.0, -0.0, 1e-45, -3.4028235e38][trial % 4]
+        q, s = kernels.quantize_int8(x)
+        q0, s0 = quant.quantize_int8(x)
+        assert np.array_equal(q, q0) and np.array_equal(s, s0), (seed, trial, n, h)
+        assert q.dtype == np.int8 and s.dtype == np.float32
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_quantize_kernel_raises_what_comm_quant_raises(bad):
+    from comm import kernels
+
+    x = np.ones((4, 9), np.float32)
+    x[2, 7] = bad
+    with pytest.raises(ValueError, match=r"x\[2, 7\]"):
+        kernels.quantize_int8(x)
