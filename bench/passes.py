@@ -6,8 +6,8 @@ the pod's dies): per step a die quantizes its `batch` tokens, packs one row per 
 message, groups the rows it receives by expert, rounds its expert outputs to bfloat16, writes each
 row into its token's die, and reduces its own tokens' rows in ascending k. A pass's GB/s counts
 the bytes it reads and writes; `x copy` = its time over `np.copyto` of its output bytes (1.0: as
-fast as a copy). Every pass runs on the code the protocols run (comm.quant, comm.kernels,
-comm.alltoall._weighted_sum) or on the same numpy statement.
+fast as a copy). Every pass runs on the code the protocols run (comm.kernels) or on the same
+numpy statement.
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def _time(fn: Callable[[], object], reps: int) -> float:
 
 def measure(pt: Point, reps: int) -> list[dict]:
     """One row per pass: name, bytes read + written, seconds, GB/s, time over np.copyto."""
-    from comm.kernels import to_bfloat16  # numba: loaded only when the bench runs
+    from comm.kernels import quantize_int8 as quantize  # numba: loaded only when it runs
+    from comm.kernels import to_bfloat16
 
     x = tokens(pt, 0)
     idx, w = routing(pt, 0)
@@ -110,7 +111,7 @@ def measure(pt: Point, reps: int) -> list[dict]:
             comb[j, :h] = ebf[i]
 
     passes = [
-        ("quantize int8 (comm.quant)", lambda: quantize_int8(x), x.nbytes, q.nbytes + 4 * len(q)),
+        ("quantize int8 (kernel)", lambda: quantize(x), x.nbytes, q.nbytes + 4 * len(q)),
         ("pack rows per destination", pack, n_msgs * (h + 16), n_msgs * (h + 16)),
         ("group received rows by expert", assemble, n_msgs * h, n_msgs * h),
         ("round expert rows to bfloat16 (kernel)", lambda: to_bfloat16(eout, ebf),
