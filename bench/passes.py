@@ -3,8 +3,9 @@ alone in one process, against `np.copyto` of the same bytes (issue 11.2's table)
 
 The shape is `xpod bench alltoall`'s (the same tokens and routing of die 0, uniform routing over
 the pod's dies): per step a die quantizes its `batch` tokens, packs one row per (token, expert)
-message, groups the rows it receives by expert, rounds its expert outputs to bfloat16, writes each
-row into its token's die, and reduces its own tokens' rows in ascending k. A pass's GB/s counts
+message, groups the rows it receives by expert, rounds its expert outputs to bfloat16 on the way
+back (into its own area for pull, into the token's die for fused), and reduces its own tokens'
+rows in ascending k. A pass's GB/s counts
 the bytes it reads and writes; `x copy` = its time over `np.copyto` of its output bytes (1.0: as
 fast as a copy). Every pass runs on the code the protocols run (comm.kernels) or on the same
 numpy statement.
@@ -73,7 +74,7 @@ def _time(fn: Callable[[], object], reps: int) -> float:
 def measure(pt: Point, reps: int) -> list[dict]:
     """One row per pass: name, bytes read + written, seconds, GB/s, time over np.copyto."""
     from comm.kernels import quantize_int8 as quantize  # numba: loaded only when it runs
-    from comm.kernels import to_bfloat16
+    from comm.kernels import scatter_rows, to_bfloat16
 
     x = tokens(pt, 0)
     idx, w = routing(pt, 0)
@@ -106,17 +107,17 @@ def measure(pt: Point, reps: int) -> list[dict]:
     def assemble():
         return np.ascontiguousarray(recv[order, :h]).view(np.int8)
 
-    def write_rows():
-        for i, j in enumerate(lin.tolist()):
-            comb[j, :h] = ebf[i]
+    rows_idx = np.arange(n_msgs, dtype=np.int64)
+    own = np.zeros((n_msgs, comb.shape[1]), BF16)  # the pull combine's own send area
 
     passes = [
         ("quantize int8 (kernel)", lambda: quantize(x), x.nbytes, q.nbytes + 4 * len(q)),
         ("pack rows per destination", pack, n_msgs * (h + 16), n_msgs * (h + 16)),
         ("group received rows by expert", assemble, n_msgs * h, n_msgs * h),
-        ("round expert rows to bfloat16 (kernel)", lambda: to_bfloat16(eout, ebf),
-         eout.nbytes, ebf.nbytes),
-        ("write each row into its token's die", write_rows, ebf.nbytes, ebf.nbytes),
+        ("pull: round + gather rows into own area (kernel)",
+         lambda: to_bfloat16(eout, own[:, :h], order), eout.nbytes, ebf.nbytes),
+        ("fused: round + write rows into token's die (kernel)",
+         lambda: scatter_rows(eout, rows_idx, comb, lin), eout.nbytes, ebf.nbytes),
         ("weighted reduce, ascending k", lambda: _weighted_sum(contrib, idx, w),
          contrib.nbytes, pt.batch * h * 4),
     ]  # fmt: skip
@@ -142,13 +143,13 @@ def run(opts: Options) -> int:
         f" {pt.num_experts} experts: one die's passes, {opts.reps} reps each, one process"
     )
     rows = measure(pt, opts.reps)
-    print(f"\n{'pass':42} {'MB r+w':>8} {'us':>8} {'GB/s':>7} {'copy us':>8} {'x copy':>7}")
+    print(f"\n{'pass':52} {'MB r+w':>8} {'us':>8} {'GB/s':>7} {'copy us':>8} {'x copy':>7}")
     for r in rows:
         mb = (r["bytes_read"] + r["bytes_written"]) / 1e6
-        print(f"{r['pass']:42} {mb:8.2f} {r['us']:8.0f} {r['gbps']:7.2f} {r['copy_us']:8.0f}"
+        print(f"{r['pass']:52} {mb:8.2f} {r['us']:8.0f} {r['gbps']:7.2f} {r['copy_us']:8.0f}"
               f" {r['x_copy']:7.2f}")  # fmt: skip
     total = sum(r["us"] for r in rows)
-    print(f"{'all passes':42} {'':8} {total:8.0f}   (one die's CPU per step, without waiting)")
+    print(f"{'all passes':52} {'':8} {total:8.0f}   (one die's CPU per step, without waiting)")
     if opts.json:
         with open(opts.json, "a", encoding="utf-8") as f:
             for r in rows:

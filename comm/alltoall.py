@@ -950,15 +950,15 @@ def _write_slots_by_src(ep, rows, dest, slots, ks, op, event_id) -> None:
     """Steps 1-2 of a fused combine (and of E2A): per destination, this die's event id word,
     then row i straight into die dest[i]'s combine buffer at (slots[i], ks[i]), one row copy
     each and no gathered temporary, then the completion words of those (slot, k) LAST. Rows in
-    float32 are rounded to the combine dtype first, once (bfloat16 rows go as they are)."""
+    float32 are rounded to bfloat16 in the same pass (a bfloat16 pod; bfloat16 rows, forwarded
+    by a trampoline, go as they are): `comm.kernels.scatter_rows`, one compiled pass per
+    destination."""
     n = len(dest)
     if not n:
         return
     lo = ep.layout
-    cdt = _comb_dtype(ep)
-    if rows.dtype != cdt:  # float32 expert rows of a bfloat16 pod: rounded once, here
-        rows = kernels().to_bfloat16(rows)
-    hidden, topk = lo.a2a_hidden, lo.a2a_topk
+    scatter = kernels().scatter_rows
+    topk = lo.a2a_topk
     order = np.argsort(dest, kind="stable")
     ordered = dest[order]
     cuts = (np.flatnonzero(ordered[1:] != ordered[:-1]) + 1).tolist()
@@ -968,9 +968,7 @@ def _write_slots_by_src(ep, rows, dest, slots, ks, op, event_id) -> None:
         lin = slots[sel] * topk + ks[sel]
         _lin_check(ep, d, lin)
         _words(ep, d, lo.fused_cevent_off, ep.num_dies)[ep.die_id] = event_id
-        buf = _comb_buf(ep, d)
-        for i, j in zip(sel.tolist(), lin.tolist(), strict=True):
-            buf[j, :hidden] = rows[i]  # remote write
+        scatter(rows, sel, _comb_buf(ep, d), lin)  # remote writes
         _words(ep, d, lo.fused_cflag_off, lo.a2a_max_batch * topk)[lin] = op  # LAST
 
 

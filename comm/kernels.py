@@ -33,7 +33,7 @@ import numpy as np
 
 from comm.quant import BF16
 
-__all__ = ["quantize_int8", "to_bfloat16", "warm", "weighted_sum"]
+__all__ = ["quantize_int8", "scatter_rows", "to_bfloat16", "warm", "weighted_sum"]
 
 
 _SIG = "void(uint32[:, ::1], int64[::1], uint16[::1], int64)"
@@ -226,6 +226,71 @@ def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, scale
 
 
+_SIG_SCATTER = "void(uint32[:, ::1], int64[::1], uint16[::1], int64[::1], int64)"
+_SIG_COPY = "void(uint8[:, ::1], int64[::1], uint8[::1], int64[::1], int64)"
+
+
+@numba.njit(_SIG_SCATTER, cache=True, nogil=True, boundscheck=False)
+def _scatter_round(src, sel, dst, lin, stride):  # pragma: no cover - compiled
+    """Row src[sel[i]] (float32 bits) rounded to bfloat16 straight into dst's row lin[i] (rows
+    `stride` elements apart): one pass, no rounded temporary (as `_round_rows`)."""
+    h = src.shape[1]
+    for i in range(sel.shape[0]):
+        s = src[sel[i]]
+        base = lin[i] * stride
+        d = dst[base : base + h]
+        for c in range(h):
+            u = s[c]
+            if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+                d[c] = np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
+            else:
+                d[c] = np.uint16(
+                    (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+                )
+
+
+@numba.njit(_SIG_COPY, cache=True, nogil=True, boundscheck=False)
+def _scatter_copy(src, sel, dst, lin, stride):  # pragma: no cover - compiled
+    """Row src[sel[i]] (bytes) straight into dst's row lin[i] (rows `stride` bytes apart)."""
+    h = src.shape[1]
+    for i in range(sel.shape[0]):
+        s = src[sel[i]]
+        base = lin[i] * stride
+        d = dst[base : base + h]
+        for c in range(h):
+            d[c] = s[c]
+
+
+def scatter_rows(rows: np.ndarray, sel: np.ndarray, buf: np.ndarray, lin: np.ndarray) -> None:
+    """buf[lin[i], :hidden] = rows[sel[i]] for every i, one pass, no gathered temporary; float32
+    rows into a bfloat16 buffer are rounded on the way (`to_bfloat16`'s rounding).
+
+    rows: float32 or bfloat16 `[n, hidden]`; buf: `[m, stride]` C-contiguous, bfloat16 or the
+    dtype of rows, stride >= hidden (a combine buffer, possibly a peer's); sel, lin: int indices
+    (checked: in range of rows and of buf)."""
+    n, h = rows.shape
+    sel = np.ascontiguousarray(sel, np.int64)
+    lin = np.ascontiguousarray(lin, np.int64)
+    if sel.shape != lin.shape or sel.ndim != 1:
+        raise ValueError(f"sel {sel.shape} and lin {lin.shape} must be one 1-D shape")
+    if not sel.size:
+        return
+    if sel.min() < 0 or sel.max() >= n or lin.min() < 0 or lin.max() >= buf.shape[0]:
+        raise ValueError(f"sel / lin out of range: rows {n}, buffer rows {buf.shape[0]}")
+    if not buf.flags.c_contiguous or buf.ndim != 2 or buf.shape[1] < h:
+        raise ValueError(f"buf: expected C-contiguous [rows, >= {h}], got {_describe(buf)}")
+    rows = np.ascontiguousarray(rows)
+    if rows.dtype == np.float32 and buf.dtype == BF16:
+        _scatter_round(rows.view(np.uint32), sel, buf.reshape(-1).view(np.uint16), lin,
+                       buf.shape[1])  # fmt: skip
+    elif rows.dtype == buf.dtype and rows.dtype in (BF16, np.float32):
+        item = rows.dtype.itemsize
+        _scatter_copy(rows.view(np.uint8), sel, buf.reshape(-1).view(np.uint8), lin,
+                      buf.shape[1] * item)  # fmt: skip
+    else:
+        raise TypeError(f"rows {rows.dtype} cannot go into a {buf.dtype} buffer")
+
+
 def warm() -> None:
     """Load every kernel (compiled at import from the on-disk cache, or compiled there once)
     and run it once, so that a die forked afterwards starts with it ready."""
@@ -234,3 +299,7 @@ def warm() -> None:
     weighted_sum(np.zeros((1, 2, 8), BF16), idx, w)
     weighted_sum(np.zeros((1, 2, 8), np.float32), idx, w)
     quantize_int8(np.ones((2, 8), np.float32))
+    one, b16, b32 = np.zeros(1, np.int64), np.zeros((2, 16), BF16), np.zeros((2, 16), np.float32)
+    scatter_rows(np.zeros((1, 8), np.float32), one, b16, one)
+    scatter_rows(np.zeros((1, 8), BF16), one, b16, one)
+    scatter_rows(np.zeros((1, 8), np.float32), one, b32, one)

@@ -76,3 +76,35 @@ def test_quantize_kernel_raises_what_comm_quant_raises(bad):
     x[2, 7] = bad
     with pytest.raises(ValueError, match=r"x\[2, 7\]"):
         kernels.quantize_int8(x)
+
+
+@pytest.mark.parametrize("src_dtype, buf_dtype", [(np.float32, BF16), (BF16, BF16),
+                                                  (np.float32, np.float32)])  # fmt: skip
+def test_scatter_rows_writes_each_row_once_where_lin_says(src_dtype, buf_dtype):
+    from comm.kernels import scatter_rows
+
+    rng = np.random.default_rng(5)
+    rows = rng.standard_normal((9, 37)).astype(np.float32).astype(src_dtype)
+    buf = np.full((12, 48), 3, buf_dtype)  # 12 rows of 48 (37 used), padding untouched
+    sel = np.array([8, 0, 4, 4])
+    lin = np.array([11, 0, 5, 7])
+    scatter_rows(rows, sel, buf, lin)
+    want = np.full((12, 48), 3, buf_dtype)
+    for i, j in zip(sel, lin, strict=True):
+        want[j, :37] = rows[i]  # numpy's cast: float32 -> bfloat16 rounds to nearest even
+    assert np.array_equal(buf.view(np.uint8), want.view(np.uint8))
+
+
+def test_scatter_rows_refuses_what_it_cannot_place():
+    from comm.kernels import scatter_rows
+
+    rows, buf = np.zeros((2, 8), np.float32), np.zeros((4, 8), BF16)
+    for sel, lin in (([2], [0]), ([0], [4]), ([-1], [0]), ([0, 1], [0])):
+        with pytest.raises(ValueError):
+            scatter_rows(rows, np.array(sel), buf, np.array(lin))
+    with pytest.raises(TypeError):
+        scatter_rows(np.zeros((2, 8), BF16), np.array([0]), np.zeros((4, 8), np.float32),
+                     np.array([0]))  # fmt: skip
+    with pytest.raises(ValueError):
+        scatter_rows(rows, np.array([0]), np.zeros((4, 6), BF16), np.array([0]))  # too narrow
+    scatter_rows(rows, np.zeros(0, np.int64), buf, np.zeros(0, np.int64))  # nothing to write
