@@ -437,12 +437,7 @@ def dispatch(
     n = lay.num_msgs
     rows = _rows(ep, ep.die_id, DISPATCH, half, 0, n)
     stride = rows.shape[1]
-    rows[:, :pb] = payload[lay.msg_slot].view(np.uint8).reshape(n, pb)
-    meta = rows[:, stride - L.PULL_ROW_META :].view(np.int32)
-    meta[:, 0] = scale[lay.msg_slot].view(np.int32)
-    meta[:, 1] = lay.msg_slot
-    meta[:, 2] = lay.msg_k
-    meta[:, 3] = lay.msg_local_expert
+    kernels().pack_rows(payload, scale, lay.msg_slot, lay.msg_k, lay.msg_local_expert, rows)
     t2 = now_ns()
     # step 4: tell every destination where its block is
     for p, d in enumerate(placement.dies):
@@ -793,21 +788,16 @@ def _fused_dispatch(ep, payload, scale, topk_idx, topk_weights, quant, event_id,
     half = op & 1
     tr = ep.trace if ep.trace.enabled else None
     pb = payload.shape[1] * payload.dtype.itemsize
-    stride = lo.pull_disp_stride
     info = _place_info(ep, placement)
     offs = lay.dest_offsets.tolist()
+    pack = kernels().pack_rows  # each packet written once, straight into d's block
     for p, d in enumerate(placement.dies):
         a, b = offs[p], offs[p + 1]
         if a == b:
             continue
-        slots = lay.msg_slot[a:b]
         block = _fused_rows(ep, d, half, ep.die_id, b - a)  # remote: d's block for this source
-        block[:, :pb] = payload[slots].view(np.uint8).reshape(b - a, pb)
-        meta = block[:, stride - L.PULL_ROW_META :].view(np.int32)
-        meta[:, 0] = scale[slots].view(np.int32)
-        meta[:, 1] = slots
-        meta[:, 2] = lay.msg_k[a:b]
-        meta[:, 3] = lay.msg_local_expert[a:b]
+        pack(payload, scale, lay.msg_slot[a:b], lay.msg_k[a:b], lay.msg_local_expert[a:b],
+             block)  # fmt: skip
     t1 = now_ns()
     for d in range(ep.num_dies):  # step 2: counts, then the completion flag LAST
         p, n_local = info.pos[d], info.num_local[d]

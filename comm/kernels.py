@@ -33,7 +33,14 @@ import numpy as np
 
 from comm.quant import BF16
 
-__all__ = ["quantize_int8", "scatter_rows", "to_bfloat16", "warm", "weighted_sum"]
+__all__ = [
+    "pack_rows",
+    "quantize_int8",
+    "scatter_rows",
+    "to_bfloat16",
+    "warm",
+    "weighted_sum",
+]
 
 
 _SIG = "void(uint32[:, ::1], int64[::1], uint16[::1], int64)"
@@ -291,6 +298,57 @@ def scatter_rows(rows: np.ndarray, sel: np.ndarray, buf: np.ndarray, lin: np.nda
         raise TypeError(f"rows {rows.dtype} cannot go into a {buf.dtype} buffer")
 
 
+_RO_I64 = numba.types.Array(numba.types.int64, 1, "C", readonly=True)
+_PACK_SIG = numba.types.void(
+    numba.types.uint8[:, ::1], numba.types.int32[::1], _RO_I64, _RO_I64, _RO_I64,
+    numba.types.uint8[::1], numba.types.int32[::1], numba.types.int64,
+)  # fmt: skip
+
+
+@numba.njit(_PACK_SIG, cache=True, nogil=True, boundscheck=False)
+def _pack(payload, scale_bits, slots, ks, locs, dst8, dst32, stride):  # pragma: no cover
+    """Row i of dst (rows `stride` bytes apart): payload[slots[i]]'s bytes, then in its last
+    16 bytes scale | slot | k | local expert (int32s): the dispatch packet, one pass."""
+    pb = payload.shape[1]
+    for i in range(slots.shape[0]):
+        s = payload[slots[i]]
+        base = i * stride
+        d = dst8[base : base + pb]
+        for c in range(pb):
+            d[c] = s[c]
+        m = (base + stride - 16) // 4
+        dst32[m] = scale_bits[slots[i]]
+        dst32[m + 1] = np.int32(slots[i])
+        dst32[m + 2] = np.int32(ks[i])
+        dst32[m + 3] = np.int32(locs[i])
+
+
+def pack_rows(payload: np.ndarray, scale: np.ndarray, slots: np.ndarray, ks: np.ndarray,
+              locs: np.ndarray, rows: np.ndarray) -> None:  # fmt: skip
+    """The dispatch packets, written once: rows[i, :pb] = payload[slots[i]] (int8 or float32
+    bytes), rows[i, -16:] = scale[slots[i]], slots[i], ks[i], locs[i] as int32 (PULL_ROW_META).
+
+    payload: `[batch, hidden]` int8 or float32; scale: float32 `[batch]`; slots, ks, locs: int64
+    `[n]` (a DispatchLayout's, read-only is fine); rows: uint8 `[n, stride]` C-contiguous, a
+    send area or a peer's receive block, stride a multiple of 4 with room for both."""
+    n = len(slots)
+    if not n:
+        return
+    payload = np.ascontiguousarray(payload)
+    pb = payload.shape[1] * payload.dtype.itemsize
+    stride = rows.shape[1]
+    if rows.dtype != np.uint8 or not rows.flags.c_contiguous or rows.shape[0] < n:
+        raise ValueError(f"rows: expected C-contiguous uint8 [>= {n}, stride]: {_describe(rows)}")
+    if stride % 4 or stride < pb + 16:
+        raise ValueError(f"rows: stride {stride} cannot hold {pb} payload bytes and 16 of meta")
+    if len(ks) != n or len(locs) != n or slots.min() < 0 or slots.max() >= len(payload):
+        raise ValueError(f"slots / ks / locs: {n} rows of {len(payload)} tokens expected")
+    flat = rows[:n].reshape(-1)
+    _pack(payload.view(np.uint8).reshape(len(payload), pb), scale.view(np.int32),
+          slots.astype(np.int64, copy=False), ks.astype(np.int64, copy=False),
+          locs.astype(np.int64, copy=False), flat, flat.view(np.int32), stride)  # fmt: skip
+
+
 def warm() -> None:
     """Load every kernel (compiled at import from the on-disk cache, or compiled there once)
     and run it once, so that a die forked afterwards starts with it ready."""
@@ -303,3 +361,7 @@ def warm() -> None:
     scatter_rows(np.zeros((1, 8), np.float32), one, b16, one)
     scatter_rows(np.zeros((1, 8), BF16), one, b16, one)
     scatter_rows(np.zeros((1, 8), np.float32), one, b32, one)
+    ro = np.zeros(1, np.int64)
+    ro.flags.writeable = False
+    pack_rows(np.zeros((1, 8), np.int8), np.ones(1, np.float32), ro, ro, ro,
+              np.zeros((1, 64), np.uint8))  # fmt: skip

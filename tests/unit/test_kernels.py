@@ -108,3 +108,28 @@ def test_scatter_rows_refuses_what_it_cannot_place():
     with pytest.raises(ValueError):
         scatter_rows(rows, np.array([0]), np.zeros((4, 6), BF16), np.array([0]))  # too narrow
     scatter_rows(rows, np.zeros(0, np.int64), buf, np.zeros(0, np.int64))  # nothing to write
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.float32])
+def test_pack_rows_writes_the_dispatch_packets(dtype):
+    from comm.kernels import pack_rows
+
+    rng = np.random.default_rng(2)
+    payload = (rng.standard_normal((6, 40)) * 50).astype(dtype)
+    scale = rng.random(6).astype(np.float32)
+    slots, ks, locs = np.array([5, 0, 3, 3]), np.array([1, 2, 0, 3]), np.array([7, 0, 2, 1])
+    for a in (slots, ks, locs):
+        a.flags.writeable = False  # a DispatchLayout's arrays are read-only
+    pb = payload.nbytes // 6
+    stride = -(-(pb + 16) // 64) * 64
+    rows = np.full((5, stride), 0xEE, np.uint8)
+    pack_rows(payload, scale, slots, ks, locs, rows)
+    want = np.full((5, stride), 0xEE, np.uint8)
+    want[:4, :pb] = payload[slots].view(np.uint8).reshape(4, pb)
+    meta = want[:4, stride - 16 :].view(np.int32)
+    meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3] = scale[slots].view(np.int32), slots, ks, locs
+    assert np.array_equal(rows, want)  # the padding and the fifth row untouched
+    with pytest.raises(ValueError):
+        pack_rows(payload, scale, slots, ks, locs, np.zeros((5, pb + 8), np.uint8))  # no meta room
+    with pytest.raises(ValueError):
+        pack_rows(payload, scale, np.array([6]), ks[:1], locs[:1], rows)  # no token 6
