@@ -3,6 +3,8 @@ comparison with the single-process reference (`--check`), and the printed table.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from memory.heap import keep_freed_memory
@@ -67,6 +69,7 @@ def check(res: list[dict], per_die, opts: DecodeOptions, model: ModelConfig) -> 
     )
     out = {"ref_tokens_per_s": ref.decode_tokens_per_s, "ref_prefill_ms": ref.prefill_s * 1e3}
     out.update(compare(res, ref, exact=opts.quant is None))
+    out.update(single_process(per_die, opts, model))
     if opts.quant == "int8":
         progress("  --check: single-process reference with INT8 dispatch ...")
         ref8 = ReferencePod(
@@ -75,6 +78,30 @@ def check(res: list[dict], per_die, opts: DecodeOptions, model: ModelConfig) -> 
         exact = compare(res, ref8, exact=True)
         out["int8_ref_mismatched_tokens"] = exact["mismatched_tokens"]
         out["int8_ref_logits_bit_equal"] = exact["logits_bit_equal"]
+    return out
+
+
+def single_process(per_die, opts: DecodeOptions, model: ModelConfig) -> dict:
+    """What a user would run instead of the pod: the whole batch in one process as one batched
+    model (`ReferencePod` as a single die: every expert local, no all-to-all), with one BLAS
+    thread and with one per core of this machine; decode tokens/s of each (same prompts, same
+    steps, same run). The ref_tokens_per_s above groups the batch per die instead."""
+    from runtime.reference_model import ReferencePod
+
+    batch = [[p for ps in per_die for p in ps]]
+    cores = len(os.sched_getaffinity(0))
+    out = {}
+    try:
+        for threads, key in ((1, "single_process_1thread_tokens_per_s"),
+                             (cores, "single_process_tokens_per_s")):  # fmt: skip
+            limit_blas_threads(threads)
+            progress(f"  --check: the whole batch in one process, {threads} BLAS thread(s) ...")
+            pod = ReferencePod(model, 1, quant=opts.quant, combine_dtype=opts.combine_dtype)
+            r = pod.generate(batch, opts.steps, opts.temperature, opts.seed)
+            out[key] = r.decode_tokens_per_s
+    finally:
+        limit_blas_threads(1)
+    out["single_process_blas_threads"] = cores
     return out
 
 
@@ -155,6 +182,13 @@ def print_summary(s: dict) -> None:
             f"\n  reference (one process, same prompts, same run): {s['ref_tokens_per_s']:.1f}"
             f" tokens/s -> pod / reference = {ratio:.2f}x"
         )
+        if s.get("single_process_tokens_per_s"):
+            one, one1 = s["single_process_tokens_per_s"], s["single_process_1thread_tokens_per_s"]
+            print(
+                f"  the whole batch as one model in one process (what a user would run instead):"
+                f" {one:.1f} tokens/s with {s['single_process_blas_threads']} BLAS threads,"
+                f" {one1:.1f} with 1 -> pod / it = {s['tokens_per_s'] / one:.2f}x"
+            )
         fm = s["first_mismatch"]
         print(
             f"  tokens: {s['total_tokens'] - s['mismatched_tokens']}/{s['total_tokens']} equal"

@@ -89,6 +89,9 @@ def test_breakdown_and_wait_share_are_reported():
     assert layers[0]["dispatch"] == 0 and layers[1]["dispatch"] > 0
     assert 0 <= s["wait_share"] < 1 and len(s["wait_share_per_die"]) == 4
     assert s["tokens_per_s"] > 0 and s["tpot_p99_ms"] >= s["tpot_p50_ms"] > 0
+    # what a user would run instead: the batch as one model in one process, 1 and all threads
+    assert s["single_process_tokens_per_s"] > 0 and s["single_process_1thread_tokens_per_s"] > 0
+    assert s["single_process_blas_threads"] >= 1
 
 
 @pytest.mark.parametrize(
