@@ -43,19 +43,20 @@ __all__ = [
 ]
 
 
-_SIG = "void(uint32[:, ::1], int64[::1], uint16[::1], int64)"
+_SIG_SCATTER = "void(uint32[:, ::1], int64[::1], uint16[::1], int64[::1], int64)"
 
 
-@numba.njit(_SIG, cache=True, nogil=True, boundscheck=False)
-def _round_rows(src, order, dst, stride):  # pragma: no cover - compiled
-    """dst[r * stride + c] = bfloat16 bits of the float32 bits src[order[r], c], one pass (the
-    gather of the rows in `order` included). Each row is
-    a contiguous slice on both sides, so LLVM vectorizes the loop (0.1 ms for [128, 7168];
-    indexing dst[r * stride + c] directly, or a select instead of the branch, ran 2-8x slower)."""
-    n, h = order.shape[0], src.shape[1]
-    for r in range(n):
-        s = src[order[r]]
-        d = dst[r * stride : r * stride + h]
+@numba.njit(_SIG_SCATTER, cache=True, nogil=True, boundscheck=False)
+def _scatter_round(src, sel, dst, lin, stride):  # pragma: no cover - compiled
+    """Row src[sel[i]] (float32 bits) rounded to bfloat16 straight into dst's row lin[i] (rows
+    `stride` elements apart): one pass, no rounded temporary. Each row is a contiguous slice on
+    both sides, so LLVM vectorizes the loop (0.1 ms for [128, 7168]; indexing dst[r * stride +
+    c] directly, or a select instead of the branch, ran 2-8x slower)."""
+    h = src.shape[1]
+    for i in range(sel.shape[0]):
+        s = src[sel[i]]
+        base = lin[i] * stride
+        d = dst[base : base + h]
         for c in range(h):
             u = s[c]
             if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):  # NaN: sign kept, quieted
@@ -93,7 +94,8 @@ def to_bfloat16(
         raise ValueError(f"out: rows must be contiguous and apart, got strides {out.strides}")
     stride = out.strides[0] // 2
     flat = np.lib.stride_tricks.as_strided(out.view(np.uint16), ((n - 1) * stride + h,), (2,))
-    _round_rows(np.ascontiguousarray(rows).view(np.uint32), order, flat, stride)
+    _scatter_round(np.ascontiguousarray(rows).view(np.uint32), order, flat,
+                   np.arange(n, dtype=np.int64), stride)  # fmt: skip
     return out
 
 
@@ -103,20 +105,22 @@ def _describe(a) -> str:
     return type(a).__name__
 
 
-_SIG_BF16 = "void(uint16[::1], int64, int64[:, ::1], float32[:, ::1], float32[:, ::1])"
-_SIG_F32 = "void(float32[::1], int64, int64[:, ::1], float32[:, ::1], float32[:, ::1])"
+_SIG_REDUCE = (
+    "void(uint16[::1], float32[::1], boolean, int64, int64[:, ::1], float32[:, ::1],"
+    " float32[:, ::1])"
+)
 
 
-@numba.njit(_SIG_BF16, cache=True, nogil=True, boundscheck=False)
-def _reduce_bf16(rows, stride, idx, w, out):  # pragma: no cover - compiled
-    """out[b] = sum over routed k, ascending, of w[b, k] * row(b, k), in float32, row (b, k) the
-    bfloat16 bits at rows[(b * K + k) * stride:][:H], widened exactly (bits << 16). Each product
-    and each sum rounded to float32, no fused multiply-add (numba leaves fastmath off): the
-    order of comm.reference.combine_ref, bit for bit."""
+@numba.njit(_SIG_REDUCE, cache=True, nogil=True, boundscheck=False)
+def _reduce(rows16, rows32, bf16, stride, idx, w, out):  # pragma: no cover - compiled
+    """out[b] = sum over routed k, ascending, of w[b, k] * row(b, k), in float32; row (b, k) is
+    at [(b * K + k) * stride:][:H] of rows16 (bfloat16 bits, widened exactly: bits << 16) when
+    `bf16`, else of rows32. Each product and each sum rounded to float32, no fused multiply-add
+    (numba leaves fastmath off): the order of comm.reference.combine_ref, bit for bit."""
     nb, nk = idx.shape
     h = out.shape[1]
     wide = np.empty(h, np.uint32)
-    f = wide.view(np.float32)
+    widened = wide.view(np.float32)
     for b in range(nb):
         o = out[b]
         for c in range(h):
@@ -126,30 +130,15 @@ def _reduce_bf16(rows, stride, idx, w, out):  # pragma: no cover - compiled
                 continue
             wk = w[b, k]
             base = (b * nk + k) * stride
-            r = rows[base : base + h]
-            for c in range(h):
-                wide[c] = np.uint32(r[c]) << np.uint32(16)
+            if bf16:
+                r = rows16[base : base + h]
+                for c in range(h):
+                    wide[c] = np.uint32(r[c]) << np.uint32(16)
+                f = widened
+            else:
+                f = rows32[base : base + h]
             for c in range(h):
                 o[c] = o[c] + wk * f[c]
-
-
-@numba.njit(_SIG_F32, cache=True, nogil=True, boundscheck=False)
-def _reduce_f32(rows, stride, idx, w, out):  # pragma: no cover - compiled
-    """`_reduce_bf16` for float32 rows."""
-    nb, nk = idx.shape
-    h = out.shape[1]
-    for b in range(nb):
-        o = out[b]
-        for c in range(h):
-            o[c] = np.float32(0.0)
-        for k in range(nk):
-            if idx[b, k] < 0:
-                continue
-            wk = w[b, k]
-            base = (b * nk + k) * stride
-            r = rows[base : base + h]
-            for c in range(h):
-                o[c] = o[c] + wk * r[c]
 
 
 def weighted_sum(contrib: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -176,12 +165,17 @@ def weighted_sum(contrib: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.ndar
         raise ValueError(f"contrib: rows must be contiguous and evenly spaced: {contrib.strides}")
     stride = s1 // item
     span = (nb * nk - 1) * stride + h
-    base = contrib.view(np.uint16 if contrib.dtype == BF16 else np.float32)
+    bf16 = contrib.dtype == BF16
+    base = contrib.view(np.uint16 if bf16 else np.float32)
     flat = np.lib.stride_tricks.as_strided(base, (span,), (item,))
     idx = np.ascontiguousarray(idx, np.int64)
     w = np.ascontiguousarray(w, np.float32)
-    (_reduce_bf16 if contrib.dtype == BF16 else _reduce_f32)(flat, stride, idx, w, out)
+    rows16, rows32 = (flat, _NO_F32) if bf16 else (_NO_U16, flat)
+    _reduce(rows16, rows32, bf16, stride, idx, w, out)
     return out
+
+
+_NO_U16, _NO_F32 = np.zeros(0, np.uint16), np.zeros(0, np.float32)  # the unused rows argument
 
 
 @numba.njit("void(uint32[:, ::1], uint32[::1])", cache=True, nogil=True, boundscheck=False)
@@ -233,27 +227,7 @@ def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, scale
 
 
-_SIG_SCATTER = "void(uint32[:, ::1], int64[::1], uint16[::1], int64[::1], int64)"
 _SIG_COPY = "void(uint8[:, ::1], int64[::1], uint8[::1], int64[::1], int64)"
-
-
-@numba.njit(_SIG_SCATTER, cache=True, nogil=True, boundscheck=False)
-def _scatter_round(src, sel, dst, lin, stride):  # pragma: no cover - compiled
-    """Row src[sel[i]] (float32 bits) rounded to bfloat16 straight into dst's row lin[i] (rows
-    `stride` elements apart): one pass, no rounded temporary (as `_round_rows`)."""
-    h = src.shape[1]
-    for i in range(sel.shape[0]):
-        s = src[sel[i]]
-        base = lin[i] * stride
-        d = dst[base : base + h]
-        for c in range(h):
-            u = s[c]
-            if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-                d[c] = np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
-            else:
-                d[c] = np.uint16(
-                    (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-                )
 
 
 @numba.njit(_SIG_COPY, cache=True, nogil=True, boundscheck=False)

@@ -7,6 +7,7 @@ import argparse
 import json
 
 import comm
+from comm.quant import COMBINE_DTYPES
 from memory.errors import ConfigError
 from runtime.argtypes import (
     flag_error,
@@ -36,7 +37,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--model", default="small", choices=tuple(PRESETS), help="model preset")
     p.add_argument("--quant", default="none", choices=("none", "int8"))
-    p.add_argument("--combine-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+    p.add_argument("--combine-dtype", default="bfloat16", choices=COMBINE_DTYPES,
                    help="combine rows in 16 bits (the paper's) or float32")  # fmt: skip
     p.add_argument("--protocol", default="fused", choices=comm.alltoall.PROTOCOLS)
     p.add_argument("--temperature", type=nonneg_float, default=0.0, help="0 = greedy")

@@ -33,6 +33,7 @@ from typing import TextIO
 import numpy as np
 
 import comm
+from comm.quant import COMBINE_DTYPES
 from memory.errors import ConfigError
 from runtime.argtypes import (
     flag_error,
@@ -198,7 +199,7 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
     )
     add("--protocol", default="fused", choices=comm.alltoall.PROTOCOLS, help="MoE all-to-all")
     add("--quant", default="none", choices=("none", "int8"), help="MoE dispatch quantization")
-    add("--combine-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+    add("--combine-dtype", default="bfloat16", choices=COMBINE_DTYPES,
         help="MoE combine rows in 16 bits (the paper's, default) or float32")  # fmt: skip
     add(
         "--gc-every",

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from comm.quant import COMBINE_DTYPES
 from memory import layout as L
 from memory.errors import ConfigError, PodError
 from runtime import wire
@@ -145,7 +146,7 @@ class EngineConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"{name}: {v!r} must be an int >= {lo}")  # fmt: skip
-        if self.combine_dtype not in ("bfloat16", "float32"):
+        if self.combine_dtype not in COMBINE_DTYPES:
             raise ConfigError(f"combine_dtype: {self.combine_dtype!r} must be bfloat16 or float32")
         if self.async_depth not in (1, 2):
             raise ConfigError(f"async_depth: {self.async_depth!r} must be 1 or 2")
