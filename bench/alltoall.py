@@ -6,7 +6,13 @@ the same byte pattern is moved, in the same run, by mpi4py Alltoallv and by a py
 Definitions (every transport measures them the same way):
 - routing: each die draws, for each of its `batch` tokens, `topk` distinct experts uniformly at
   random (generator seeded with (seed, die_id)); the same routing in every iteration, and the
-  peers move the per-destination message counts it gives (`counts[src][dst]`).
+  peers move the per-destination message counts it gives (`counts[src][dst]`). `--routing
+  skew`: the experts are drawn without replacement with Zipf popularity 1 / rank (ranks a
+  permutation seeded by `seed`, the same on every die), so a few experts (and dies) are hot.
+- dedup (`--protocol pull-dedup,fused-dedup`): the same collective with `dispatch(...,
+  dedup=True)`: one message per (token, destination die) instead of per (token, expert);
+  bytes count those messages (each dispatch message also carries its expert list, 12 bytes
+  per entry, not counted: below 1 % of a row at hidden 7168).
 - one iteration: barrier, dispatch, barrier, combine; dispatch and combine are timed on every die
   with perf_counter_ns, and the collective's time is the maximum over dies. p50 / p99 / min are
   over the timed iterations after warm-up; total = dispatch + combine of the same iteration.
@@ -40,7 +46,7 @@ import numpy as np
 import comm
 from bench import common, peers
 from comm.quant import COMBINE_DTYPES, combine_dtype
-from comm.routing import Placement, get_dispatch_layout
+from comm.routing import Placement, get_dedup_layout, get_dispatch_layout
 from memory.errors import ConfigError
 from runtime import Pod, PodConfig
 from runtime.argtypes import (
@@ -56,7 +62,8 @@ from runtime.argtypes import (
 
 DEFAULT_BATCHES = "1,8,16,32,64,128"
 QUICK_BATCHES = "1,16,128"
-PROTOCOLS = ("pull", "fused", "a2e")
+PROTOCOLS = ("pull", "fused", "pull-dedup", "fused-dedup", "a2e")
+ROUTINGS = ("uniform", "skew")
 QUANTS = ("int8", "none")
 PEER_PROTOCOL = {"mpi4py": "alltoallv", "zmq": "push-pull"}
 SCALE_BYTES = 4  # an int8 token's float32 scale travels with it
@@ -103,6 +110,7 @@ class Point:
     seed: int
     attention_dies: int = 0
     combine_dtype: str = "bfloat16"
+    routing: str = "uniform"
 
     @property
     def senders(self) -> int:
@@ -114,9 +122,11 @@ class Point:
 
     @property
     def label(self) -> str:
+        skew = " skew" if self.routing == "skew" else ""
         if self.attention_dies:
-            return f"A2E {self.attention_dies}+{self.dies - self.attention_dies} b{self.batch}"
-        return f"EP{self.dies} b{self.batch}"
+            return (f"A2E {self.attention_dies}+{self.dies - self.attention_dies}"
+                    f" b{self.batch}{skew}")  # fmt: skip
+        return f"EP{self.dies} b{self.batch}{skew}"
 
 
 # -- inputs, the same in the dies, the launcher and the peers --------------------------------------
@@ -126,8 +136,18 @@ def routing(pt: Point, die_id: int) -> tuple[np.ndarray, np.ndarray]:
     """(topk_idx int64 [batch, topk] of distinct experts, topk_weights float32 [batch, topk])."""
     rng = np.random.default_rng([pt.seed, die_id])
     scores = rng.random((pt.batch, pt.num_experts))
+    if pt.routing == "skew":  # weighted sampling without replacement (Efraimidis-Spirakis)
+        rank = np.random.default_rng([pt.seed, 1 << 20]).permutation(pt.num_experts)
+        popularity = 1.0 / (rank + 1.0)
+        scores = -np.log(np.maximum(scores, 1e-300)) / popularity  # smallest first = sampled
     idx = np.argsort(scores, axis=1)[:, : pt.topk].astype(np.int64)
     return idx, rng.random((pt.batch, pt.topk), dtype=np.float32)
+
+
+def split_protocol(protocol: str) -> tuple[str, bool]:
+    """("fused", True) of "fused-dedup": the comm protocol and the dedup option of a row."""
+    base, _, dedup = protocol.partition("-")
+    return base, dedup == "dedup"
 
 
 def tokens(pt: Point, die_id: int) -> np.ndarray:
@@ -135,15 +155,29 @@ def tokens(pt: Point, die_id: int) -> np.ndarray:
     return rng.standard_normal((pt.batch, pt.hidden), dtype=np.float32)
 
 
-def counts_matrix(pt: Point) -> np.ndarray:
+def counts_matrix(pt: Point, dedup: bool = False) -> np.ndarray:
     """int64 [dies, dies]: messages each sending die dispatches to each die (rows of the
-    attention dies only, for A2E: the expert dies they end up on)."""
+    attention dies only, for A2E: the expert dies they end up on); with `dedup`, one message
+    per (token, destination die)."""
     placement = Placement.default(pt.num_experts, pt.expert_dies)
     counts = np.zeros((pt.dies, pt.dies), np.int64)
     for src in range(pt.senders):
-        lay = get_dispatch_layout(routing(pt, src)[0], placement)
-        counts[src, list(placement.dies)] = lay.num_tokens_per_die
+        idx, w = routing(pt, src)
+        if dedup:
+            per_die = np.diff(get_dedup_layout(idx, w, placement).dest_offsets)
+        else:
+            per_die = get_dispatch_layout(idx, placement).num_tokens_per_die
+        counts[src, list(placement.dies)] = per_die
     return counts
+
+
+def hottest_over_mean(pt: Point) -> float:
+    """Routed (token, expert) pairs of the hottest expert over the mean, all dies' tokens."""
+    load = np.zeros(pt.num_experts, np.int64)
+    for src in range(pt.senders):
+        idx = routing(pt, src)[0]
+        load += np.bincount(idx[idx >= 0], minlength=pt.num_experts)
+    return float(load.max() / load.mean()) if load.sum() else 0.0
 
 
 def msg_bytes(pt: Point, quant: str) -> tuple[int, int]:
@@ -183,12 +217,26 @@ def _weight_sums(w: np.ndarray) -> np.ndarray:
     return acc
 
 
-def _check(die, what: str, got_rows: int, want_rows: int, out, w) -> None:
+def _dedup_weight_sums(pt: Point, idx: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """What a dedup combine returns in every column when every expert row is 1.0: per die the
+    ascending-k sum of its weights, rounded to the combine dtype, then summed over the dies in
+    order of their first k (comm.reference.combine_ref(..., dedup=True) on rows of ones)."""
+    from comm.reference import _dedup_sum
+
+    placement = Placement.default(pt.num_experts, pt.expert_dies)
+    routed = idx >= 0
+    die_of = np.where(routed, placement.die_of[np.maximum(idx, 0)], -1)
+    ones = np.ones((*idx.shape, 1), np.float32)
+    return _dedup_sum(ones, routed, die_of, w, combine_dtype(pt.combine_dtype))[:, 0]
+
+
+def _check(die, what: str, got_rows: int, want_rows: int, out, w, want_sums=None) -> None:
     if got_rows != want_rows:
         raise RuntimeError(f"die {die.die_id}: {what} delivered {got_rows} rows, want {want_rows}")
-    if out is not None and not np.array_equal(
-        out, np.broadcast_to(_weight_sums(w)[:, None], out.shape)
-    ):
+    if out is None:
+        return
+    sums = _weight_sums(w) if want_sums is None else want_sums
+    if not np.array_equal(out, np.broadcast_to(sums[:, None], out.shape)):
         raise RuntimeError(f"die {die.die_id}: {what} combine output differs from sum_k w[k]")
 
 
@@ -201,6 +249,7 @@ def ep_run(die, pt: Point, protocol: str, quant: str, warmup: int, iters: int, w
     x, idx, w = _inputs(die, pt)
     eout = _expert_out(die, int(want[die.die_id]), pt.hidden)
     q = None if quant == "none" else quant
+    base, dedup = split_protocol(protocol)
     now, disp, comb, iter_ns = time.perf_counter_ns, [], [], []
     cpu0 = time.process_time()
     for i in range(warmup + iters):
@@ -208,7 +257,7 @@ def ep_run(die, pt: Point, protocol: str, quant: str, warmup: int, iters: int, w
             cpu0 = time.process_time()
         comm.barrier(die)
         t0 = now()
-        d = comm.dispatch(die, x, idx, w, protocol=protocol, quant=q, event_id=i)
+        d = comm.dispatch(die, x, idx, w, protocol=base, quant=q, event_id=i, dedup=dedup)
         t1 = now()
         comm.barrier(die)
         t2 = now()
@@ -219,7 +268,8 @@ def ep_run(die, pt: Point, protocol: str, quant: str, warmup: int, iters: int, w
             disp.append(t1 - t0)
             comb.append(t3 - t2)
     cpu_s = time.process_time() - cpu0
-    _check(die, f"{protocol} {quant}", len(d.x), int(want[die.die_id]), out, w)
+    sums = _dedup_weight_sums(pt, idx, w) if dedup else None
+    _check(die, f"{protocol} {quant}", len(d.x), int(want[die.die_id]), out, w, sums)
     return {"dispatch_ns": disp, "combine_ns": comb, "iter_ns": iter_ns, "cpu_s": cpu_s}
 
 
@@ -275,6 +325,7 @@ class Options:
     quants: list[str]
     combine_dtype: str
     a2e_pods: list[tuple[int, int]]
+    routings: list[str]
     peers: bool
     budget_s: float
     iters_range: tuple[int, int]
@@ -333,6 +384,7 @@ def a2a_row(
         "topk": pt.topk,
         "num_experts": pt.num_experts,
         "seed": pt.seed,
+        "routing": pt.routing,
     }
     stats = {"dispatch": disp, "combine": comb, "total": disp + comb}
     for name, samples in stats.items():
@@ -491,6 +543,8 @@ def run_point(pt: Point, protocols: list[str], opts: Options, trace_path: str | 
         "wait": cfg.wait_policy().name,
         "pinned": cfg.pinned(),
     }
+    dedup_counts = counts_matrix(pt, dedup=True)
+    extra["hottest_over_mean"] = hottest_over_mean(pt)
     runs = []
     with Pod.launch(cfg) as pod:
         for rep in range(opts.repeat):
@@ -505,6 +559,7 @@ def run_point(pt: Point, protocols: list[str], opts: Options, trace_path: str | 
                     t0 = time.monotonic()
                     res = _run_xpod_row(pod, pt, protocol, quant, want, opts)
                     a2e_extra = {k: v for k, v in res.items() if k.startswith("metadata")}
+                    dedup = split_protocol(protocol)[1]
                     rows.append(
                         a2a_row(
                             "xpod",
@@ -512,7 +567,7 @@ def run_point(pt: Point, protocols: list[str], opts: Options, trace_path: str | 
                             quant,
                             pt,
                             res,
-                            counts,
+                            dedup_counts if dedup else counts,
                             cores,
                             memcpy[quant],
                             **extra,
@@ -537,7 +592,7 @@ def run_point(pt: Point, protocols: list[str], opts: Options, trace_path: str | 
 
 # -- repeats, summary ------------------------------------------------------------------------------
 
-_KEY = ("transport", "protocol", "quant", "dies", "attention_dies", "batch")
+_KEY = ("transport", "protocol", "quant", "dies", "attention_dies", "batch", "routing")
 _MEDIAN_KEYS = (
     "dispatch_p50_us",
     "dispatch_p99_us",
@@ -595,6 +650,7 @@ def print_summary(rows: list[dict]) -> None:
     _print_quant_shape(xp)
     _print_ep_degree(xp)
     _print_a2e(xp)
+    _print_dedup(xp)
 
 
 def _print_buffers(xp: list[dict]) -> None:
@@ -633,14 +689,41 @@ def _print_buffers(xp: list[dict]) -> None:
         )
 
 
+def _print_dedup(xp: list[dict]) -> None:
+    """11.3: bytes and time with dedup against without, same pod, same run."""
+    lines = []
+    for r in xp:
+        base, dedup = split_protocol(r["protocol"])
+        if not dedup:
+            continue
+        plain = _find(xp, protocol=base, quant=r["quant"], dies=r["dies"], batch=r["batch"],
+                      attention_dies=r["attention_dies"], routing=r["routing"])  # fmt: skip
+        if not plain:
+            continue
+        p = plain[0]
+        nb = r["dispatch_bytes_per_die"] + r["combine_bytes_per_die"]
+        pb = p["dispatch_bytes_per_die"] + p["combine_bytes_per_die"]
+        lines.append(
+            f"  {_pod_name(r)} ({r['routing']}, hottest expert {r['hottest_over_mean']:.1f}x"
+            f" mean) {base:>5} {r['quant']:>4}: bytes/die {pb / 1e6:.2f} -> {nb / 1e6:.2f} MB"
+            f" ({1 - nb / pb:.0%} fewer), total p50 {p['total_p50_us']:.0f} ->"
+            f" {r['total_p50_us']:.0f} us ({r['total_p50_us'] / p['total_p50_us']:.2f}x),"
+            f" p99 {p['total_p99_us']:.0f} -> {r['total_p99_us']:.0f} us"
+        )
+    if lines:
+        print("\ndedup (one message per token and die) against one per token and expert:")
+        print("\n".join(lines))
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 1 << 20 else f"{n / 2**10:.1f} KiB"
 
 
 def _pod_name(r: dict) -> str:
+    skew = " skew" if r.get("routing") == "skew" else ""
     if r["attention_dies"]:
-        return f"A2E {r['attention_dies']}+{r['expert_dies']} b{r['batch']}"
-    return f"EP{r['dies']} b{r['batch']}"
+        return f"A2E {r['attention_dies']}+{r['expert_dies']} b{r['batch']}{skew}"
+    return f"EP{r['dies']} b{r['batch']}{skew}"
 
 
 def _print_vs_peers(rows: list[dict]) -> None:
@@ -776,6 +859,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help=f"comma list of {','.join(QUANTS)}",
     )
     p.add_argument(
+        "--routing",
+        type=choice_list(ROUTINGS),
+        default="uniform",
+        help="comma list of uniform (default) and skew (Zipf expert popularity)",
+    )
+    p.add_argument(
         "--combine-dtype",
         default="bfloat16",
         choices=COMBINE_DTYPES,
@@ -855,6 +944,7 @@ def parse_options(args: argparse.Namespace) -> Options:
         quants=args.quant,
         combine_dtype=args.combine_dtype,
         a2e_pods=_a2e_pods(args.attention_dies, args.expert_dies),
+        routings=list(args.routing),
         peers=args.peers,
         budget_s=(QUICK_BUDGET_S if quick else BUDGET_S) * args.iters_scale,
         iters_range=QUICK_ITERS_RANGE if quick else ITERS_RANGE,
@@ -891,16 +981,19 @@ def plan(opts: Options) -> list[tuple[Point, list[str]]]:
     """Every pod of the run with the protocols it measures, in run order."""
     out = []
     ep_protocols = [p for p in opts.protocols if p != "a2e"]
-    for dies in opts.dies if ep_protocols else []:
-        e = opts.experts or default_experts(dies)
-        for b in opts.batches:
-            pt = Point(dies, b, opts.hidden, opts.topk, e, opts.seed, 0, opts.combine_dtype)
-            out.append((pt, ep_protocols))
-    for a, x in opts.a2e_pods if "a2e" in opts.protocols else []:
-        e = opts.experts or default_experts(x)
-        for b in opts.batches:
-            pt = Point(a + x, b, opts.hidden, opts.topk, e, opts.seed, a, opts.combine_dtype)
-            out.append((pt, ["a2e"]))
+    for routing_ in opts.routings:
+        for dies in opts.dies if ep_protocols else []:
+            e = opts.experts or default_experts(dies)
+            for b in opts.batches:
+                pt = Point(dies, b, opts.hidden, opts.topk, e, opts.seed, 0, opts.combine_dtype,
+                           routing_)  # fmt: skip
+                out.append((pt, ep_protocols))
+        for a, x in opts.a2e_pods if "a2e" in opts.protocols else []:
+            e = opts.experts or default_experts(x)
+            for b in opts.batches:
+                pt = Point(a + x, b, opts.hidden, opts.topk, e, opts.seed, a, opts.combine_dtype,
+                           routing_)  # fmt: skip
+                out.append((pt, ["a2e"]))
     return out
 
 
@@ -913,7 +1006,8 @@ def _trace_path(base: str | None, pt: Point, many: bool) -> str | None:
         if pt.attention_dies
         else (f"ep{pt.dies}")
     )
-    return f"{root}.{tag}.b{pt.batch}{ext or '.json'}"
+    skew = ".skew" if pt.routing == "skew" else ""
+    return f"{root}.{tag}.b{pt.batch}{skew}{ext or '.json'}"
 
 
 def main(args: argparse.Namespace) -> int:

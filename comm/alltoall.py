@@ -51,7 +51,13 @@ import numpy as np
 
 from comm.endpoint import Endpoint
 from comm.quant import BF16, combine_dtype
-from comm.routing import DispatchLayout, Placement, get_dispatch_layout
+from comm.routing import (
+    DedupLayout,
+    DispatchLayout,
+    Placement,
+    get_dedup_layout,
+    get_dispatch_layout,
+)
 from comm.trace import now_ns
 from memory import layout as L
 from memory.errors import ConfigError, PeerRefused, PodError, ProtocolError
@@ -63,11 +69,33 @@ EVENT_LIMIT = 1 << 62
 F_EVENT, F_OFF, F_COUNT, F_SEQ = L.PULL_EVENT, L.PULL_OFF, L.PULL_COUNT, L.PULL_SEQ
 G_EVENT, G_COUNT, G_SEQ, G_QUANT = L.FLAG_EVENT, L.FLAG_COUNT, L.FLAG_SEQ, L.FLAG_QUANT
 QUANT_CODE = {None: 0, "int8": 1}  # what the rows of a dispatch hold, carried in its fields
-QUANT_NAME = {0: "float32", 1: "int8"}
+DEDUP_CODE = 2  # added to the quant code: one row per (token, destination die), §6.3
+QUANT_NAME = {0: "float32", 1: "int8", 2: "float32 dedup", 3: "int8 dedup"}
 OFF_BITS = 48  # a pull field's off word: row offset | code << OFF_BITS
 OP_CODE_MASK = (1 << 15) - 1  # a combine's code: its dispatch's operation number mod 2**15
 REFUSED = L.COUNT_REFUSED
 BAD_EVENT = -1  # the event_id word published by a die whose own event_id was invalid
+
+
+@dataclass(frozen=True)
+class DedupGroups:
+    """An expert die's view of the dedup rows it received (one group per (source die, token)),
+    in receive order: by source die, then the source's send order (batch slot).
+
+    Attributes:
+        src, slot, kfirst: int64 [groups], where the group's pre-reduced combine row goes: the
+            source die, and the (batch slot, k) of the token's first expert on this die.
+        start: int64 [groups + 1], entries of group g are start[g]:start[g + 1], ascending k.
+        pos: int64 [entries], the entry's row in the dispatch output (grouped by expert).
+        w: float32 [entries], the entry's routing weight, as the source sent it.
+    """
+
+    src: np.ndarray
+    slot: np.ndarray
+    kfirst: np.ndarray
+    start: np.ndarray
+    pos: np.ndarray
+    w: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -82,6 +110,8 @@ class DispatchHandle:
         recv_src_rank: int64 [n_rows], the source die of each dispatched row this die received.
         op: the dispatch operation number.
         recv_slot, recv_k: int64 [n_rows], each row's (batch_slot, k_index) at its source.
+        dedup: with dedup, this die's DedupLayout (its rows as a source); groups: the
+            DedupGroups it received (as an expert die). None without dedup.
     """
 
     protocol: str
@@ -94,6 +124,8 @@ class DispatchHandle:
     op: int
     recv_slot: np.ndarray | None = None
     recv_k: np.ndarray | None = None
+    dedup: DedupLayout | None = None
+    groups: DedupGroups | None = None
 
 
 @dataclass(frozen=True)
@@ -386,6 +418,7 @@ def dispatch(
     quant: str | None = None,
     event_id: int = 0,
     placement: Placement | None = None,
+    dedup: bool = False,
 ) -> DispatchResult:
     """Send every (token, expert) pair to the die that hosts the expert; every die calls it.
 
@@ -399,8 +432,13 @@ def dispatch(
         quant: None or "int8" (per-token scales; the output keeps INT8 + scales).
         event_id: int in [0, 2**62) naming the operation; every die must pass the same.
         placement: expert -> die table (default expert // experts_per_die).
+        dedup: DeepEP's layout (docs/protocols.md §6.3): one row per (token, destination die)
+            carrying its list of (k, local expert, weight), expanded on the expert die; the
+            combine then returns one row per (token, die), pre-reduced over that die's experts
+            (`comm.reference.combine_ref(..., dedup=True)`). Every die must pass the same.
     Returns:
-        DispatchResult with the rows this die's experts must process.
+        DispatchResult with the rows this die's experts must process (the same with and
+        without dedup).
     Raises:
         ValueError / TypeError for this die's bad input (after taking part as a refusing die,
         so the pod stays in step); PeerRefused if another die refused its input; ProtocolError
@@ -414,8 +452,12 @@ def dispatch(
         _check_inputs(ep, x, topk_idx, topk_weights, quant)
         quant = None if quant == "none" else quant
         placement = _placement(ep, placement)
+        if not isinstance(dedup, bool | np.bool_):
+            raise TypeError(f"dedup must be a bool, got {_describe(dedup)}")
+        dedup = bool(dedup)
         lay = get_dispatch_layout(topk_idx, placement)
         _check_capacity(ep, lay, placement)
+        dl = get_dedup_layout(topk_idx, topk_weights, placement) if dedup else None
         # steps 1-2, load and quantize, before the operation starts: a row INT8 cannot take
         # (not finite) is this die's bad input too
         payload, scale = _payload(x, quant)
@@ -423,9 +465,10 @@ def dispatch(
         _refuse_dispatch(ep, protocol, _event_word(event_id), e)
         raise
     t1 = now_ns()
+    code = QUANT_CODE[quant] + (DEDUP_CODE if dl is not None else 0)
     if protocol == "fused":
         res = _fused_dispatch(
-            ep, payload, scale, topk_idx, topk_weights, quant, event_id, placement, lay, t0
+            ep, payload, scale, topk_idx, topk_weights, quant, event_id, placement, lay, t0, dl
         )
         st.last = res.handle
         return res
@@ -434,26 +477,30 @@ def dispatch(
     tr = ep.trace if ep.trace.enabled else None
     pb = payload.shape[1] * payload.dtype.itemsize
     # step 3: every message into this die's own send rows, blocks by destination
-    n = lay.num_msgs
+    n = lay.num_msgs if dl is None else dl.num_rows
     rows = _rows(ep, ep.die_id, DISPATCH, half, 0, n)
     stride = rows.shape[1]
-    kernels().pack_rows(payload, scale, lay.msg_slot, lay.msg_k, lay.msg_local_expert, rows)
+    if dl is None:
+        kernels().pack_rows(payload, scale, lay.msg_slot, lay.msg_k, lay.msg_local_expert, rows)
+    else:
+        _pack_dedup(payload, scale, dl, 0, n, rows, pb)
+    offs = (lay if dl is None else dl).dest_offsets.tolist()
     t2 = now_ns()
     # step 4: tell every destination where its block is
     for p, d in enumerate(placement.dies):
-        a, b = int(lay.dest_offsets[p]), int(lay.dest_offsets[p + 1])
-        _publish(ep, DISPATCH, half, d, event_id, a, b - a, op, QUANT_CODE[quant])
+        _publish(ep, DISPATCH, half, d, event_id, offs[p], offs[p + 1] - offs[p], op, code)
     for d in range(ep.num_dies):
         if d not in placement.dies:
-            _publish(ep, DISPATCH, half, d, event_id, 0, 0, op, QUANT_CODE[quant])
+            _publish(ep, DISPATCH, half, d, event_id, 0, 0, op, code)
     t3 = now_ns()
     # step 5: poll own fields; steps 6-7: pull every source's block, then group by expert
-    where = _poll_all(ep, DISPATCH, half, op, event_id, QUANT_CODE[quant])
+    where = _poll_all(ep, DISPATCH, half, op, event_id, code)
     t4 = now_ns()
     parts = [
         (src, _rows(ep, src, DISPATCH, half, off, count)) for src, (off, count) in enumerate(where)
     ]
-    result = _assemble(ep, parts, pb, quant, placement, lay, topk_idx, topk_weights, op, "pull")
+    args = (ep, parts, pb, quant, placement, lay, topk_idx, topk_weights, op, "pull")
+    result = _assemble(*args) if dl is None else _assemble_dedup(*args, dl)
     st.last = result.handle
     if tr:
         t5 = now_ns()
@@ -493,9 +540,16 @@ def _assemble(ep, parts, pb, quant, placement, lay, topk_idx, topk_weights, op, 
         at += n
     scales = np.ascontiguousarray(meta[order, 0]).view(np.float32) if quant == "int8" else None
     counts = np.bincount(local, minlength=_place_info(ep, placement).num_local[ep.die_id])
-    src_rank = src_of[order]
-    slot = meta[order, 1].astype(np.int64)
-    k_index = meta[order, 2].astype(np.int64)
+    rows = (x, scales, src_of[order], meta[order, 1].astype(np.int64),
+            meta[order, 2].astype(np.int64), local[order], counts.astype(np.int64))  # fmt: skip
+    return _result(proto, quant, placement, lay, topk_idx, topk_weights, op, rows)
+
+
+def _result(proto, quant, placement, lay, topk_idx, topk_weights, op, rows, dl=None,
+            groups=None) -> DispatchResult:  # fmt: skip
+    """The DispatchResult of `rows` = (x, scales, src_rank, slot, k_index, local_expert,
+    expert_counts), with its handle."""
+    x, scales, src_rank, slot, k_index, local, counts = rows
     handle = DispatchHandle(
         protocol=proto,
         quant=quant,
@@ -507,17 +561,74 @@ def _assemble(ep, parts, pb, quant, placement, lay, topk_idx, topk_weights, op, 
         op=op,
         recv_slot=slot,
         recv_k=k_index,
+        dedup=dl,
+        groups=groups,
     )
-    return DispatchResult(
-        x=x,
-        scales=scales,
-        src_rank=src_rank,
-        batch_slot=slot,
-        k_index=k_index,
-        local_expert=local[order],
-        expert_counts=counts.astype(np.int64),
-        handle=handle,
+    return DispatchResult(x, scales, src_rank, slot, k_index, local, counts, handle)
+
+
+def _pack_dedup(payload, scale, dl: DedupLayout, a: int, b: int, rows, pb: int) -> None:
+    """Dedup rows a:b of `dl` (one per token and destination die) into `rows`, one pass."""
+    kernels().pack_dedup_rows(
+        payload,
+        scale,
+        dl.row_slot[a:b],
+        dl.ent_start[a : b + 1],
+        dl.ent_k,
+        dl.ent_local,
+        dl.ent_w,
+        rows,
+        L.dedup_entries_off(pb),
     )
+
+
+def _assemble_dedup(ep, parts, pb, quant, placement, lay, topk_idx, topk_weights, op, proto,
+                    dl):  # fmt: skip
+    """Step 7 of a dedup dispatch: each received row is expanded into one output row per entry
+    of its list, grouped by local expert as `_assemble` (entries ascend in k within a row, rows
+    in slot order within a source, so the output is the same as without dedup). Two compiled
+    passes (`comm.kernels.dedup_count`, `dedup_place`: a counting sort by local expert); each
+    payload is copied once per entry, straight from the (possibly remote) row to its place."""
+    lo = ep.layout
+    k = kernels()
+    hidden, stride, topk = lo.a2a_hidden, lo.pull_disp_stride, lo.a2a_topk
+    most = min(topk, lo.a2a_experts_per_die)
+    eoff = L.dedup_entries_off(pb)
+    n_local = _place_info(ep, placement).num_local[ep.die_id]
+    counts = np.zeros(n_local, np.int64)
+    flats = [(src, rows.reshape(-1), len(rows)) for src, rows in parts]
+    m = 0
+    for src, flat, n in flats:
+        got = k.dedup_count(flat, n, stride, eoff, most, topk, counts)
+        if got < 0:
+            raise ProtocolError(
+                f"die {ep.die_id}: dedup dispatch rows from die {src} carry entry counts outside"
+                f" [1, {most}], k outside [0, {topk}) or local experts outside [0, {n_local}) (or"
+                " are not dedup rows): out of step with the protocol; nothing read"
+            )
+        m += got
+    total = sum(n for _, _, n in flats)
+    cursor = np.zeros(n_local, np.int64)
+    np.cumsum(counts[:-1], out=cursor[1:])
+    dt = np.int8 if quant == "int8" else np.float32
+    x = np.empty((m, hidden), dt)
+    scale_bits = np.empty(m, np.int32)
+    src_rank, slot, k_index, local = (np.empty(m, np.int64) for _ in range(4))
+    g_src, g_slot, g_kfirst = (np.empty(total, np.int64) for _ in range(3))
+    start = np.zeros(total + 1, np.int64)
+    pos = np.empty(m, np.int64)
+    w_bits = np.empty(m, np.int32)
+    x8 = x.view(np.uint8).reshape(m, pb)
+    g0 = 0
+    for src, flat, n in flats:
+        k.dedup_place(flat, n, stride, eoff, src, cursor, g0, x8, scale_bits, src_rank, slot,
+                      k_index, local, g_src, g_slot, g_kfirst, start, pos, w_bits)  # fmt: skip
+        g0 += n
+    scales = scale_bits.view(np.float32) if quant == "int8" else None
+    groups = DedupGroups(src=g_src, slot=g_slot, kfirst=g_kfirst, start=start, pos=pos,
+                         w=w_bits.view(np.float32))  # fmt: skip
+    rows = (x, scales, src_rank, slot, k_index, local, counts)
+    return _result(proto, quant, placement, lay, topk_idx, topk_weights, op, rows, dl, groups)
 
 
 def combine(
@@ -533,6 +644,9 @@ def combine(
     Returns:
         float32 [batch, hidden]: out[slot] = sum over routed k, ascending, of
         topk_weights[slot, k] * row(slot, k), accumulated in float32 (zeros if none routed).
+        After a dedup dispatch: each expert die first sums its experts' weighted rows of a
+        token (ascending k, float32), rounds that once to the combine dtype and returns it;
+        out[slot] adds those rows in ascending order of each die's first k (docs §6.3).
     Raises:
         as `dispatch`: this die's bad input after taking part as a refusing die, PeerRefused if
         a die this die's tokens depend on refused.
@@ -552,22 +666,29 @@ def combine(
         raise
     if handle.protocol == "fused":
         return _fused_combine(ep, expert_out, handle, event_id)
-    n_rows = len(handle.recv_src_rank)
     hidden = ep.layout.a2a_hidden
     op = st.pull_ops[COMBINE] = st.pull_ops[COMBINE] + 1
     half = op & 1
     t0 = now_ns()
     # step 3: own combine rows, blocks by source die in each source's send order
-    order = np.argsort(handle.recv_src_rank, kind="stable")
-    rows = _rows(ep, ep.die_id, COMBINE, half, 0, n_rows)
     cdt = _comb_dtype(ep)
-    dst = rows[:, : cdt.itemsize * hidden].view(cdt)
-    if cdt == BF16:  # rounded here, gathered in the same pass
-        kernels().to_bfloat16(expert_out, dst, order)
-    else:
-        dst[:] = expert_out[order]
+    g = handle.groups
+    if g is None:  # a row per received row, rounded here and gathered in the same pass
+        dest = handle.recv_src_rank
+        order = np.argsort(dest, kind="stable")
+        rows = _rows(ep, ep.die_id, COMBINE, half, 0, len(dest))
+        dst = rows[:, : cdt.itemsize * hidden].view(cdt)
+        if cdt == BF16:
+            kernels().to_bfloat16(expert_out, dst, order)
+        else:
+            dst[:] = expert_out[order]
+    else:  # dedup: a pre-reduced row per received group, groups already in receive order
+        dest = g.src
+        rows = _rows(ep, ep.die_id, COMBINE, half, 0, len(dest))
+        kernels().reduce_groups(expert_out, g.pos, g.start, g.w, 0, rows.view(cdt),
+                                np.arange(len(dest), dtype=np.int64))  # fmt: skip
     t1 = now_ns()
-    counts = np.bincount(handle.recv_src_rank, minlength=ep.num_dies)
+    counts = np.bincount(dest, minlength=ep.num_dies)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     code = handle.op & OP_CODE_MASK
     for src in range(ep.num_dies):  # step 4
@@ -581,6 +702,10 @@ def combine(
         for step, a, b in ((3, t0, t1), (4, t1, t2), (5, t2, t3), (6, t3, t4)):
             ep.trace.rec(a, b - a, "pull_combine", step, -1, 0, event_id, 0)
     return out
+
+
+def _ones(shape) -> np.ndarray:
+    return np.ones(shape, np.float32)
 
 
 def _check_handle(st: A2AState, handle) -> None:
@@ -657,8 +782,12 @@ def _refuse_combine(ep: Endpoint, handle: DispatchHandle, event_word: int, err) 
         return
     op = st.fused_ops[COMBINE] = st.fused_ops[COMBINE] + 1
     st.fused_combined = handle.op
-    _refuse_slots(ep, handle.recv_src_rank, handle.recv_slot, handle.recv_k, op, event_word)
-    idx = handle.topk_idx
+    g = handle.groups
+    if g is None:
+        _refuse_slots(ep, handle.recv_src_rank, handle.recv_slot, handle.recv_k, op, event_word)
+    else:
+        _refuse_slots(ep, g.src, g.slot, g.kfirst, op, event_word)
+    idx = handle.topk_idx if handle.dedup is None else handle.dedup.idx_first
     r_slot, r_k = np.nonzero(idx >= 0)
     _wait_slots(ep, r_slot, r_k, op, "fused", handle.placement.die_of[idx[r_slot, r_k]])
 
@@ -715,14 +844,23 @@ def _weighted_sum(contrib: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.nda
 
 
 def _reduce(ep: Endpoint, handle: DispatchHandle, where: list[tuple], half: int) -> np.ndarray:
-    lay, placement = handle.layout, handle.placement
-    idx, w = handle.topk_idx, handle.topk_weights
+    """Steps 6-7 of a pull combine: pull each expert die's rows of this die's tokens to their
+    (slot, k), then `_weighted_sum`. After a dedup dispatch the rows are pre-reduced, one per
+    (token, die), at (slot, first k of that die), added in ascending k with weight 1."""
+    placement, dl = handle.placement, handle.dedup
+    if dl is None:
+        lay = handle.layout
+        offs, slots, ks = lay.dest_offsets.tolist(), lay.msg_slot, lay.msg_k
+        idx, w = handle.topk_idx, handle.topk_weights
+    else:
+        offs, slots, ks = dl.dest_offsets.tolist(), dl.row_slot, dl.row_kfirst
+        idx, w = dl.idx_first, _ones(dl.idx_first.shape)
     batch, k_max = idx.shape
     hidden = ep.layout.a2a_hidden
     cdt = _comb_dtype(ep)
-    contrib = np.empty((batch, k_max, hidden), cdt)  # unrouted entries are never read
+    contrib = np.empty((batch, k_max, hidden), cdt)  # entries not in idx are never read
     for p, d in enumerate(placement.dies):
-        a, b = int(lay.dest_offsets[p]), int(lay.dest_offsets[p + 1])
+        a, b = offs[p], offs[p + 1]
         off, count = where[d]
         if count != b - a:
             raise ProtocolError(
@@ -730,7 +868,7 @@ def _reduce(ep: Endpoint, handle: DispatchHandle, where: list[tuple], half: int)
                 f" {b - a} (expert_out rows out of step with the dispatch)"
             )
         got = _rows(ep, d, COMBINE, half, off, count)[:, : cdt.itemsize * hidden]  # remote read
-        contrib[lay.msg_slot[a:b], lay.msg_k[a:b]] = got.view(cdt)
+        contrib[slots[a:b], ks[a:b]] = got.view(cdt)
     return _weighted_sum(contrib, idx, w)
 
 
@@ -776,7 +914,7 @@ def _place_info(ep: Endpoint, placement: Placement) -> _PlaceInfo:
 
 
 def _fused_dispatch(ep, payload, scale, topk_idx, topk_weights, quant, event_id, placement, lay,
-                    t0):  # fmt: skip
+                    t0, dl=None):  # fmt: skip
     """Steps 1-3 of FusedDispatch: packets written straight into each destination's buffer
     (one vectorized copy per destination), counts then the completion flag LAST, poll, gather."""
     lo = ep.layout
@@ -789,29 +927,38 @@ def _fused_dispatch(ep, payload, scale, topk_idx, topk_weights, quant, event_id,
     tr = ep.trace if ep.trace.enabled else None
     pb = payload.shape[1] * payload.dtype.itemsize
     info = _place_info(ep, placement)
-    offs = lay.dest_offsets.tolist()
+    offs = (lay if dl is None else dl).dest_offsets.tolist()
     pack = kernels().pack_rows  # each packet written once, straight into d's block
     for p, d in enumerate(placement.dies):
         a, b = offs[p], offs[p + 1]
         if a == b:
             continue
         block = _fused_rows(ep, d, half, ep.die_id, b - a)  # remote: d's block for this source
-        pack(payload, scale, lay.msg_slot[a:b], lay.msg_k[a:b], lay.msg_local_expert[a:b],
-             block)  # fmt: skip
+        if dl is None:
+            pack(payload, scale, lay.msg_slot[a:b], lay.msg_k[a:b], lay.msg_local_expert[a:b],
+                 block)  # fmt: skip
+        else:
+            _pack_dedup(payload, scale, dl, a, b, block, pb)
     t1 = now_ns()
+    code = QUANT_CODE[quant] + (DEDUP_CODE if dl is not None else 0)
     for d in range(ep.num_dies):  # step 2: counts, then the completion flag LAST
         p, n_local = info.pos[d], info.num_local[d]
         a, b = (offs[p], offs[p + 1]) if p >= 0 else (0, 0)
         if n_local:
-            counts = np.bincount(lay.msg_local_expert[a:b], minlength=n_local)
+            if dl is None:
+                locals_ = lay.msg_local_expert[a:b]
+            else:
+                locals_ = dl.ent_local[dl.ent_start[a] : dl.ent_start[b]]
+            counts = np.bincount(locals_, minlength=n_local)
             _words(ep, d, lo.fused_counts_off_of(half, ep.die_id), n_local)[:] = counts
-        _flag(ep, d, lo.fused_flag_word(half, ep.die_id), event_id, b - a, op, QUANT_CODE[quant])
+        _flag(ep, d, lo.fused_flag_word(half, ep.die_id), event_id, b - a, op, code)
     t2 = now_ns()
     # step 3: every source's flag, then the packets in per-expert order
     parts, counts, t3 = _fused_gather(
-        ep, half, op, event_id, range(ep.num_dies), placement, "", quant
+        ep, half, op, event_id, range(ep.num_dies), placement, "", quant, dl is not None
     )
-    res = _assemble(ep, parts, pb, quant, placement, lay, topk_idx, topk_weights, op, "fused")
+    args = (ep, parts, pb, quant, placement, lay, topk_idx, topk_weights, op, "fused")
+    res = _assemble(*args) if dl is None else _assemble_dedup(*args, dl)
     if not np.array_equal(res.expert_counts, counts):
         raise ProtocolError(
             f"die {ep.die_id}: fused dispatch counts {counts.tolist()} disagree with the packets"
@@ -825,7 +972,7 @@ def _fused_dispatch(ep, payload, scale, topk_idx, topk_weights, quant, event_id,
     return res
 
 
-def _fused_gather(ep, half, op, event_id, sources, placement, what, quant):
+def _fused_gather(ep, half, op, event_id, sources, placement, what, quant, dedup=False):
     """Wait for the flag of every source (all of them before raising anything), then return
     ([(src, rows)], per-local-expert counts, time the last flag was seen)."""
     lo = ep.layout
@@ -840,7 +987,7 @@ def _fused_gather(ep, half, op, event_id, sources, placement, what, quant):
         if count == REFUSED:
             problems.append(_refused(ep, src, name, op))
         else:
-            code = QUANT_CODE[quant]
+            code = QUANT_CODE[quant] + (DEDUP_CODE if dedup else 0)
             bad = _mispaired(ep, name, src, event_id, lw[f + G_EVENT], code, lw[f + G_QUANT])
             if bad is not None:
                 problems.append(bad)
@@ -862,11 +1009,17 @@ def _fused_combine(ep, expert_out, handle, event_id):
     st.fused_combined = handle.op
     tr = ep.trace if ep.trace.enabled else None
     t0 = now_ns()
-    _write_slots_by_src(
-        ep, expert_out, handle.recv_src_rank, handle.recv_slot, handle.recv_k, op, event_id
-    )
+    g = handle.groups
+    if g is None:
+        _write_slots_by_src(
+            ep, expert_out, handle.recv_src_rank, handle.recv_slot, handle.recv_k, op, event_id
+        )
+        idx, w = handle.topk_idx, handle.topk_weights
+    else:
+        _write_groups_by_src(ep, expert_out, g, op, event_id)
+        idx = handle.dedup.idx_first
+        w = _ones(idx.shape)
     t1 = now_ns()
-    idx, w = handle.topk_idx, handle.topk_weights
     r_slot, r_k = np.nonzero(idx >= 0)
     owners = handle.placement.die_of[idx[r_slot, r_k]]
     _wait_slots(ep, r_slot, r_k, op, "fused", owners)
@@ -875,7 +1028,8 @@ def _fused_combine(ep, expert_out, handle, event_id):
     out = _weighted_sum(_comb_rows(ep, idx.shape[0]), idx, w)
     if tr:
         t3 = now_ns()
-        nbytes = lo.a2a_combine_bytes * lo.a2a_hidden * len(handle.recv_src_rank)
+        n_rows = len(handle.recv_src_rank if g is None else g.src)
+        nbytes = lo.a2a_combine_bytes * lo.a2a_hidden * n_rows
         for step, a, b, nb in ((1, t0, t1, nbytes), (3, t1, t2, 0), (4, t2, t3, 0)):
             tr.rec(a, b - a, "fused_combine", step, -1, 0, event_id, nb)
     return out
@@ -959,6 +1113,27 @@ def _write_slots_by_src(ep, rows, dest, slots, ks, op, event_id) -> None:
         _lin_check(ep, d, lin)
         _words(ep, d, lo.fused_cevent_off, ep.num_dies)[ep.die_id] = event_id
         scatter(rows, sel, _comb_buf(ep, d), lin)  # remote writes
+        _words(ep, d, lo.fused_cflag_off, lo.a2a_max_batch * topk)[lin] = op  # LAST
+
+
+def _write_groups_by_src(ep, rows, g: DedupGroups, op, event_id) -> None:
+    """The fused combine after a dedup dispatch: per source die (groups are in source order),
+    this die's event id word, then each group's pre-reduced row (rounded in the same pass)
+    straight into the source's combine buffer at (slot, first k of this die), then those
+    completion words LAST: `comm.kernels.reduce_groups`, one compiled pass per destination."""
+    n = len(g.src)
+    if not n:
+        return
+    lo = ep.layout
+    topk = lo.a2a_topk
+    reduce = kernels().reduce_groups
+    cuts = (np.flatnonzero(g.src[1:] != g.src[:-1]) + 1).tolist()
+    for a, b in zip([0, *cuts], [*cuts, n], strict=True):
+        d = int(g.src[a])
+        lin = g.slot[a:b] * topk + g.kfirst[a:b]
+        _lin_check(ep, d, lin)
+        _words(ep, d, lo.fused_cevent_off, ep.num_dies)[ep.die_id] = event_id
+        reduce(rows, g.pos, g.start, g.w, a, _comb_buf(ep, d), lin)  # remote writes
         _words(ep, d, lo.fused_cflag_off, lo.a2a_max_batch * topk)[lin] = op  # LAST
 
 

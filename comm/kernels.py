@@ -34,13 +34,28 @@ import numpy as np
 from comm.quant import BF16
 
 __all__ = [
+    "dedup_count",
+    "dedup_place",
+    "pack_dedup_rows",
     "pack_rows",
     "quantize_int8",
+    "reduce_groups",
     "scatter_rows",
     "to_bfloat16",
     "warm",
     "weighted_sum",
 ]
+
+
+@numba.njit(inline="always")
+def _bf16(u):  # pragma: no cover - compiled into its callers
+    """The bfloat16 bits of float32 bits `u`: NaN kept NaN (sign kept, quieted), else add half an
+    ulp of bfloat16, plus one if the kept part is odd (round to nearest, ties to even)."""
+    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
+    return np.uint16(
+        (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    )
 
 
 _SIG_SCATTER = "void(uint32[:, ::1], int64[::1], uint16[::1], int64[::1], int64)"
@@ -59,12 +74,7 @@ def _scatter_round(src, sel, dst, lin, stride):  # pragma: no cover - compiled
         d = dst[base : base + h]
         for c in range(h):
             u = s[c]
-            if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):  # NaN: sign kept, quieted
-                d[c] = np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
-            else:  # add half an ulp of bfloat16, plus one if the kept part is odd (ties to even)
-                d[c] = np.uint16(
-                    (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-                )
+            d[c] = _bf16(u)
 
 
 def to_bfloat16(
@@ -169,6 +179,8 @@ def weighted_sum(contrib: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.ndar
     base = contrib.view(np.uint16 if bf16 else np.float32)
     flat = np.lib.stride_tricks.as_strided(base, (span,), (item,))
     idx = np.ascontiguousarray(idx, np.int64)
+    if not idx.flags.writeable:  # the signature's idx is writeable (a routing table usually is)
+        idx = idx.copy()
     w = np.ascontiguousarray(w, np.float32)
     rows16, rows32 = (flat, _NO_F32) if bf16 else (_NO_U16, flat)
     _reduce(rows16, rows32, bf16, stride, idx, w, out)
@@ -272,6 +284,15 @@ def scatter_rows(rows: np.ndarray, sel: np.ndarray, buf: np.ndarray, lin: np.nda
         raise TypeError(f"rows {rows.dtype} cannot go into a {buf.dtype} buffer")
 
 
+def _packet_shape(payload, rows, n: int) -> tuple[np.ndarray, int, int]:
+    """(payload C-contiguous, its bytes per token, the rows' stride): the checks the packet
+    writers share; ValueError unless rows is C-contiguous uint8 [>= n, stride]."""
+    if rows.dtype != np.uint8 or not rows.flags.c_contiguous or rows.shape[0] < n:
+        raise ValueError(f"rows: expected C-contiguous uint8 [>= {n}, stride]: {_describe(rows)}")
+    payload = np.ascontiguousarray(payload)
+    return payload, payload.shape[1] * payload.dtype.itemsize, rows.shape[1]
+
+
 _RO_I64 = numba.types.Array(numba.types.int64, 1, "C", readonly=True)
 _PACK_SIG = numba.types.void(
     numba.types.uint8[:, ::1], numba.types.int32[::1], _RO_I64, _RO_I64, _RO_I64,
@@ -308,11 +329,7 @@ def pack_rows(payload: np.ndarray, scale: np.ndarray, slots: np.ndarray, ks: np.
     n = len(slots)
     if not n:
         return
-    payload = np.ascontiguousarray(payload)
-    pb = payload.shape[1] * payload.dtype.itemsize
-    stride = rows.shape[1]
-    if rows.dtype != np.uint8 or not rows.flags.c_contiguous or rows.shape[0] < n:
-        raise ValueError(f"rows: expected C-contiguous uint8 [>= {n}, stride]: {_describe(rows)}")
+    payload, pb, stride = _packet_shape(payload, rows, n)
     if stride % 4 or stride < pb + 16:
         raise ValueError(f"rows: stride {stride} cannot hold {pb} payload bytes and 16 of meta")
     if len(ks) != n or len(locs) != n or slots.min() < 0 or slots.max() >= len(payload):
@@ -321,6 +338,274 @@ def pack_rows(payload: np.ndarray, scale: np.ndarray, slots: np.ndarray, ks: np.
     _pack(payload.view(np.uint8).reshape(len(payload), pb), scale.view(np.int32),
           slots.astype(np.int64, copy=False), ks.astype(np.int64, copy=False),
           locs.astype(np.int64, copy=False), flat, flat.view(np.int32), stride)  # fmt: skip
+
+
+_RO_I32 = numba.types.Array(numba.types.int32, 1, "C", readonly=True)
+_RO_F32 = numba.types.Array(numba.types.float32, 1, "C", readonly=True)
+_PACK_DEDUP_SIG = numba.types.int64(
+    numba.types.uint8[:, ::1], numba.types.int32[::1], _RO_I64, _RO_I64, _RO_I64, _RO_I64,
+    _RO_F32, numba.types.uint8[::1], numba.types.int32[::1], numba.types.int64,
+    numba.types.int64, numba.types.int64,
+)  # fmt: skip
+
+
+def _readonly(a, dtype) -> np.ndarray:
+    """A read-only C-contiguous view of `a` as `dtype` (a copy only if needed): the kernels'
+    signatures take read-only index arrays, as a DedupLayout's are."""
+    ok = isinstance(a, np.ndarray) and a.dtype == dtype and a.flags.c_contiguous
+    if ok and not a.flags.writeable:
+        return a
+    v = np.ascontiguousarray(a, dtype).view()
+    v.flags.writeable = False
+    return v
+
+
+@numba.njit(_PACK_DEDUP_SIG, cache=True, nogil=True, boundscheck=False)
+def _pack_dedup(payload, scale_bits, slots, start, ks, locs, w, dst8, dst32, stride, eoff,
+                most):  # fmt: skip  # pragma: no cover - compiled
+    """Row i of dst: payload[slots[i]]'s bytes, at byte eoff its entries j in [start[i],
+    start[i+1]) as (k, local expert, weight bits) int32 triples, and in its last 16 bytes
+    scale | slot | number of entries | -1: a dedup dispatch packet, one pass. Returns 0, or
+    -1 (nothing written) if an index is out of range or a row has more than `most` entries."""
+    n_ent, batch = ks.shape[0], payload.shape[0]
+    for i in range(slots.shape[0]):  # validate everything before the first write
+        a, b = start[i], start[i + 1]
+        if slots[i] < 0 or slots[i] >= batch or a < 0 or b > n_ent or b - a > most or b < a:
+            return -1
+    pb = payload.shape[1]
+    wb = w.view(np.int32)
+    for i in range(slots.shape[0]):
+        s = payload[slots[i]]
+        base = i * stride
+        d = dst8[base : base + pb]
+        for c in range(pb):
+            d[c] = s[c]
+        e = (base + eoff) // 4
+        a, b = start[i], start[i + 1]
+        for j in range(a, b):
+            dst32[e] = np.int32(ks[j])
+            dst32[e + 1] = np.int32(locs[j])
+            dst32[e + 2] = wb[j]
+            e += 3
+        m = (base + stride - 16) // 4
+        dst32[m] = scale_bits[slots[i]]
+        dst32[m + 1] = np.int32(slots[i])
+        dst32[m + 2] = np.int32(b - a)
+        dst32[m + 3] = np.int32(-1)
+    return 0
+
+
+def pack_dedup_rows(payload: np.ndarray, scale: np.ndarray, slots: np.ndarray,
+                    start: np.ndarray, ks: np.ndarray, locs: np.ndarray, w: np.ndarray,
+                    rows: np.ndarray, eoff: int) -> None:  # fmt: skip
+    """The dedup dispatch packets (one per token and destination die), written once:
+    rows[i, :pb] = payload[slots[i]]; at byte `eoff` the entries j in [start[i], start[i+1])
+    of ks / locs / w as int32 k, int32 local expert, float32 weight (memory.layout.DEDUP_ENTRY
+    bytes each); rows[i, -16:] = scale[slots[i]], slots[i], the entry count, -1
+    (PULL_ROW_META).
+
+    payload: `[batch, hidden]` int8 or float32; scale: float32 `[batch]`; slots: int `[n]`;
+    start: int `[n + 1]` (indices into ks / locs / w, not necessarily from 0); ks, locs: int,
+    w: float32, one per entry; rows: uint8 `[>= n, stride]` C-contiguous with room for
+    payload, entries and meta. ValueError (nothing written) for anything out of range."""
+    n = len(slots)
+    if not n:
+        return
+    payload, pb, stride = _packet_shape(payload, rows, n)
+    if len(start) != n + 1 or len(locs) != len(ks) or len(w) != len(ks):
+        raise ValueError("start / ks / locs / w: the entries of the rows do not line up")
+    if stride % 4 or eoff % 4 or eoff < pb or eoff + 16 > stride:
+        raise ValueError(f"rows: stride {stride} cannot hold {pb} payload bytes at 0, entries"
+                         f" at {eoff} and 16 of meta")  # fmt: skip
+    flat = rows[:n].reshape(-1)
+    i64 = [_readonly(a, np.int64) for a in (slots, start, ks, locs)]
+    most = (stride - 16 - eoff) // 12
+    got = _pack_dedup(payload.view(np.uint8).reshape(len(payload), pb), scale.view(np.int32),
+                      *i64, _readonly(w, np.float32), flat, flat.view(np.int32), stride, eoff,
+                      most)  # fmt: skip
+    if got:
+        raise ValueError(
+            f"slots / start: a slot outside [0, {len(payload)}), entries outside the {len(ks)}"
+            f" given, or a row of more entries than a stride of {stride} holds ({most});"
+            " nothing written"
+        )
+
+
+_SIG_GROUPS = (
+    "int64(float32[:, ::1], int64[::1], int64[::1], float32[::1], int64, uint16[::1],"
+    " float32[::1], boolean, int64[::1], int64, int64)"
+)
+
+
+@numba.njit(_SIG_GROUPS, cache=True, nogil=True, boundscheck=False)
+def _reduce_groups(src, pos, start, w, g0, dst16, dst32, bf16, lin, stride,
+                   n_dst):  # fmt: skip  # pragma: no cover - compiled
+    """For each group g = g0 + i: acc = sum over j in [start[g], start[g+1]), in that order, of
+    w[j] * src[pos[j]] in float32 (from +0.0, no fused multiply-add), written to dst's row
+    lin[i] (rows `stride` elements apart, n_dst rows), rounded to bfloat16 as `_scatter_round`
+    when `bf16`: the dedup combine's pre-reduced row, one pass. Returns 0, or -1 (nothing
+    written) if an index is out of range."""
+    h, n_src, n_pos = src.shape[1], src.shape[0], pos.shape[0]
+    cnt = lin.shape[0]
+    if g0 < 0 or g0 + cnt >= start.shape[0] or w.shape[0] != n_pos:
+        return -1
+    for i in range(cnt):  # validate everything before the first write
+        a, b = start[g0 + i], start[g0 + i + 1]
+        if lin[i] < 0 or lin[i] >= n_dst or a < 0 or b > n_pos or b < a:
+            return -1
+        for j in range(a, b):
+            if pos[j] < 0 or pos[j] >= n_src:
+                return -1
+    one = np.empty(1, np.float32)  # a scalar's bits: LLVM turns the store / load into a cast
+    one_bits = one.view(np.uint32)
+    ch = 512  # columns per chunk: acc (2 KiB) stays in L1 while the entries are added
+    acc = np.empty(ch, np.float32)
+    bits = acc.view(np.uint32)
+    zero = np.float32(0.0)
+    for i in range(cnt):
+        g = g0 + i
+        a, b = start[g], start[g + 1]
+        base = lin[i] * stride
+        if b - a == 1:  # one expert of this die: 0 + w r rounded, one pass, no staging
+            wj = w[a]
+            r = src[pos[a]]
+            if bf16:
+                d = dst16[base : base + h]
+                for c in range(h):
+                    one[0] = zero + wj * r[c]
+                    u = one_bits[0]
+                    d[c] = _bf16(u)
+            else:
+                d32 = dst32[base : base + h]
+                for c in range(h):
+                    d32[c] = zero + wj * r[c]
+            continue
+        for c0 in range(0, h, ch):
+            m = min(ch, h - c0)
+            if b > a:  # the first term straight into acc: 0 + w r, the rounding from +0.0
+                wj = w[a]
+                r = src[pos[a], c0 : c0 + m]
+                for c in range(m):
+                    acc[c] = zero + wj * r[c]
+            else:
+                for c in range(m):
+                    acc[c] = zero
+            for j in range(a + 1, b):
+                wj = w[j]
+                r = src[pos[j], c0 : c0 + m]
+                for c in range(m):
+                    acc[c] = acc[c] + wj * r[c]
+            if bf16:
+                d = dst16[base + c0 : base + c0 + m]
+                for c in range(m):
+                    u = bits[c]
+                    d[c] = _bf16(u)
+            else:
+                d32 = dst32[base + c0 : base + c0 + m]
+                for c in range(m):
+                    d32[c] = acc[c]
+    return 0
+
+
+def reduce_groups(rows: np.ndarray, pos: np.ndarray, start: np.ndarray, w: np.ndarray,
+                  g0: int, buf: np.ndarray, lin: np.ndarray) -> None:  # fmt: skip
+    """buf[lin[i], :hidden] = sum over j in [start[g], start[g + 1]), in that order, of
+    w[j] * rows[pos[j]] (float32, from +0.0), g = g0 + i; rounded to bfloat16 on the way
+    into a bfloat16 buffer. One pass; the dedup combine's row per (token, die).
+
+    rows: float32 `[n, hidden]`; pos: int `[m]` row indices; start: int `[groups + 1]`; w:
+    float32 `[m]`; buf: `[rows, stride]` C-contiguous bfloat16 or float32, stride >= hidden
+    (a combine area or buffer, possibly a peer's); lin: int `[count]` target rows.
+    ValueError (nothing written) for an index out of range."""
+    rows = np.ascontiguousarray(rows)
+    if rows.dtype != np.float32 or rows.ndim != 2:
+        raise TypeError(f"rows: expected float32 [n, hidden], got {_describe(rows)}")
+    if buf.dtype not in (BF16, np.float32) or buf.ndim != 2 or not buf.flags.c_contiguous:
+        raise TypeError(f"buf: expected C-contiguous bfloat16 or float32 [rows, stride],"
+                        f" got {_describe(buf)}")  # fmt: skip
+    if buf.shape[1] < rows.shape[1]:
+        raise ValueError(f"buf: rows of {buf.shape[1]} cannot hold {rows.shape[1]} columns")
+    lin = np.ascontiguousarray(lin, np.int64)
+    if not len(lin):
+        return
+    bf16 = buf.dtype == BF16
+    flat = buf.reshape(-1).view(np.uint16 if bf16 else np.float32)
+    d16, d32 = (flat, _NO_F32) if bf16 else (_NO_U16, flat)
+    got = _reduce_groups(rows, np.ascontiguousarray(pos, np.int64),
+                         np.ascontiguousarray(start, np.int64), np.ascontiguousarray(w, np.float32),
+                         int(g0), d16, d32, bf16, lin, buf.shape[1], buf.shape[0])  # fmt: skip
+    if got:
+        raise ValueError(
+            f"reduce_groups: groups [{g0}, {g0 + len(lin)}) of {len(start) - 1}, row indices of"
+            f" {len(rows)} rows or target rows of {buf.shape[0]}: something out of range;"
+            " nothing written"
+        )
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def dedup_count(flat, n, stride, eoff, most, topk, counts):  # pragma: no cover - compiled
+    """Check n dedup dispatch rows (uint8 `flat`, rows `stride` bytes apart: meta scale | slot
+    | entries | -1, entries (k, local, weight) at byte `eoff`) and add each entry's local expert
+    to `counts`. Returns the number of entries, or -1 if a row is malformed (entry count
+    outside [1, most], k outside [0, topk), local outside counts): nothing counted then."""
+    w32 = flat.view(np.int32)
+    n_local = counts.shape[0]
+    total = 0
+    for r in range(n):
+        m = (r * stride + stride - 16) // 4
+        ne = w32[m + 2]
+        if w32[m + 3] != -1 or ne < 1 or ne > most:
+            return -1
+        e = (r * stride + eoff) // 4
+        for j in range(ne):
+            kk, loc = w32[e + 3 * j], w32[e + 3 * j + 1]
+            if kk < 0 or kk >= topk or loc < 0 or loc >= n_local:
+                return -1
+        total += ne
+    for r in range(n):
+        m = (r * stride + stride - 16) // 4
+        e = (r * stride + eoff) // 4
+        for j in range(w32[m + 2]):
+            counts[w32[e + 3 * j + 1]] += 1
+    return total
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def dedup_place(flat, n, stride, eoff, src, cursor, g0, x8, scale_bits, out_src, out_slot,
+                out_k, out_local, g_src, g_slot, g_kfirst, start, pos, w_bits):  # fmt: skip
+    """Expand n dedup rows checked by `dedup_count` (source die `src`, groups g0..g0+n-1): each
+    entry's payload straight to output row cursor[local] (then cursor[local] += 1), with its
+    scale, source, slot, k and local expert; per group its source, slot, first k and entry
+    range (start[g + 1] = start[g] + entries); per entry its output row and weight bits. Rows
+    are walked in order, so each expert's rows stay in (src, slot, k) order."""  # noqa: D401
+    w32 = flat.view(np.int32)
+    pb = x8.shape[1]
+    for r in range(n):
+        g = g0 + r
+        base = r * stride
+        m = (base + stride - 16) // 4
+        ne, slot = w32[m + 2], w32[m + 1]
+        g_src[g] = src
+        g_slot[g] = slot
+        e = (base + eoff) // 4
+        g_kfirst[g] = w32[e]
+        a = start[g]
+        start[g + 1] = a + ne
+        row = flat[base : base + pb]
+        for j in range(ne):
+            loc = w32[e + 3 * j + 1]
+            p = cursor[loc]
+            cursor[loc] = p + 1
+            pos[a + j] = p
+            w_bits[a + j] = w32[e + 3 * j + 2]
+            d = x8[p]
+            for c in range(pb):
+                d[c] = row[c]
+            scale_bits[p] = w32[m]
+            out_src[p] = src
+            out_slot[p] = slot
+            out_k[p] = w32[e + 3 * j]
+            out_local[p] = loc
 
 
 def warm() -> None:
@@ -339,3 +624,17 @@ def warm() -> None:
     ro.flags.writeable = False
     pack_rows(np.zeros((1, 8), np.int8), np.ones(1, np.float32), ro, ro, ro,
               np.zeros((1, 64), np.uint8))  # fmt: skip
+    two = np.array([0, 1], np.int64)
+    pack_dedup_rows(np.zeros((1, 8), np.int8), np.ones(1, np.float32), ro, two, ro, ro,
+                    np.ones(1, np.float32), np.zeros((1, 64), np.uint8), 8)  # fmt: skip
+    reduce_groups(np.zeros((1, 8), np.float32), one, two, np.ones(1, np.float32), 0, b16, one)
+    reduce_groups(np.zeros((1, 8), np.float32), one, two, np.ones(1, np.float32), 0, b32, one)
+    packed = np.zeros((1, 64), np.uint8)
+    pack_dedup_rows(np.zeros((1, 8), np.int8), np.ones(1, np.float32), ro, two, ro, ro,
+                    np.ones(1, np.float32), packed, 8)  # fmt: skip
+    flat, counts = packed.reshape(-1), np.zeros(1, np.int64)
+    dedup_count(flat, 1, 64, 8, 3, 1, counts)
+    i64 = [np.zeros(1, np.int64) for _ in range(8)]
+    dedup_place(flat, 1, 64, 8, 0, np.zeros(1, np.int64), 0, np.zeros((1, 8), np.uint8),
+                np.zeros(1, np.int32), *i64[:7], np.zeros(2, np.int64), i64[7],
+                np.zeros(1, np.int32))  # fmt: skip

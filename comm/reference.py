@@ -24,6 +24,20 @@ float32 exactly (`comm.quant.round_combine`); with "float32" it is the row itsel
 A token with no routed k is all zeros. Since the order is fixed by `k`, not by arrival, the
 result is the same whatever order the rows arrived in.
 
+Combine with dedup (`combine_ref(..., dedup=True)`, DeepEP's layout, docs/protocols.md §6.3):
+the expert die returns one row per (token, die), so the sum is split in two levels. For each
+die `d` holding some of the token's experts, over its k in ascending order, from +0.0:
+
+    part_d = part_d + np.float32(topk_weights[slot, k]) * row(slot, k)    # float32, unrounded row
+
+then `part_d` is rounded to the combine dtype once (as a row above), and, in ascending order of
+each die's smallest k (`k_d`), from +0.0:
+
+    out = out + np.float32(1.0) * part_d
+
+so the result differs from the plain combine (the bfloat16 rounding moves after the weights)
+and is bit-exact against this.
+
 Disaggregated pods (§8): `a2e_ref` / `e2a_ref` are the same collectives with attention dies as
 sources and a placement over the expert dies; trampoline forwarding moves bytes differently but
 must deliver exactly these outputs.
@@ -269,9 +283,11 @@ def _check_weights(topk_idxs, topk_weights) -> list[np.ndarray]:
 
 
 def _gather_rows(expert_outs, dispatch_outs, rank: int, topk: np.ndarray, hidden: int):
-    """`rows[slot, k]`: expert output row of origin (rank, slot, k); `routed` = `topk >= 0`."""
+    """`rows[slot, k]`: expert output row of origin (rank, slot, k); `routed` = `topk >= 0`;
+    `die[slot, k]`: the die that returned it (-1 if unrouted)."""
     rows = np.zeros((*topk.shape, hidden), dtype=np.float32)
     seen = np.zeros(topk.shape, dtype=np.int64)
+    die_of = np.full(topk.shape, -1, dtype=np.int64)
     for die in sorted(dispatch_outs):
         d = dispatch_outs[die]
         mine = d.src_rank == rank
@@ -279,6 +295,7 @@ def _gather_rows(expert_outs, dispatch_outs, rank: int, topk: np.ndarray, hidden
         if slot.size and (slot.max() >= topk.shape[0] or k.max() >= topk.shape[1]):
             raise ValueError(f"dispatch_outs[{die}]: rows of rank {rank} outside its topk shape")
         rows[slot, k] = expert_outs[die][mine]
+        die_of[slot, k] = die
         np.add.at(seen, (slot, k), 1)
     routed = topk >= 0
     if not np.array_equal(seen, routed.astype(np.int64)):
@@ -287,7 +304,7 @@ def _gather_rows(expert_outs, dispatch_outs, rank: int, topk: np.ndarray, hidden
             f"dispatch_outs: rank {rank} (slot {slot}, k {k}) has {seen[slot, k]} rows, expected "
             f"{int(routed[slot, k])} (topk_idx {topk[slot, k]})"
         )
-    return rows, routed
+    return rows, routed, die_of
 
 
 def combine_ref(
@@ -297,6 +314,7 @@ def combine_ref(
     topk_weights: Sequence[np.ndarray],
     src_ranks: Sequence[int] | None = None,
     combine_dtype: str = "bfloat16",
+    dedup: bool = False,
 ) -> list[np.ndarray]:
     """Reference combine: weighted sum of each token's expert outputs, back on its source die.
 
@@ -309,12 +327,15 @@ def combine_ref(
         src_ranks: die id of each source, as given to the dispatch; default `0..len-1`.
         combine_dtype: "bfloat16" (rows rounded to bfloat16 on the way, as a pod's default
             `a2a_combine_dtype`) or "float32".
+        dedup: the two-level sum of a dedup combine (module docstring): per die, then over dies.
 
     Returns:
         outs: one float32 `[b_i, hidden]` per source, `out[slot] = sum over routed k, ascending, of
             float32(w[slot, k]) * row(slot, k)`, accumulated exactly as the module docstring says;
             zeros for a token with no routed k.
     """
+    if not isinstance(dedup, bool | np.bool_):
+        raise TypeError(f"dedup: expected a bool, got {type(dedup).__name__}")
     cdt = _combine_dtype(combine_dtype)
     hidden = _check_expert_outs(expert_outs, dispatch_outs)
     topks = [_check_topk_shape(t, f"topk_idxs[{i}]") for i, t in enumerate(topk_idxs)]
@@ -325,7 +346,10 @@ def combine_ref(
         raise ValueError(f"dispatch_outs: rows from ranks {unknown}, not among src_ranks {ranks}")
     outs = []
     for rank, topk, w in zip(ranks, topks, weights, strict=True):
-        rows, routed = _gather_rows(expert_outs, dispatch_outs, rank, topk, hidden)
+        rows, routed, die_of = _gather_rows(expert_outs, dispatch_outs, rank, topk, hidden)
+        if dedup:
+            outs.append(_dedup_sum(rows, routed, die_of, w, cdt))
+            continue
         rows = round_combine(rows, cdt)
         out = np.zeros((topk.shape[0], hidden), dtype=np.float32)
         for k in range(topk.shape[1]):  # ascending k: the fixed accumulation order
@@ -334,6 +358,30 @@ def combine_ref(
             out[sel] = out[sel] + prod  # float32 add, rounded once
         outs.append(out)
     return outs
+
+
+def _dedup_sum(rows, routed, die_of, w, cdt) -> np.ndarray:
+    """The two-level sum of a dedup combine for one source (module docstring)."""
+    batch, n_k, hidden = rows.shape
+    first = np.zeros((batch, n_k), dtype=np.int64)  # k_d of the die of (slot, k)
+    for k in range(n_k):
+        first[:, k] = k
+        for j in range(k - 1, -1, -1):  # the smallest earlier k on the same die
+            same = routed[:, j] & (die_of[:, j] == die_of[:, k])
+            first[same, k] = j
+    part = np.zeros_like(rows)
+    slots = np.arange(batch)
+    for k in range(n_k):  # ascending k within each die's partial sum
+        sel = routed[:, k]
+        f = first[sel, k]
+        part[slots[sel], f] = part[slots[sel], f] + w[sel, k][:, None] * rows[sel, k]
+    part = round_combine(part, cdt)
+    out = np.zeros((batch, hidden), dtype=np.float32)
+    one = np.float32(1.0)
+    for k in range(n_k):  # ascending k_d over the dies
+        sel = routed[:, k] & (first[:, k] == k)
+        out[sel] = out[sel] + one * part[sel, k]
+    return out
 
 
 def _combine_dtype(name) -> np.dtype:
@@ -403,11 +451,12 @@ def moe_ref(
     quant: str | None = None,
     src_ranks: Sequence[int] | None = None,
     combine_dtype: str = "bfloat16",
+    dedup: bool = False,
 ) -> list[np.ndarray]:
     """Reference routed-expert MoE layer: dispatch, run the experts, combine.
 
     Arguments:
-        xs, topk_idxs, topk_weights, placement, quant, src_ranks, combine_dtype: as in
+        xs, topk_idxs, topk_weights, placement, quant, src_ranks, combine_dtype, dedup: as in
             `dispatch_ref` and `combine_ref`.
         expert_fn: `expert_fn(die, out) -> float32 [out.num_rows, hidden]`, called once per die of
             `placement.dies` in order, with `out` already dequantized (`dequantize_dispatch`: `x`
@@ -419,4 +468,4 @@ def moe_ref(
     dispatched = dispatch_ref(xs, topk_idxs, placement, quant=quant, src_ranks=src_ranks)
     expert_outs = {die: expert_fn(die, dequantize_dispatch(d)) for die, d in dispatched.items()}
     return combine_ref(expert_outs, dispatched, topk_idxs, topk_weights, src_ranks=src_ranks,
-                       combine_dtype=combine_dtype)  # fmt: skip
+                       combine_dtype=combine_dtype, dedup=dedup)  # fmt: skip

@@ -24,7 +24,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["DispatchLayout", "Placement", "check_topk_idx", "get_dispatch_layout"]
+__all__ = [
+    "DedupLayout",
+    "DispatchLayout",
+    "Placement",
+    "check_topk_idx",
+    "get_dedup_layout",
+    "get_dispatch_layout",
+]
 
 
 def _frozen_i64(values, name: str) -> np.ndarray:
@@ -292,3 +299,82 @@ def get_dispatch_layout(topk_idx, placement: Placement) -> DispatchLayout:
         fields[name] = arr = np.ascontiguousarray(arr, dtype=np.int64)
         arr.flags.writeable = False
     return DispatchLayout(**fields)
+
+
+@dataclass(frozen=True, eq=False)
+class DedupLayout:
+    """The rows one source die sends in a dedup dispatch (DeepEP's layout, docs/protocols.md
+    §6.3): one row per (token, destination die), whatever the number of that die's experts the
+    token routes to, carrying the list of them. Int arrays int64, all read-only.
+
+    Rows are ordered by (destination position in `placement.dies`, batch slot); a row's entries
+    by ascending k.
+
+    Fields:
+        row_slot: `[n_rows]` batch slot of each row.
+        row_kfirst: `[n_rows]` the smallest k of the row's entries (where its combine row lands).
+        dest_offsets: `[len(placement.dies) + 1]` rows of `placement.dies[p]` are
+            `dest_offsets[p]:dest_offsets[p + 1]`.
+        ent_start: `[n_rows + 1]` entries of row i are `ent_start[i]:ent_start[i + 1]`.
+        ent_k, ent_local: `[n_entries]` each entry's k index and local expert on the row's die.
+        ent_w: float32 `[n_entries]` each entry's weight, `topk_weights[slot, k]`.
+        idx_first: `[batch, k]` `topk_idx` where k is the first k of its die for that token,
+            -1 elsewhere: the (slot, k) entries a dedup combine returns rows for.
+    """
+
+    row_slot: np.ndarray
+    row_kfirst: np.ndarray
+    dest_offsets: np.ndarray
+    ent_start: np.ndarray
+    ent_k: np.ndarray
+    ent_local: np.ndarray
+    ent_w: np.ndarray
+    idx_first: np.ndarray
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.row_slot.size)
+
+
+def get_dedup_layout(topk_idx, topk_weights, placement: Placement) -> DedupLayout:
+    """One source die's dedup dispatch rows (see `DedupLayout`).
+
+    Arguments:
+        topk_idx: int `[batch, k]` as for `get_dispatch_layout` (validated the same way).
+        topk_weights: float `[batch, k]`, converted to float32.
+        placement: the `Placement` mapping experts to (die, local expert).
+    """
+    if not isinstance(placement, Placement):
+        raise TypeError(f"placement: expected a Placement, got {type(placement).__name__}")
+    topk = check_topk_idx(topk_idx, placement.num_experts)
+    w = np.asarray(topk_weights, np.float32)
+    if w.shape != topk.shape:
+        raise ValueError(f"topk_weights: expected shape {topk.shape}, got {w.shape}")
+    slot, k = np.nonzero(topk >= 0)
+    expert = topk[slot, k]
+    pos = placement.pos_of[expert]
+    order = np.lexsort((k, slot, pos))
+    slot, k, pos, expert = slot[order], k[order], pos[order], expert[order]
+    n = slot.size
+    new = np.ones(n, bool)
+    new[1:] = (slot[1:] != slot[:-1]) | (pos[1:] != pos[:-1])
+    starts = np.flatnonzero(new)
+    row_slot, row_kfirst = slot[starts], k[starts]
+    per_die = np.bincount(pos[starts], minlength=len(placement.dies))
+    idx_first = np.full(topk.shape, -1, np.int64)
+    idx_first[row_slot, row_kfirst] = topk[row_slot, row_kfirst]
+    fields = dict(
+        row_slot=row_slot,
+        row_kfirst=row_kfirst,
+        dest_offsets=np.concatenate(([0], np.cumsum(per_die))),
+        ent_start=np.append(starts, n),
+        ent_k=k,
+        ent_local=placement.local_of[expert],
+        ent_w=w[slot, k],
+        idx_first=idx_first,
+    )
+    for name, arr in fields.items():
+        dt = np.float32 if name == "ent_w" else np.int64
+        fields[name] = arr = np.ascontiguousarray(arr, dtype=dt)
+        arr.flags.writeable = False
+    return DedupLayout(**fields)

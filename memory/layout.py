@@ -438,6 +438,13 @@ def compute(
 
 
 PULL_ROW_META = 16  # bytes after a dispatch row's payload: scale f32, slot i32, k i32, expert i32
+DEDUP_ENTRY = 12  # a dedup dispatch row's list entry: k i32, local expert i32, weight f32
+
+
+def dedup_entries_off(payload_bytes: int) -> int:
+    """Byte offset, in a dedup dispatch row, of its list of (k, local expert, weight) entries:
+    right after the payload, 4-byte aligned (docs/protocols.md §6.3)."""
+    return -(-payload_bytes // 4) * 4
 
 
 def _a2a_sizes(
@@ -455,8 +462,10 @@ def _a2a_sizes(
     float32 payload (INT8 uses the first `hidden` bytes; an INT8-only pod, `disp_bytes` 1, has
     `hidden`-byte payloads) plus PULL_ROW_META. Combine: rows of `comb_bytes x hidden` (bfloat16
     or float32); one half holds every row an expert die returns, at most
-    `batch x min(topk, experts_per_die)` from each source die. Strides are rounded to 64 bytes
-    (a cache line).
+    `batch x min(topk, experts_per_die)` from each source die. A dispatch row also has room for
+    the list of a dedup row (one row per token and destination die, `dispatch(..., dedup=True)`):
+    min(topk, experts_per_die) entries of DEDUP_ENTRY bytes between payload and meta. Strides
+    are rounded to 64 bytes (a cache line).
     """
     if not batch:
         return {"disp_rows": 0, "disp_stride": 0, "comb_rows": 0, "comb_stride": 0}
@@ -465,7 +474,12 @@ def _a2a_sizes(
     _check("a2a_max_batch", batch, 1, 1 << 20)
     return {
         "disp_rows": batch * topk,
-        "disp_stride": _round_up(disp_bytes * hidden + PULL_ROW_META, 64),
+        "disp_stride": _round_up(
+            dedup_entries_off(disp_bytes * hidden)
+            + DEDUP_ENTRY * min(topk, per_die)
+            + PULL_ROW_META,
+            64,
+        ),
         "comb_rows": num_dies * batch * min(topk, per_die),
         "comb_stride": _round_up(comb_bytes * hidden, 64),
     }

@@ -58,13 +58,15 @@ def placement_for(case: str, num_dies: int, num_experts: int) -> Placement:
     return Placement.default(num_experts, dies)
 
 
-def moe_step(die, seed, quant, case, num_experts, placement, sleep_s=0.0, protocol="pull"):
+def moe_step(die, seed, quant, case, num_experts, placement, sleep_s=0.0, protocol="pull",
+             dedup=False):  # fmt: skip
     x, idx, w = make_inputs(seed, die.die_id, num_experts, case)
     if sleep_s and die.die_id == 1:
         time.sleep(sleep_s)
     d = comm.dispatch(
-        die, x, idx, w, protocol=protocol, quant=quant, event_id=seed, placement=placement
-    )
+        die, x, idx, w, protocol=protocol, quant=quant, event_id=seed, placement=placement,
+        dedup=dedup,
+    )  # fmt: skip
     rows = d.x.astype(np.float32) * d.scales[:, None] if quant == "int8" else d.x
     if sleep_s and die.die_id == 1:
         time.sleep(sleep_s)
@@ -82,7 +84,7 @@ def moe_step(die, seed, quant, case, num_experts, placement, sleep_s=0.0, protoc
 
 
 def check_against_reference(res, seed, quant, case, num_dies, num_experts, placement,
-                            combine_dtype="bfloat16"):  # fmt: skip
+                            combine_dtype="bfloat16", dedup=False):  # fmt: skip
     ins = [make_inputs(seed, r, num_experts, case) for r in range(num_dies)]
     douts = ref.dispatch_ref([i[0] for i in ins], [i[1] for i in ins], placement, quant=quant)
     for r in range(num_dies):
@@ -100,7 +102,7 @@ def check_against_reference(res, seed, quant, case, num_dies, num_experts, place
     }
     eouts = {r: expert_fn(r, rows[r]) for r in douts}
     couts = ref.combine_ref(eouts, douts, [i[1] for i in ins], [i[2] for i in ins],
-                            combine_dtype=combine_dtype)  # fmt: skip
+                            combine_dtype=combine_dtype, dedup=dedup)  # fmt: skip
     for r in range(num_dies):
         assert res[r]["out"].dtype == np.float32
         assert np.array_equal(res[r]["out"], couts[r]), f"seed {seed} die {r}: combine differs"
@@ -128,28 +130,30 @@ def ep_pod(request):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("dedup", [False, True], ids=["plain", "dedup"])
 @pytest.mark.parametrize("protocol", ["pull", "fused"])
 @pytest.mark.parametrize("quant", [None, "int8"])
 @pytest.mark.parametrize(
     "case",
     ["random", "full", "sends-nothing", "receives-nothing", "one-expert", "same-die", "unrouted"],
 )
-def test_matches_reference(ep_pod, protocol, quant, case):
+def test_matches_reference(ep_pod, protocol, quant, case, dedup):
     n = ep_pod.config.num_dies
     e = ep_pod.config.num_experts
     placement = placement_for(case, n, e)
     for seed in range(3):
-        print(f"seed {seed}, ep{n}, {protocol}, {quant}, {case}")
-        res = ep_pod.run(moe_step, seed, quant, case, e, placement, 0.0, protocol)
-        check_against_reference(res, seed, quant, case, n, e, placement, cdt(ep_pod))
+        print(f"seed {seed}, ep{n}, {protocol}, {quant}, {case}, dedup {dedup}")
+        res = ep_pod.run(moe_step, seed, quant, case, e, placement, 0.0, protocol, dedup)
+        check_against_reference(res, seed, quant, case, n, e, placement, cdt(ep_pod), dedup)
 
 
 def back_to_back(die, seeds, num_experts, placement):
     outs = []
-    for seed in seeds:  # no barrier in between; quantization and protocol alternate
+    for seed in seeds:  # no barrier in between; quantization, protocol and dedup alternate
         quant = "int8" if seed % 2 else None
         protocol = "fused" if seed % 3 else "pull"
-        outs.append(moe_step(die, seed, quant, "random", num_experts, placement, 0.0, protocol))
+        outs.append(moe_step(die, seed, quant, "random", num_experts, placement, 0.0, protocol,
+                             dedup=seed % 5 < 2))  # fmt: skip
     return outs
 
 
@@ -162,10 +166,50 @@ def test_back_to_back_alternating_quant_and_a_slow_die(ep_pod):
     for j, seed in enumerate(seeds):
         quant = "int8" if seed % 2 else None
         check_against_reference([r[j] for r in res], seed, quant, "random", n, e, placement,
-                                cdt(ep_pod))  # fmt: skip
+                                cdt(ep_pod), dedup=seed % 5 < 2)  # fmt: skip
     for protocol in ("pull", "fused"):  # die 1 sleeps between the steps
-        res = ep_pod.run(moe_step, 20, None, "random", e, placement, 0.02, protocol)
-        check_against_reference(res, 20, None, "random", n, e, placement, cdt(ep_pod))
+        for dedup in (False, True):
+            res = ep_pod.run(moe_step, 20, None, "random", e, placement, 0.02, protocol, dedup)
+            check_against_reference(res, 20, None, "random", n, e, placement, cdt(ep_pod), dedup)
+
+
+def dedup_mismatch(die, protocol):
+    """Die 0 asks for dedup, the others do not: every die raises, then a step works."""
+    try:
+        moe_step(die, 50, "int8", "random", 2 * die.num_dies, None, 0.0, protocol,
+                 dedup=die.die_id == 0)  # fmt: skip
+    except comm.ProtocolError as e:
+        err = str(e)
+    else:
+        err = "no error"
+    return err, moe_step(die, 51, "int8", "random", 2 * die.num_dies, None, 0.0, protocol, True)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("protocol", ["pull", "fused"])
+def test_dedup_on_some_dies_only_is_a_protocol_error_and_the_pod_stays_usable(ep_pod, protocol):
+    n, e = ep_pod.config.num_dies, ep_pod.config.num_experts
+    got = ep_pod.run(dedup_mismatch, protocol)
+    errors = [g[0] for g in got]
+    assert any("dedup" in m for m in errors), errors
+    assert all(m != "no error" for m in errors), errors
+    placement = placement_for("random", n, e)
+    check_against_reference([g[1] for g in got], 51, "int8", "random", n, e, placement,
+                            cdt(ep_pod), dedup=True)  # fmt: skip
+
+
+def dedup_not_bool(die):
+    try:
+        moe_step(die, 52, None, "random", 2 * die.num_dies, None, dedup="yes")
+    except TypeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_dedup_must_be_a_bool(ep_pod):
+    got = ep_pod.run(dedup_not_bool)
+    assert all("dedup must be a bool" in m for m in got), got
 
 
 def over_max(die):
@@ -254,10 +298,12 @@ def test_int8_only_layout_refuses_float32_and_stays_exact(protocol):
     cfg = PodConfig(num_dies=n, a2a_max_batch=B, a2a_hidden=H, a2a_topk=K, num_experts=e,
                     a2a_dispatch_dtype="int8", timeout_s=20)  # fmt: skip
     f32 = PodConfig(**{**cfg.to_dict(), "a2a_dispatch_dtype": "float32"})
-    assert cfg.layout().pull_disp_stride < f32.layout().pull_disp_stride
+    # rows of hidden bytes (+ a dedup list of min(topk, experts per die) 12-byte entries + 16
+    # bytes of meta, rounded to 64) against 4 x hidden: at hidden 48, 128 against 256 bytes
+    assert cfg.layout().pull_disp_stride == 128 and f32.layout().pull_disp_stride == 256
     assert (
-        cfg.layout().fused_buffer_bytes()["dispatch"] * 3
-        < f32.layout().fused_buffer_bytes()["dispatch"]
+        cfg.layout().fused_buffer_bytes()["dispatch"] * 2
+        == f32.layout().fused_buffer_bytes()["dispatch"]
     )
     placement = placement_for("random", n, e)
     with Pod.launch(cfg) as pod:

@@ -98,13 +98,14 @@ DISPATCH_CASES = {
         "ValueError", "a2a_max_local_experts"),
     "placement-other-experts": (lambda a: a.update(placement=Placement.default(4, (0, 1))),
                                 "ValueError", "experts"),
+    "dedup-string": (lambda a: a.update(dedup="yes"), "TypeError", "dedup must be a bool"),
 }  # fmt: skip
 
 
-def dispatch_args(die, seed: int, protocol: str, case: str | None) -> dict:
+def dispatch_args(die, seed: int, protocol: str, case: str | None, dedup: bool = False) -> dict:
     x, idx, w = make_inputs(seed, die.die_id, EXPERTS, "full")  # B rows: every case has rows
     args = dict(x=x, topk_idx=idx, topk_weights=w, protocol=protocol, quant=None,
-                event_id=seed, placement=None)  # fmt: skip
+                event_id=seed, placement=None, dedup=dedup)  # fmt: skip
     if case is not None and die.die_id == BAD:
         DISPATCH_CASES[case][0](args)
     return args
@@ -151,8 +152,8 @@ COMBINE_CASES = {
 }  # fmt: skip
 
 
-def bad_combine_then_good(die, protocol: str, case: str, seed: int):
-    args = dispatch_args(die, seed, protocol, None)
+def bad_combine_then_good(die, protocol: str, case: str, seed: int, dedup: bool = False):
+    args = dispatch_args(die, seed, protocol, None, dedup)
     d = comm.dispatch(die, **args)
     cargs = dict(expert_out=expert_fn(die.die_id, d.x), handle=d.handle, event_id=seed)
     if die.die_id == BAD:
@@ -163,16 +164,18 @@ def bad_combine_then_good(die, protocol: str, case: str, seed: int):
         first = ("ok", "")
     except Exception as e:  # noqa: BLE001
         first = (type(e).__name__, str(e))
-    good = moe_step(die, seed + 1, None, "random", EXPERTS, None, protocol=protocol)
+    good = moe_step(die, seed + 1, None, "random", EXPERTS, None, protocol=protocol, dedup=dedup)
     return first, out, good
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("dedup", [False, True], ids=["plain", "dedup"])
 @pytest.mark.parametrize("case", sorted(COMBINE_CASES))
 @pytest.mark.parametrize("protocol", ["pull", "fused"])
-def test_bad_combine_input_on_one_die_refused_and_the_pod_stays_in_step(pod, protocol, case):
+def test_bad_combine_input_on_one_die_refused_and_the_pod_stays_in_step(pod, protocol, case,
+                                                                        dedup):  # fmt: skip
     seed = 200 + sorted(COMBINE_CASES).index(case)
-    res = pod.run(bad_combine_then_good, protocol, case, seed)
+    res = pod.run(bad_combine_then_good, protocol, case, seed, dedup)
     _, exc, words = COMBINE_CASES[case]
     assert res[BAD][0][0] == exc and words in res[BAD][0][1], res[BAD][0]
     ins = [make_inputs(seed, r, EXPERTS, "full") for r in range(DIES)]
@@ -186,10 +189,11 @@ def test_bad_combine_input_on_one_die_refused_and_the_pod_stays_in_step(pod, pro
         else:  # and they got the exact result
             assert res[r][0][0] == "ok", res[r][0]
             want = ref.moe_ref([i[0] for i in ins], [i[1] for i in ins], [i[2] for i in ins],
-                               placement, lambda die, d: expert_fn(die, d.x))  # fmt: skip
+                               placement, lambda die, d: expert_fn(die, d.x),
+                               dedup=dedup)  # fmt: skip
             assert np.array_equal(res[r][1], want[r])
     check_against_reference([g for _, _, g in res], seed + 1, None, "random", DIES, EXPERTS,
-                            placement)  # fmt: skip
+                            placement, dedup=dedup)  # fmt: skip
 
 
 # Valid but different from the other dies' call: both sides must notice (no silent mix-up).

@@ -6,6 +6,7 @@ write per attention die, and nothing is left behind. Speed is never asserted.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -15,6 +16,7 @@ import pytest
 
 from bench import alltoall as A
 from bench.peers import mpi_available, run_a2a_peer
+from comm.routing import Placement
 from runtime import cli
 
 ROW_KEYS = ("bench", "transport", "protocol", "quant", "dies", "batch", "hidden", "topk")
@@ -90,6 +92,40 @@ def test_xpod_rows_over_batch_dies_protocol_and_quant(tmp_path, capsys):
 
         plot_rows(rows, str(tmp_path / "a2a.png"))
         assert (tmp_path / "a2a.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_skew_routing_makes_hot_experts_and_dedup_counts_token_die_pairs():
+    pt = A.Point(dies=4, batch=64, hidden=16, topk=4, num_experts=32, seed=3)
+    skew = A.Point(**{**dataclasses.asdict(pt), "routing": "skew"})
+    assert A.hottest_over_mean(skew) > 3 * A.hottest_over_mean(pt)
+    idx = A.routing(skew, 1)[0]
+    assert all(len(set(row)) == 4 for row in idx.tolist())
+    placement = Placement.default(32, (0, 1, 2, 3))
+    for p in (pt, skew):
+        dedup = A.counts_matrix(p, dedup=True)
+        for src in range(4):  # one message per (token, die): distinct dies of each token's row
+            dies_of = placement.die_of[A.routing(p, src)[0]]
+            want = np.bincount([d for row in dies_of for d in set(row.tolist())], minlength=4)
+            assert dedup[src].tolist() == want.tolist()
+        assert (dedup <= A.counts_matrix(p)).all() and dedup.sum() < A.counts_matrix(p).sum()
+
+
+@pytest.mark.timeout(120)
+def test_dedup_rows_move_fewer_bytes_and_check_their_output(tmp_path, capsys):
+    rows = bench(tmp_path, "--dies", "4", "--batch", "8", "--protocol", "pull,pull-dedup,fused,"
+                 "fused-dedup", "--quant", "int8", "--routing", "uniform,skew",
+                 "--experts", "8")  # fmt: skip
+    assert len(rows) == 8
+    by = {(r["protocol"], r["routing"]): r for r in rows}
+    for routing in ("uniform", "skew"):
+        for base in ("pull", "fused"):
+            plain, dedup = by[(base, routing)], by[(f"{base}-dedup", routing)]
+            check_row(dedup)
+            assert dedup["dispatch_bytes_per_die"] < plain["dispatch_bytes_per_die"]
+            assert dedup["combine_bytes_per_die"] < plain["combine_bytes_per_die"]
+            assert dedup["hottest_over_mean"] == plain["hottest_over_mean"]
+    out = capsys.readouterr().out
+    assert "dedup (one message per token and die)" in out and "fewer" in out
 
 
 @pytest.mark.timeout(120)

@@ -133,3 +133,84 @@ def test_pack_rows_writes_the_dispatch_packets(dtype):
         pack_rows(payload, scale, slots, ks, locs, np.zeros((5, pb + 8), np.uint8))  # no meta room
     with pytest.raises(ValueError):
         pack_rows(payload, scale, np.array([6]), ks[:1], locs[:1], rows)  # no token 6
+
+
+# -- the dedup kernels (docs/protocols.md §6.3) ----------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.float32])
+def test_pack_dedup_rows_writes_payload_entries_and_meta(dtype):
+    from comm.kernels import pack_dedup_rows
+    from memory.layout import dedup_entries_off
+
+    rng = np.random.default_rng(3)
+    batch, hidden = 5, 7
+    payload = (rng.standard_normal((batch, hidden)) * 50).astype(dtype)
+    scale = rng.random(batch).astype(np.float32)
+    slots = np.array([4, 0, 2], np.int64)
+    start = np.array([0, 2, 3, 6], np.int64)
+    ks = np.array([1, 5, 0, 2, 3, 7], np.int64)
+    locs = np.array([3, 0, 1, 2, 2, 0], np.int64)
+    w = rng.standard_normal(6).astype(np.float32)
+    pb = hidden * np.dtype(dtype).itemsize
+    eoff = dedup_entries_off(pb)
+    rows = np.full((4, eoff + 12 * 3 + 16 + 4), 0xAB, np.uint8)
+    rows_before = rows.copy()
+    pack_dedup_rows(payload, scale, slots, start, ks, locs, w, rows, eoff)
+    assert not np.array_equal(rows, rows_before)
+    for i, slot in enumerate(slots):
+        assert rows[i, :pb].tobytes() == payload[slot].tobytes()
+        ent = rows[i, eoff : eoff + 12 * 3].view(np.int32).reshape(3, 3)
+        a, b = start[i], start[i + 1]
+        assert ent[: b - a, 0].tolist() == ks[a:b].tolist()
+        assert ent[: b - a, 1].tolist() == locs[a:b].tolist()
+        assert ent[: b - a, 2].tobytes() == w[a:b].tobytes()
+        meta = rows[i, -16:].view(np.int32)
+        assert meta[0] == scale[slot].view(np.int32) and meta[1] == slot
+        assert meta[2] == b - a and meta[3] == -1
+    assert (rows[3] == 0xAB).all()  # nothing past the rows asked for
+    narrow = np.full((4, rows.shape[1] - 8), 0xAB, np.uint8)  # room for 2 entries a row, not 3
+    with pytest.raises(ValueError, match="nothing written"):
+        pack_dedup_rows(payload, scale, slots, start, ks, locs, w, narrow, eoff)
+    assert (narrow == 0xAB).all()
+    with pytest.raises(ValueError, match="nothing written"):
+        pack_dedup_rows(payload, scale, np.array([4, 0, 5]), start, ks, locs, w, rows, eoff)
+    with pytest.raises(ValueError, match="nothing written"):
+        pack_dedup_rows(payload, scale, slots, start + 1, ks, locs, w, rows, eoff)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+@pytest.mark.parametrize("dtype", [BF16, np.float32])
+def test_reduce_groups_sums_each_group_in_order_then_rounds_once(dtype):
+    from comm.kernels import reduce_groups
+    from comm.quant import round_combine
+
+    rng = np.random.default_rng(5)
+    n, hidden = 9, 33
+    rows = (rng.standard_normal((n, hidden)) * 10.0 ** rng.integers(-3, 4, (n, 1))).astype(
+        np.float32
+    )
+    rows[2, 0] = np.nan
+    rows[4, 1] = np.inf
+    pos = rng.permutation(n).astype(np.int64)
+    start = np.array([0, 3, 4, 4, 9], np.int64)  # an empty group writes zeros
+    w = rng.standard_normal(n).astype(np.float32)
+    buf = np.full((8, 40), 7, dtype)
+    lin = np.array([6, 1, 3], np.int64)
+    reduce_groups(rows, pos, start, w, 1, buf, lin)  # groups 1, 2, 3
+    for i, g in enumerate(range(1, 4)):
+        acc = np.zeros(hidden, np.float32)
+        for j in range(start[g], start[g + 1]):
+            acc = acc + w[j] * rows[pos[j]]
+        want = round_combine(acc[None], np.dtype(dtype))[0]
+        got = buf[lin[i], :hidden].astype(np.float32)
+        assert np.array_equal(got, want, equal_nan=True), g
+    untouched = [r for r in range(8) if r not in lin]
+    assert (buf[untouched].astype(np.float32) == 7).all()
+    assert (buf[lin, hidden:].astype(np.float32) == 7).all()
+    with pytest.raises(ValueError):
+        reduce_groups(rows, pos, start, w, 3, buf, lin)  # groups past start
+    with pytest.raises(ValueError):
+        reduce_groups(rows, pos + n, start, w, 1, buf, lin)  # row indices past rows
+    with pytest.raises(ValueError):
+        reduce_groups(rows, pos, start, w, 0, buf, np.array([8, 0, 1], np.int64))

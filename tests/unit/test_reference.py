@@ -239,24 +239,29 @@ def test_dispatch_properties(case):
     check_dispatch(outs, placement, src_ranks, xs, topks, quant)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
     scenarios(),
     st.integers(0, 2**32 - 1),
     st.sampled_from(["identity", "scaled"]),
     st.sampled_from(["bfloat16", "float32"]),
+    st.booleans(),
 )
-def test_moe_matches_a_straightforward_loop_bit_for_bit(case, seed, kind, combine_dtype):
+def test_moe_matches_a_straightforward_loop_bit_for_bit(case, seed, kind, combine_dtype, dedup):
     placement, src_ranks, xs, topks, quant = case
-    print(f"seed={seed}")
+    print(f"seed={seed} dedup={dedup}")
     rng = np.random.default_rng(seed)
     xs = [(x + rng.standard_normal(x.shape)).astype(np.float32) for x in xs]
     weights = [rng.standard_normal(t.shape).astype(np.float32) for t in topks]
     expert_fn = scaled_expert(placement) if kind == "scaled" else (lambda die, d: d.x)
     expert_row = scaled_row if kind == "scaled" else identity_row
     got = moe_ref(xs, topks, weights, placement, expert_fn, quant=quant, src_ranks=src_ranks,
-                  combine_dtype=combine_dtype)  # fmt: skip
-    want = loop_moe(xs, topks, weights, expert_row, quant=quant, combine_dtype=combine_dtype)
+                  combine_dtype=combine_dtype, dedup=dedup)  # fmt: skip
+    if dedup:
+        want = loop_moe_dedup(xs, topks, weights, expert_row, placement, quant=quant,
+                              combine_dtype=combine_dtype)  # fmt: skip
+    else:
+        want = loop_moe(xs, topks, weights, expert_row, quant=quant, combine_dtype=combine_dtype)
     for g, w in zip(got, want, strict=True):
         assert g.dtype == np.float32
         np.testing.assert_array_equal(g, w)
@@ -504,3 +509,78 @@ def _combine(expert_outs=None, topk_idxs=HAND_TOPKS, weights=HAND_WEIGHTS, src_r
 def test_combine_rejects_bad_input(call, exc, msg):
     with pytest.raises(exc, match=msg):
         call()
+
+
+# -- dedup combine (docs/protocols.md §6.3): per-die partial sums, rounded once, then over dies --
+
+
+def loop_moe_dedup(xs, topk_idxs, topk_weights, expert_row, placement, quant=None,
+                   combine_dtype="bfloat16"):  # fmt: skip
+    """For every source token: per die, part = 0; for k ascending on that die: part = part +
+    f32(w) * expert_row(e, row); each part through bfloat16 once (with "bfloat16"); then
+    acc = 0; for the dies in order of their first k: acc = acc + 1 * part."""
+    trip = bf16_trip if combine_dtype == "bfloat16" else (lambda r: r)
+    outs = []
+    for x, topk, w in zip(xs, topk_idxs, topk_weights, strict=True):
+        if quant == "int8":
+            q, scale = quantize_int8(x)
+            x = np.zeros(q.shape, dtype=np.float32)
+            for slot in range(q.shape[0]):
+                x[slot] = q[slot].astype(np.float32) * scale[slot]
+        out = np.zeros(x.shape, dtype=np.float32)
+        for slot in range(x.shape[0]):
+            parts: dict[int, np.ndarray] = {}  # insertion order = order of each die's first k
+            for k in range(topk.shape[1]):
+                e = int(topk[slot, k])
+                if e >= 0:
+                    d = int(placement.die_of[e])
+                    acc = parts.get(d, np.zeros(x.shape[1], dtype=np.float32))
+                    parts[d] = acc + np.float32(w[slot, k]) * expert_row(e, x[slot])
+            acc = np.zeros(x.shape[1], dtype=np.float32)
+            for part in parts.values():
+                acc = acc + np.float32(1) * trip(part)
+            out[slot] = acc
+        outs.append(out)
+    return outs
+
+
+def test_dedup_combine_by_hand():
+    # float32, identity experts: dedup sums src0 slot2 (experts 0 and 1, both on die 0) as one
+    # part 1 r - 1 r = 0 before the over-dies sum; the other tokens have one expert per die
+    outs = moe_ref(hand_xs(), HAND_TOPKS, HAND_WEIGHTS, HAND_PLACEMENT, lambda die, d: d.x,
+                   combine_dtype="float32", dedup=True)  # fmt: skip
+    np.testing.assert_array_equal(outs[0], [[0, 0.09375], [2, 2.25], [0, 0]])
+    np.testing.assert_array_equal(outs[1], [[200, 200.25], [0, 0], [102, 102.125]])
+    # bfloat16, rows scaled off the exact grid: against the loop
+    rng = np.random.default_rng(7)
+    xs = [(x * np.float32(1.0 + rng.random())).astype(np.float32) for x in hand_xs()]
+    got = moe_ref(xs, HAND_TOPKS, HAND_WEIGHTS, HAND_PLACEMENT, lambda die, d: d.x, dedup=True)
+    want = loop_moe_dedup(xs, HAND_TOPKS, HAND_WEIGHTS, identity_row, HAND_PLACEMENT)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dedup_equals_plain_in_float32_when_no_token_has_two_experts_on_one_die(seed):
+    rng = np.random.default_rng(seed)
+    placement = Placement.default(8, (0, 1, 2, 3))  # experts 2d, 2d+1 on die d
+    xs = [rng.standard_normal((6, 5)).astype(np.float32) for _ in range(4)]
+    topks = []
+    for _ in range(4):  # one expert of each of 3 dies per token, never two of one die
+        dies = np.array([rng.permutation(4)[:3] for _ in range(6)])
+        topks.append((2 * dies + rng.integers(0, 2, dies.shape)).astype(np.int64))
+    weights = [rng.standard_normal(t.shape).astype(np.float32) for t in topks]
+    fn = scaled_expert(placement)
+    for cdt in ("float32", "bfloat16"):
+        plain = moe_ref(xs, topks, weights, placement, fn, combine_dtype=cdt)
+        dedup = moe_ref(xs, topks, weights, placement, fn, combine_dtype=cdt, dedup=True)
+        same = all(np.array_equal(a, b) for a, b in zip(plain, dedup, strict=True))
+        # float32: part = 0 + w r, then 0 + 1 part: the same arithmetic. bfloat16: the plain
+        # combine rounds r before the weight, dedup w r after it: not the same bits
+        assert same == (cdt == "float32")
+
+
+def test_dedup_combine_rejects_a_non_bool():
+    with pytest.raises(TypeError, match="dedup"):
+        moe_ref(hand_xs(), HAND_TOPKS, HAND_WEIGHTS, HAND_PLACEMENT, lambda die, d: d.x,
+                dedup="yes")  # fmt: skip

@@ -1,4 +1,5 @@
-"""comm.routing: Placement and get_dispatch_layout, by hand, by property, at the edges."""
+"""comm.routing: Placement, get_dispatch_layout and get_dedup_layout: by hand, by property, at
+the edges."""
 
 from __future__ import annotations
 
@@ -7,8 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from comm.routing import DispatchLayout, Placement, check_topk_idx, get_dispatch_layout
-from tests.routing_cases import topk_rows
+from comm.routing import (
+    DispatchLayout,
+    Placement,
+    check_topk_idx,
+    get_dedup_layout,
+    get_dispatch_layout,
+)
+from tests.routing_cases import random_topk, topk_rows
 
 # The hand-checked case shared with test_reference.py: 2 dies, 4 experts (2 per die), batch 3,
 # top-2. Slot 1 has an unrouted k; slot 2 sends both its experts to die 0 (two messages).
@@ -263,3 +270,58 @@ def test_a_repeated_expert_is_always_refused_and_distinct_rows_never(batch, k, e
         rows[slot, other] = rows[slot, col]
         with pytest.raises(ValueError, match=f"names expert {rows[slot, col]} twice"):
             check_topk_idx(rows, experts)
+
+
+def test_dedup_layout_by_hand():
+    # the hand case above: die 0 hosts experts 0, 1; die 1 experts 2, 3
+    topk = np.array([[1, 2], [3, -1], [0, 1]])
+    w = np.array([[0.5, 0.25], [2, 9], [1, -1]], np.float32)
+    dl = get_dedup_layout(topk, w, Placement.default(4, (0, 1)))
+    # die 0: slot 0 (k0 -> e1), slot 2 (k0 -> e0, k1 -> e1: one row); die 1: slot 0, slot 1
+    assert dl.row_slot.tolist() == [0, 2, 0, 1]
+    assert dl.row_kfirst.tolist() == [0, 0, 1, 0]
+    assert dl.dest_offsets.tolist() == [0, 2, 4]
+    assert dl.ent_start.tolist() == [0, 1, 3, 4, 5]
+    assert dl.ent_k.tolist() == [0, 0, 1, 1, 0]
+    assert dl.ent_local.tolist() == [1, 0, 1, 0, 1]
+    assert dl.ent_w.tolist() == [0.5, 1, -1, 0.25, 2]
+    assert dl.idx_first.tolist() == [[1, 2], [3, -1], [0, -1]]
+    assert dl.num_rows == 4
+    for arr in (dl.row_slot, dl.ent_w, dl.idx_first):
+        assert not arr.flags.writeable
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(0, 12), st.integers(1, 6), st.integers(1, 4))
+def test_dedup_layout_covers_every_routed_pair_once(seed, batch, k, dies):
+    rng = np.random.default_rng(seed)
+    experts = max(k, dies * int(rng.integers(1, 4)))
+    placement = Placement.from_table(rng.integers(0, dies, experts), tuple(range(dies)))
+    topk = random_topk(rng, batch, k, experts)
+    w = rng.standard_normal((batch, k)).astype(np.float32)
+    dl = get_dedup_layout(topk, w, placement)
+    lay = get_dispatch_layout(topk, placement)
+    # rows = distinct (token, die) pairs, entries = routed (token, k) pairs
+    routed = zip(*np.nonzero(topk >= 0), strict=True)
+    pairs = {(s, int(placement.die_of[topk[s, j]])) for s, j in routed}
+    assert dl.num_rows == len(pairs)
+    assert len(dl.ent_k) == lay.num_msgs
+    row_of = np.repeat(np.arange(dl.num_rows), np.diff(dl.ent_start))
+    got = sorted(zip(dl.row_slot[row_of].tolist(), dl.ent_k.tolist(), strict=True))
+    assert got == sorted(zip(lay.msg_slot.tolist(), lay.msg_k.tolist(), strict=True))
+    for p, d in enumerate(placement.dies):
+        a, b = dl.dest_offsets[p], dl.dest_offsets[p + 1]
+        assert np.all(np.diff(dl.row_slot[a:b]) > 0)  # one row per token, slot order
+        ea, eb = dl.ent_start[a], dl.ent_start[b]
+        experts_of = topk[dl.row_slot[row_of[ea:eb]], dl.ent_k[ea:eb]]
+        assert np.all(placement.die_of[experts_of] == d)
+        assert np.array_equal(placement.local_of[experts_of], dl.ent_local[ea:eb])
+    for i in range(dl.num_rows):  # ascending k inside a row, kfirst the first
+        ks = dl.ent_k[dl.ent_start[i] : dl.ent_start[i + 1]]
+        assert np.all(np.diff(ks) > 0) and ks[0] == dl.row_kfirst[i]
+    assert np.array_equal(dl.ent_w, w[dl.row_slot[row_of], dl.ent_k])
+    firsts = set(zip(dl.row_slot.tolist(), dl.row_kfirst.tolist(), strict=True))
+    for s in range(batch):
+        for j in range(k):
+            want = topk[s, j] if (s, j) in firsts else -1
+            assert dl.idx_first[s, j] == want
