@@ -20,7 +20,7 @@ from runtime.argtypes import (
 )
 from runtime.decode import MAX_BATCH, DecodeOptions, pod_config, progress, run_decode
 from runtime.decode_report import jsonable, print_summary
-from runtime.model import PRESETS, ModelConfig
+from runtime.model import PRESETS, SCORE_BIASES, ModelConfig
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -36,6 +36,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--steps", type=positive_int, default=32, help="decode steps (tokens per request)"
     )
     p.add_argument("--model", default="small", choices=tuple(PRESETS), help="model preset")
+    p.add_argument(
+        "--score-bias",
+        default=None,
+        choices=SCORE_BIASES,
+        help="router correction bias (default: the preset's); skew makes a few experts hot",
+    )
+    p.add_argument(
+        "--groups",
+        default=None,
+        metavar="N_GROUP:TOPK_GROUP",
+        help="group-limited routing, e.g. 8:4 (DeepSeek-V3's); default: the preset's",
+    )
     p.add_argument("--quant", default="none", choices=("none", "int8"))
     p.add_argument("--combine-dtype", default="bfloat16", choices=COMBINE_DTYPES,
                    help="combine rows in 16 bits (the paper's) or float32")  # fmt: skip
@@ -58,6 +70,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 # ModelConfig / PodConfig fields -> the flags that set them (for errors found after parsing)
 _MODEL_FLAGS = {
     "preset": "--model",
+    "score_bias": "--score-bias",
+    "n_group": "--groups",
+    "topk_group": "--groups",
     "seed": "--seed",
     "num_dies": "--dies",
     "expert_dies": "--dies",
@@ -95,12 +110,28 @@ def options(args: argparse.Namespace) -> DecodeOptions:
         json=args.json,
         block_size=args.block_size,
         timeout_s=args.timeout,
-        overrides={"seed": args.seed},
+        overrides=_model_overrides(args),
         pin=args.pin,
         wait=args.wait,
     )
     _check_options(opts)
     return opts
+
+
+def _model_overrides(args: argparse.Namespace) -> dict:
+    """ModelConfig overrides of the flags: the seed, --score-bias, --groups."""
+    out: dict = {"seed": args.seed}
+    if args.score_bias is not None:
+        out["score_bias"] = args.score_bias
+    if args.groups is not None:
+        try:
+            n_group, topk_group = (int(v) for v in args.groups.split(":"))
+        except ValueError:
+            raise ConfigError(
+                f"argument --groups: expected N_GROUP:TOPK_GROUP (e.g. 8:4), got {args.groups!r}"
+            ) from None
+        out.update(n_group=n_group, topk_group=topk_group)
+    return out
 
 
 def _check_options(opts: DecodeOptions) -> None:

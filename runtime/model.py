@@ -64,6 +64,7 @@ __all__ = [
     "mla_project",
     "rms_norm",
     "rope_tables",
+    "expert_bias",
     "route_topk",
     "sample",
     "silu",
@@ -110,6 +111,7 @@ _POSITIVE_INTS = (
     "max_seq_len",
 )
 _GATINGS = ("sigmoid", "softmax")
+SCORE_BIASES = ("none", "random", "skew")
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,14 @@ class ModelConfig:
         num_experts, topk: routed experts per MoE layer and experts per token.
         gating: "sigmoid" (DeepSeek-V3) or "softmax" (V2) scores; in both cases the top-k weights
             are normalized to sum 1, then multiplied by `routed_scaling`.
+        n_group, topk_group: DeepSeek-V3's group-limited routing (`route_topk`): the experts
+            are `n_group` equal groups of consecutive ids and a token picks its experts from
+            its best `topk_group` groups only (1, 1: no limit).
+        score_bias: the per-expert correction bias added to the scores for the choice only
+            (`expert_bias`): "none", "random" (small, N(0, 0.01)) or "skew" (a Zipf-like
+            offset `score_bias_scale / rank` over a seeded ranking of the experts: a few
+            experts become hot, the workload knob of load balancing).
+        score_bias_scale: the skew offset of the hottest expert (default 1.0).
         rope_theta: RoPE base; max_seq_len: positions 0..max_seq_len-1 are valid.
         seed: root of every weight's seed (>= 0); norm_eps: RMSNorm epsilon.
 
@@ -155,6 +165,10 @@ class ModelConfig:
     topk: int = 4
     gating: str = "sigmoid"
     routed_scaling: float = 2.5
+    n_group: int = 1
+    topk_group: int = 1
+    score_bias: str = "none"
+    score_bias_scale: float = 1.0
     rope_theta: float = 10000.0
     max_seq_len: int = 512
     seed: int = 0
@@ -238,10 +252,36 @@ class ModelConfig:
             )
         if self.gating not in _GATINGS:
             raise ConfigError(f"gating: expected one of {_GATINGS}, got {self.gating!r}")
-        for name in ("routed_scaling", "rope_theta", "norm_eps"):
+        self._check_groups()
+        for name in ("routed_scaling", "rope_theta", "norm_eps", "score_bias_scale"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ConfigError(f"{name}: expected a number > 0, got {value!r}")
+
+    def _check_groups(self) -> None:
+        _check_int("n_group", self.n_group, 1)
+        _check_int("topk_group", self.topk_group, 1)
+        if self.num_experts % self.n_group:
+            raise ConfigError(
+                f"n_group: {self.num_experts} experts do not split into {self.n_group} equal groups"
+            )
+        if self.topk_group > self.n_group:
+            raise ConfigError(f"topk_group: {self.topk_group} is more than n_group={self.n_group}")
+        kept = self.topk_group * (self.num_experts // self.n_group)
+        if self.n_group > 1 and self.topk > kept:
+            raise ConfigError(
+                f"topk: {self.topk} experts cannot come from {self.topk_group} groups of"
+                f" {self.num_experts // self.n_group} (raise topk_group or lower topk)"
+            )
+        if self.score_bias not in SCORE_BIASES:
+            raise ConfigError(
+                f"score_bias: expected one of {SCORE_BIASES}, got {self.score_bias!r}"
+            )
+
+    @property
+    def groups_limited(self) -> bool:
+        """Whether routing is group-limited (some groups are masked for each token)."""
+        return self.n_group > 1 and self.topk_group < self.n_group
 
 
 def _check_int(name: str, value, minimum: int) -> None:
@@ -276,6 +316,17 @@ PRESETS: dict[str, ModelConfig] = {
         max_seq_len=256,
     ),
     "small": ModelConfig(),
+    # DeepSeek-V3's routing ratios on the small model's body: 256 experts in 8 groups, a token's
+    # top-8 from its best 4 groups (V3: n_group 8, topk_group 4, top-8 of 256), sigmoid scores
+    # with a correction bias; narrow experts so that the 256 stay small.
+    "v3": ModelConfig(
+        num_experts=256,
+        topk=8,
+        moe_inter=32,
+        n_group=8,
+        topk_group=4,
+        score_bias="random",
+    ),
     "medium": ModelConfig(
         hidden=1024,
         n_layers=6,
@@ -313,7 +364,25 @@ _TAG = dict(
     dense=20,  # + 0/1/2 for w_gate/w_up/w_down
     shared=30,
     expert=40,
+    score_bias=50,
 )
+
+
+def expert_bias(cfg: ModelConfig, layer: int) -> np.ndarray | None:
+    """The correction bias of `layer`'s router, float32 `[num_experts]`, or None ("none").
+
+    Seeded by (cfg.seed, layer) like every weight, so each die and the reference build the same
+    bytes. "random": N(0, 0.01). "skew": `score_bias_scale / (1 + rank)` over a seeded
+    permutation of the experts (the same one in every layer): the first ranks are picked by
+    almost every token, so the hottest expert's load approaches num_experts / topk times the
+    mean."""
+    if cfg.score_bias == "none":
+        return None
+    rng = np.random.default_rng([cfg.seed, _TAG["score_bias"], layer])
+    if cfg.score_bias == "random":
+        return (rng.standard_normal(cfg.num_experts) * 0.01).astype(F32)
+    rank = np.random.default_rng([cfg.seed, _TAG["score_bias"]]).permutation(cfg.num_experts)
+    return (F32(cfg.score_bias_scale) / (F32(1.0) + rank.astype(F32))).astype(F32)
 
 
 @dataclass(slots=True)
@@ -602,26 +671,56 @@ def absorbed_attention(
 
 
 def route_topk(
-    logits: np.ndarray, topk: int, gating: str, routed_scaling: float
+    logits: np.ndarray,
+    topk: int,
+    gating: str,
+    routed_scaling: float,
+    bias: np.ndarray | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k routing of gate logits.
+    """Top-k routing of gate logits, DeepSeek-V3's `Gate.forward` (inference/model.py).
+
+    scores = sigmoid(logits) (or softmax); biased = scores + bias (float32, the choice only);
+    with groups (n_group > 1, topk_group < n_group): the experts are n_group groups of
+    consecutive ids, a group's score is the sum of its top-2 biased scores (its top-1 for
+    groups of one expert), the best topk_group groups are kept (ties: lower group first) and
+    every expert of the other groups gets -inf; the top-k of the biased scores are the experts.
+    Their weights come from the UNBIASED scores, normalized to sum 1, times routed_scaling.
+
+    Masked groups get -inf as in DeepSeek-V3's reference code, not 0.0 as transformers'
+    `DeepseekV3TopkRouter`: the two differ when a kept expert's biased score is negative (a
+    negative bias), where 0.0 would rank masked experts above it and pick an expert outside the
+    kept groups; with -inf a token's experts always lie in <= topk_group groups.
 
     Arguments:
         logits: float32 `[n, num_experts]`, `xn @ gate`.
         topk: experts per token; gating: "sigmoid" or "softmax" scores; routed_scaling: > 0.
+        bias: float32 `[num_experts]` correction bias (`expert_bias`), or None.
+        n_group, topk_group: the groups and how many a token may use.
 
     Returns:
-        topk_idx: int64 `[n, topk]`, expert ids by descending score; equal scores are ordered by
-            lower expert id first (stable sort), so the choice is deterministic.
-        topk_weights: float32 `[n, topk]`, the chosen scores divided by their sum, times
-            `routed_scaling` (each row sums to `routed_scaling` up to float32 rounding).
+        topk_idx: int64 `[n, topk]`, expert ids by descending biased score; equal scores are
+            ordered by lower expert id first (stable sort), so the choice is deterministic.
+        topk_weights: float32 `[n, topk]`, the chosen unbiased scores divided by their sum,
+            times `routed_scaling` (each row sums to `routed_scaling` up to float32 rounding).
     """
     if gating == "sigmoid":
         with np.errstate(over="ignore"):
             scores = F32(1.0) / (F32(1.0) + np.exp(-logits))
     else:
         scores = softmax(logits)
-    topk_idx = np.argsort(-scores, axis=1, kind="stable")[:, :topk].astype(np.int64)
+    choice = scores if bias is None else scores + bias.astype(F32, copy=False)
+    if n_group > 1 and topk_group < n_group:
+        n, e = choice.shape
+        grouped = choice.reshape(n, n_group, e // n_group)
+        top2 = -np.sort(-grouped, axis=2)[:, :, : min(2, e // n_group)]
+        group_score = top2.sum(axis=2, dtype=F32)
+        keep = np.argsort(-group_score, axis=1, kind="stable")[:, :topk_group]
+        masked = np.ones((n, n_group), bool)
+        np.put_along_axis(masked, keep, False, axis=1)
+        choice = np.where(masked[:, :, None], F32(-np.inf), grouped).reshape(n, e)
+    topk_idx = np.argsort(-choice, axis=1, kind="stable")[:, :topk].astype(np.int64)
     w = np.take_along_axis(scores, topk_idx, axis=1)
     topk_weights = (w / np.sum(w, axis=1, keepdims=True)) * F32(routed_scaling)
     return topk_idx, topk_weights.astype(F32, copy=False)
@@ -752,6 +851,7 @@ class DieModel:
         self.weights = weights
         self.kv = kv
         self.cos, self.sin = rope_tables(cfg)
+        self._bias = {layer: expert_bias(cfg, layer) for layer in range(cfg.n_layers)}
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         """int `[n]` token ids in `[0, vocab)` -> float32 `[n, hidden]` (a copy of the rows)."""
@@ -808,8 +908,13 @@ class DieModel:
         """
         lw, cfg = self.weights.layers[layer], self.cfg
         xn = rms_norm(h, lw.ffn_norm, cfg.norm_eps)
-        idx, w = route_topk(xn @ lw.gate, cfg.topk, cfg.gating, cfg.routed_scaling)
+        idx, w = route_topk(xn @ lw.gate, cfg.topk, cfg.gating, cfg.routed_scaling,
+                            self.bias(layer), cfg.n_group, cfg.topk_group)  # fmt: skip
         return xn, idx, w
+
+    def bias(self, layer: int) -> np.ndarray | None:
+        """The router's correction bias of `layer` (`expert_bias`), built once."""
+        return self._bias[layer]
 
     def experts(
         self,

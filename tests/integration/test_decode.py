@@ -59,6 +59,23 @@ def test_distributed_decode_equals_the_reference_bit_for_bit(
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"n_group": 4, "topk_group": 2, "score_bias": "random"},
+        {"n_group": 4, "topk_group": 1, "score_bias": "skew", "score_bias_scale": 0.5},
+        {"score_bias": "skew"},
+    ],
+    ids=["groups-random-bias", "one-group-skew", "skew"],
+)
+def test_group_limited_routing_with_bias_equals_the_reference_bit_for_bit(overrides):
+    s = _run(dies=4, batch=6, prompt_len=8, steps=4, seed=4, protocol="fused",
+             overrides={"seed": 4, **overrides})  # fmt: skip
+    assert s["mismatched_tokens"] == 0, s["first_mismatch"]
+    assert s["logits_bit_equal"], s["logits_max_abs_diff"]
+
+
+@pytest.mark.timeout(180)
 def test_prompts_of_different_lengths_and_sampling():
     prompts = [[256, 72, 101], [256, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [256], [256, 40] * 6]
     s = _run(dies=2, prompts=prompts, steps=5, temperature=0.8, seed=5, overrides={"seed": 5})
@@ -154,5 +171,6 @@ def test_cli_decode_check_json_and_trace(tmp_path):
 
 
 def test_presets_validate_for_the_documented_pods():
-    for name, dies in (("tiny", 2), ("tiny", 8), ("tiny", 16), ("small", 4), ("small", 16)):
+    for name, dies in (("tiny", 2), ("tiny", 8), ("tiny", 16), ("small", 4), ("small", 16),
+                       ("v3", 4), ("v3", 8)):  # fmt: skip
         ModelConfig.preset(name).validate(dies)
