@@ -3,15 +3,19 @@
 - `request`: Request, SamplingParams and their status / finish reason;
 - `kv`: KVManager, the RTC block bookkeeping of one DP group (prefix cache, refcounts, LRU);
 - `scheduler`: Scheduler, the step plans of one DP group under asynchronous execution;
-- `lb`: LoadBalancer, which decode DP group gets a new request.
+- `lb`: LoadBalancer, which decode DP group gets a new request;
+- `eplb`: expert load balancing, which die holds which replica of which expert (ExpertMap,
+  plan: DeepSeek's EPLB port and the greedy of 001 §4.5; replica_for by token position).
 """
 
+from .eplb import ExpertMap, plan, replica_for
 from .kv import KVFull, KVManager, block_hash
 from .lb import LoadBalancer
 from .request import FinishReason, Request, RequestStatus, SamplingParams
 from .scheduler import Row, Scheduler, SchedulerConfig, StepOutput, StepPlan
 
 __all__ = [
+    "ExpertMap",
     "FinishReason",
     "KVFull",
     "KVManager",
@@ -25,4 +29,6 @@ __all__ = [
     "StepOutput",
     "StepPlan",
     "block_hash",
+    "plan",
+    "replica_for",
 ]
