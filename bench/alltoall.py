@@ -736,9 +736,10 @@ def _print_vs_peers(rows: list[dict]) -> None:
         " only): < 1 xpod faster; zmq / xpod: > 1 xpod faster; CPU ms per step per die):"
     )
     for x in _find(rows, transport="xpod", attention_dies=0):
-        key = dict(dies=x["dies"], batch=x["batch"], quant=x["quant"], attention_dies=0)
+        key = dict(dies=x["dies"], batch=x["batch"], quant=x["quant"], attention_dies=0,
+                   routing=x["routing"])  # fmt: skip
         parts = [
-            f"EP{x['dies']} b{x['batch']:<3} {x['protocol']:>5} {x['quant']:>4}:"
+            f"{_pod_name(x)} {x['protocol']:>5} {x['quant']:>4}:"
             f" xpod {x['total_p50_us']:7.0f} us ({x['time_over_floor']:.0f}x floor,"
             f" cpu {x['cpu_ms_per_step']:.2f})"
         ]
