@@ -59,17 +59,24 @@ def bf16_trip(row: np.ndarray) -> np.ndarray:
     return (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
 
 
+def expert_input(x: np.ndarray, quant) -> np.ndarray:
+    """The rows the expert die computes on: x, or its INT8 round trip, row by row."""
+    if quant != "int8":
+        return x
+    q, scale = quantize_int8(x)
+    out = np.zeros(q.shape, dtype=np.float32)
+    for slot in range(q.shape[0]):
+        out[slot] = q[slot].astype(np.float32) * scale[slot]
+    return out
+
+
 def loop_moe(xs, topk_idxs, topk_weights, expert_row, quant=None, combine_dtype="bfloat16"):
     """For every source token: acc = 0; for k ascending: acc = acc + f32(w) * expert_row(e, row)
     (the row through bfloat16 first with combine_dtype "bfloat16", as the combine sends it)."""
     trip = bf16_trip if combine_dtype == "bfloat16" else (lambda r: r)
     outs = []
     for x, topk, w in zip(xs, topk_idxs, topk_weights, strict=True):
-        if quant == "int8":
-            q, scale = quantize_int8(x)
-            x = np.zeros(q.shape, dtype=np.float32)
-            for slot in range(q.shape[0]):  # row by row: what the expert die computes on
-                x[slot] = q[slot].astype(np.float32) * scale[slot]
+        x = expert_input(x, quant)
         out = np.zeros(x.shape, dtype=np.float32)
         for slot in range(x.shape[0]):
             acc = np.zeros(x.shape[1], dtype=np.float32)
@@ -522,11 +529,7 @@ def loop_moe_dedup(xs, topk_idxs, topk_weights, expert_row, placement, quant=Non
     trip = bf16_trip if combine_dtype == "bfloat16" else (lambda r: r)
     outs = []
     for x, topk, w in zip(xs, topk_idxs, topk_weights, strict=True):
-        if quant == "int8":
-            q, scale = quantize_int8(x)
-            x = np.zeros(q.shape, dtype=np.float32)
-            for slot in range(q.shape[0]):
-                x[slot] = q[slot].astype(np.float32) * scale[slot]
+        x = expert_input(x, quant)
         out = np.zeros(x.shape, dtype=np.float32)
         for slot in range(x.shape[0]):
             parts: dict[int, np.ndarray] = {}  # insertion order = order of each die's first k
