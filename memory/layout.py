@@ -66,6 +66,24 @@ Serving fields (only in a pod launched with `serve_slot_bytes`), after the all-t
    attn_ns, moe_ns, step_ns          writer: this die   cumulative attention, MoE wait (dispatch
                                                         + combine) and forward time of its steps
 ```
+Expert load balancing fields (only in a pod launched with `eplb_layers`), after the serving
+words (runtime.balancer):
+
+```
+ eplb    EPLB_WORDS int64 words:
+   plan_seq                          writer: the leader  rebalances planned (LAST of a plan)
+   plan_step                         writer: the leader  the step whose end made plan plan_seq
+   ready                             writer: this die    the plan whose expert moves it finished
+   switched                          writer: this die    the plan it serves with
+   count_step                        writer: this die    steps whose counts are complete (last+1)
+   moved_bytes, move_ns              writer: this die    expert bytes it received, time moving
+   balance_ppm                       writer: the leader  balancedness of its last window x 1e6
+   rows                              writer: this die    rows its slots received, cumulative
+ counts[window][1 + layers * slots]  writer: this die    row s % window: step s, then the rows
+                                                         each local slot got in each MoE layer
+ plan[layers][physical]              writer: the leader  phy2log of plan plan_seq
+```
+
 The command ring (master -> die) and the result ring (die -> master) are `serve_slots` slots of
 `serve_slot_bytes` each in the managed area; slot k % slots holds message k. Every count only
 grows. A writer may fill slot k once `k - taken < slots`.
@@ -89,7 +107,7 @@ import numpy as np
 from memory.errors import ConfigError
 
 MAGIC = 0x314D4248444F5058  # b"XPODHBM1" little-endian
-LAYOUT_VERSION = 3  # 2: fused_refuse and fused_cevent words; 3: serve heartbeat, phase times
+LAYOUT_VERSION = 4  # 2: fused_refuse, fused_cevent; 3: serve heartbeat, phase times; 4: eplb
 PAGE = 4096
 HEADER_BYTES = PAGE
 FIELD_BYTES = 32
@@ -117,6 +135,10 @@ SERVE_SLOTS = 4
 SV_PING = SV_CMD_LEN + 2 * SERVE_SLOTS  # then the heartbeat and the cumulative phase times
 SV_PONG, SV_ATTN_NS, SV_MOE_NS, SV_STEP_NS = SV_PING + 1, SV_PING + 2, SV_PING + 3, SV_PING + 4
 SERVE_WORDS = SV_STEP_NS + 1
+# Expert load balancing words (word index inside the eplb block), see the diagram.
+EP_PLAN_SEQ, EP_PLAN_STEP, EP_READY, EP_SWITCHED, EP_COUNT_STEP = range(5)
+EP_MOVED_BYTES, EP_MOVE_NS, EP_BALANCE_PPM, EP_ROWS = range(5, 9)
+EPLB_WORDS = 16
 
 HEADER = np.dtype(
     [
@@ -197,6 +219,11 @@ class RegionLayout:
     serve_off: int = 0  # meta: SERVE_WORDS words of the serving protocol
     serve_cmd_off: int = 0  # managed: [SERVE_SLOTS] command slots of serve_slot_bytes
     serve_res_off: int = 0  # managed: [SERVE_SLOTS] result slots of serve_slot_bytes
+    eplb_layers: int = 0  # MoE layers whose expert load is recorded (0: no eplb area)
+    eplb_window: int = 0  # rows of the per-step count ring
+    eplb_off: int = 0  # meta: EPLB_WORDS words
+    eplb_counts_off: int = 0  # meta: [eplb_window][1 + eplb_layers * experts_per_die] int64
+    eplb_plan_off: int = 0  # meta: [eplb_layers][num_experts] int64 phy2log
 
     @property
     def ring_bytes(self) -> int:
@@ -214,11 +241,22 @@ class RegionLayout:
             key += f",comb{self.a2a_combine_bytes}"
         if self.serve_slot_bytes:
             key += f",serve:{self.serve_slot_bytes}"
+        if self.eplb_layers:
+            key += f",eplb:{self.eplb_layers},{self.eplb_window}"
         return zlib.crc32(key.encode())
 
     def serve_word(self, index: int) -> int:
         """Word index (in the region) of serving word `index` (SV_* constants)."""
         return self.serve_off // WORD + index
+
+    def eplb_word(self, index: int) -> int:
+        """Word index (in the region) of eplb word `index` (EP_* constants)."""
+        return self.eplb_off // WORD + index
+
+    @property
+    def eplb_row_words(self) -> int:
+        """Words of one row of the count ring: the step, then layers x local slots."""
+        return 1 + self.eplb_layers * self.a2a_experts_per_die
 
     def pull_field_word(self, kind: int, half: int, src: int) -> int:
         """Word index of pull field (kind 0 = dispatch, 1 = combine; half 0/1) written by src."""
@@ -310,6 +348,8 @@ def compute(
     a2a_dispatch_bytes: int = 4,
     serve_slot_bytes: int = 0,
     a2a_combine_bytes: int = 2,
+    eplb_layers: int = 0,
+    eplb_window: int = 0,
 ) -> RegionLayout:
     """Compute the layout of one region from the pod's sizes.
 
@@ -327,6 +367,8 @@ def compute(
             or 1 (INT8 only: rows of hidden + PULL_ROW_META bytes, the paper's buffer formula).
         a2a_combine_bytes: bytes per element of a combine row: 2 (bfloat16) or 4 (float32).
         serve_slot_bytes: bytes per slot of the serving command and result rings (0: none).
+        eplb_layers, eplb_window: the expert load balancing words, count ring and plan (needs
+            the all-to-all; 0: none).
     Returns:
         RegionLayout with every offset; raises ConfigError naming the bad argument.
     """
@@ -374,7 +416,16 @@ def compute(
     fused_refuse_off = a2e_flag_off + (2 * FIELD_BYTES if on else 0)
     fused_cevent_off = fused_refuse_off + (num_dies * WORD if on else 0)
     serve_off = fused_cevent_off + (num_dies * WORD if on else 0)
-    meta_end = serve_off + (SERVE_WORDS * WORD if serve_slot_bytes else 0)
+    eplb_off = serve_off + (SERVE_WORDS * WORD if serve_slot_bytes else 0)
+    _check("eplb_layers", eplb_layers, 0, 1 << 12)
+    _check("eplb_window", eplb_window, 0, 1 << 16)
+    if eplb_layers and not (on and eplb_window):
+        raise ConfigError("eplb_layers: expert load balancing needs the all-to-all and a window")
+    ep = bool(eplb_layers)
+    eplb_counts_off = eplb_off + (EPLB_WORDS * WORD if ep else 0)
+    row = (1 + eplb_layers * a2a_experts_per_die) * WORD
+    eplb_plan_off = eplb_counts_off + (eplb_window * row if ep else 0)
+    meta_end = eplb_plan_off + (eplb_layers * a2a_num_experts * WORD if ep else 0)
     meta_bytes = _round_up(meta_end - meta_off, PAGE)
     managed_off = meta_off + meta_bytes
     rings = num_dies * lanes * ring_slots * slot_bytes
@@ -434,6 +485,11 @@ def compute(
         serve_off=serve_off if serve_slot_bytes else 0,
         serve_cmd_off=serve_cmd_off if serve_slot_bytes else 0,
         serve_res_off=serve_res_off if serve_slot_bytes else 0,
+        eplb_layers=eplb_layers,
+        eplb_window=eplb_window if ep else 0,
+        eplb_off=eplb_off if ep else 0,
+        eplb_counts_off=eplb_counts_off if ep else 0,
+        eplb_plan_off=eplb_plan_off if ep else 0,
     )
 
 

@@ -54,6 +54,9 @@ class PodConfig:
             sums them in float32) or "float32" (rows travel unrounded, twice the bytes).
         serve_slot_bytes: bytes of each slot of the serving command and result rings in every
             die's region (0: a pod that does not serve; `runtime.serve.Engine` sets it).
+        eplb_layers, eplb_window: expert load balancing (`runtime.balancer`): the MoE layers
+            whose per-slot load each die records, and the steps its count ring keeps (0: off;
+            the decode and serving launchers set them).
     """
 
     num_dies: int = 4
@@ -79,6 +82,8 @@ class PodConfig:
     a2a_dispatch_dtype: str = "float32"
     a2a_combine_dtype: str = "bfloat16"
     serve_slot_bytes: int = 0
+    eplb_layers: int = 0
+    eplb_window: int = 0
 
     def __post_init__(self) -> None:
         if self.cores == 0:
@@ -109,6 +114,12 @@ class PodConfig:
         _choice("a2a_dispatch_dtype", self.a2a_dispatch_dtype, ("float32", "int8"))
         _choice("a2a_combine_dtype", self.a2a_combine_dtype, COMBINE_DTYPES)
         _int_in("serve_slot_bytes", self.serve_slot_bytes, 0, 1 << 30)
+        _int_in("eplb_layers", self.eplb_layers, 0, 1 << 12)
+        _int_in("eplb_window", self.eplb_window, 0, 1 << 16)
+        if self.eplb_layers and not (self.a2a_max_batch and self.eplb_window):
+            raise ConfigError(
+                "eplb_layers: expert load balancing needs a2a_max_batch and eplb_window"
+            )
         if self.serve_slot_bytes % 64:
             raise ConfigError(f"serve_slot_bytes: {self.serve_slot_bytes} must be a multiple of 64")
         if self.a2a_max_batch:
@@ -149,6 +160,8 @@ class PodConfig:
             a2a_dispatch_bytes=1 if self.a2a_dispatch_dtype == "int8" else 4,
             a2a_combine_bytes=2 if self.a2a_combine_dtype == "bfloat16" else 4,
             serve_slot_bytes=self.serve_slot_bytes,
+            eplb_layers=self.eplb_layers if self.a2a_max_batch else 0,
+            eplb_window=self.eplb_window if self.a2a_max_batch else 0,
         )
 
     def wait_policy(self) -> WaitPolicy:

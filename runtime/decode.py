@@ -48,6 +48,7 @@ import numpy as np
 
 import comm
 from memory.errors import ConfigError
+from runtime.balancer import EPLBConfig, bank_bytes
 from runtime.config import PodConfig
 from runtime.executor import PHASES, Clock, build_model, forward
 from runtime.model import ModelConfig, encode, sample
@@ -85,6 +86,7 @@ class DecodeSpec:
     seed: int = 0
     block_size: int = 16
     keep_logits: bool = True
+    eplb: EPLBConfig | None = None
 
 
 def blocks_needed(prompts: list[list[int]], steps: int, block_size: int) -> int:
@@ -98,7 +100,7 @@ def decode_main(die, spec: DecodeSpec) -> dict:
     me = die.die_id
     prompts, ids = spec.prompts[me], spec.request_ids[me]
     n_blocks = blocks_needed(prompts, spec.steps, spec.block_size)
-    model, pool, local_ids = build_model(die, cfg, n_blocks, spec.block_size)
+    model, pool, bal = build_model(die, cfg, n_blocks, spec.block_size, spec.eplb, True)
     kv = KVManager(max(n_blocks, 1), spec.block_size, enable_prefix_cache=False)
     tables = [kv.alloc_blocks(r, len(p) + spec.steps) for r, p in zip(ids, prompts, strict=True)]
     clock = Clock(die, cfg.n_layers)
@@ -110,7 +112,9 @@ def decode_main(die, spec: DecodeSpec) -> dict:
         model.kv.begin_step(
             [(r, start, len(t), tables[i]) for i, (r, t, start) in enumerate(segments)]
         )
-        logits = forward(die, model, segments, spec.protocol, spec.quant, clock, local_ids)
+        bal.begin_step(clock.step)
+        logits = forward(die, model, segments, spec.protocol, spec.quant, clock, bal)
+        bal.end_step(clock.step)
         t = time.perf_counter_ns()
         s = clock.step
         rngs = [np.random.default_rng([spec.seed, r, s]) for r in ids] if spec.temperature else None
@@ -138,8 +142,10 @@ def decode_main(die, spec: DecodeSpec) -> dict:
         cpu_decode = time.process_time() - cpu1
         wait_ns = ctx.waited_ns - wait0
     finally:
+        bal.close()
         die.free(pool)
     return {
+        "eplb": bal.report(),
         "die": me,
         "request_ids": ids,
         "tokens": tokens,
@@ -179,6 +185,11 @@ class DecodeOptions:
     prompts: list[list[int]] | None = None  # explicit prompts (then batch = len(prompts))
     pin: str = "auto"
     wait: str = "auto"
+    eplb: str = "off"  # off | on | compare (both runs, same prompts)
+    eplb_config: EPLBConfig = field(default_factory=EPLBConfig)
+
+
+EPLB_MODES = ("off", "on", "compare")
 
 
 def make_prompts(batch: int, prompt_len: int, seed: int) -> list[list[int]]:
@@ -205,18 +216,25 @@ def spread(prompts: list[list[int]], dies: int) -> tuple[list[list[list[int]]], 
     return per_die, ids
 
 
-def pod_config(model: ModelConfig, spec_prompts, opts: DecodeOptions) -> PodConfig:
+def pod_config(
+    model: ModelConfig, spec_prompts, opts: DecodeOptions, eplb: EPLBConfig | None = None
+) -> PodConfig:
     """A PodConfig sized for this run: all-to-all areas for the longest prefill of a die, an app
-    area for its KV pool."""
+    area for its KV pool (and, with EPLB, its expert bank; the pod is laid out for the physical
+    expert slots)."""
     rows = max(1, max(sum(len(p) for p in ps) for ps in spec_prompts))
     blocks = max(blocks_needed(ps, opts.steps, opts.block_size) for ps in spec_prompts)
     kv_bytes = model.n_layers * max(blocks, 1) * opts.block_size * model.kv_cache_dim * 4
+    if eplb is not None:
+        kv_bytes += bank_bytes(model, opts.dies, eplb)
     return PodConfig(
         num_dies=opts.dies,
         a2a_max_batch=rows,
         a2a_hidden=model.hidden,
         a2a_topk=model.topk,
-        num_experts=model.num_experts,
+        num_experts=model.num_experts if eplb is None else eplb.physical(model, opts.dies),
+        eplb_layers=0 if eplb is None else model.n_layers - model.n_dense_layers,
+        eplb_window=0 if eplb is None else eplb.window,
         a2a_dispatch_dtype="int8" if opts.quant == "int8" else "float32",
         a2a_combine_dtype=opts.combine_dtype,
         app_bytes=kv_bytes + (1 << 20),
@@ -256,29 +274,52 @@ def run_decode(opts: DecodeOptions) -> dict:
     bad = [(r, t) for r, p in enumerate(prompts) for t in p if not 0 <= t < model.vocab_size]
     if bad or any(not p for p in prompts):
         raise ConfigError(f"prompts: every prompt needs >= 1 token in [0, vocab); bad: {bad[:3]}")
+    if opts.eplb not in EPLB_MODES:
+        raise ConfigError(f"eplb: {opts.eplb!r} must be one of {EPLB_MODES}")
+    eplb = None if opts.eplb == "off" else opts.eplb_config
+    if eplb is not None:
+        eplb.check(model, opts.dies)
     per_die, ids = spread(prompts, opts.dies)
-    spec = DecodeSpec(
-        model, per_die, ids, opts.steps, opts.protocol, opts.quant, opts.temperature, opts.seed,
-        opts.block_size, keep_logits=opts.check,
-    )  # fmt: skip
-    cfg = pod_config(model, per_die, opts)
-    progress(
-        f"xpod decode: model {opts.model} ({model.n_layers} layers, hidden {model.hidden},"
-        f" {model.num_experts} experts top-{model.topk}), {opts.dies} dies on {cfg.cores} cores,"
-        f" batch {opts.batch} ({', '.join(str(len(p)) for p in per_die)} per die), prompt"
-        f" {opts.prompt_len}, {opts.steps} steps, {opts.protocol}"
-        f" {opts.quant or 'float32'} dispatch, {opts.combine_dtype} combine"
-    )
-    t0 = time.monotonic()
-    with Pod.launch(cfg) as pod:
-        progress(f"  pod {pod.pod_id} up in {time.monotonic() - t0:.1f} s; decoding ...")
-        res = pod.run(decode_main, spec)
-        if opts.trace:
-            n = pod.write_trace(opts.trace)
-            progress(f"  wrote {n} trace events to {opts.trace}")
-    from runtime.decode_report import check, summarize
+    from runtime.decode_report import check, eplb_compare, eplb_stats, summarize
 
+    if opts.eplb == "compare":
+        off = _run(opts, model, per_die, ids, None, keep_logits=True, trace=False)
+        on = _run(opts, model, per_die, ids, eplb, keep_logits=True, trace=bool(opts.trace))
+        return eplb_compare(off, on, per_die, opts, model)
+    res = _run(opts, model, per_die, ids, eplb, keep_logits=opts.check, trace=bool(opts.trace))
     summary = summarize(res, opts, model)
+    if eplb is not None:
+        summary["eplb"] = eplb_stats(res, model, summary["step_ms"])
     if opts.check:
         summary.update(check(res, per_die, opts, model))
     return summary
+
+
+def _run(opts: DecodeOptions, model: ModelConfig, per_die, ids, eplb, keep_logits: bool,
+         trace: bool) -> list[dict]:  # fmt: skip
+    """One pod: launch, decode, return every die's result."""
+    spec = DecodeSpec(
+        model, per_die, ids, opts.steps, opts.protocol, opts.quant, opts.temperature, opts.seed,
+        opts.block_size, keep_logits=keep_logits, eplb=eplb,
+    )  # fmt: skip
+    cfg = pod_config(model, per_die, opts, eplb)
+    balance = "off" if eplb is None else (
+        f"on ({eplb.redundant_per_die} redundant slot(s) per die, {eplb.policy}, every"
+        f" {eplb.every} steps)"
+    )  # fmt: skip
+    progress(
+        f"xpod decode: model {opts.model} ({model.n_layers} layers, hidden {model.hidden},"
+        f" {model.num_experts} experts top-{model.topk}, score bias {model.score_bias}),"
+        f" {opts.dies} dies on {cfg.cores} cores, batch {opts.batch}"
+        f" ({', '.join(str(len(p)) for p in per_die)} per die), prompt {opts.prompt_len},"
+        f" {opts.steps} steps, {opts.protocol} {opts.quant or 'float32'} dispatch,"
+        f" {opts.combine_dtype} combine, EPLB {balance}"
+    )
+    t0 = time.monotonic()
+    with Pod.launch(cfg if trace else cfg.replace(trace=False)) as pod:
+        progress(f"  pod {pod.pod_id} up in {time.monotonic() - t0:.1f} s; decoding ...")
+        res = pod.run(decode_main, spec)
+        if trace:
+            n = pod.write_trace(opts.trace)
+            progress(f"  wrote {n} trace events to {opts.trace}")
+    return res

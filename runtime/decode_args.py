@@ -18,9 +18,18 @@ from runtime.argtypes import (
     positive_float,
     positive_int,
 )
-from runtime.decode import MAX_BATCH, DecodeOptions, pod_config, progress, run_decode
-from runtime.decode_report import jsonable, print_summary
+from runtime.balancer import EPLBConfig
+from runtime.decode import (
+    EPLB_MODES,
+    MAX_BATCH,
+    DecodeOptions,
+    pod_config,
+    progress,
+    run_decode,
+)
+from runtime.decode_report import jsonable, print_eplb, print_summary
 from runtime.model import PRESETS, SCORE_BIASES, ModelConfig
+from sched.eplb import POLICIES
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -48,6 +57,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
         metavar="N_GROUP:TOPK_GROUP",
         help="group-limited routing, e.g. 8:4 (DeepSeek-V3's); default: the preset's",
     )
+    p.add_argument(
+        "--eplb",
+        default="off",
+        choices=EPLB_MODES,
+        help="expert load balancing: off, on, or compare (both runs, same prompts, one report)",
+    )
+    p.add_argument("--redundant", type=nonneg_int, default=1,
+                   help="EPLB: redundant expert slots per die (default 1)")  # fmt: skip
+    p.add_argument("--eplb-every", type=positive_int, default=8,
+                   help="EPLB: steps per load window; a plan after each (default 8)")  # fmt: skip
+    p.add_argument("--eplb-policy", default="greedy", choices=POLICIES,
+                   help="EPLB placement policy (default greedy, 001 §4.5)")  # fmt: skip
     p.add_argument("--quant", default="none", choices=("none", "int8"))
     p.add_argument("--combine-dtype", default="bfloat16", choices=COMBINE_DTYPES,
                    help="combine rows in 16 bits (the paper's) or float32")  # fmt: skip
@@ -113,6 +134,10 @@ def options(args: argparse.Namespace) -> DecodeOptions:
         overrides=_model_overrides(args),
         pin=args.pin,
         wait=args.wait,
+        eplb=args.eplb,
+        eplb_config=EPLBConfig(
+            redundant_per_die=args.redundant, every=args.eplb_every, policy=args.eplb_policy
+        ),
     )
     _check_options(opts)
     return opts
@@ -148,8 +173,20 @@ def _check_options(opts: DecodeOptions) -> None:
     # the PodConfig run_decode will size (make_prompts: every prompt has prompt_len tokens)
     prompt = range(opts.prompt_len)
     per_die = [[prompt] * len(range(d, opts.batch, opts.dies)) for d in range(opts.dies)]
+    eplb = None if opts.eplb == "off" else opts.eplb_config
+    if eplb is not None:
+        try:
+            eplb.check(model, opts.dies)
+        except ConfigError as e:
+            raise ConfigError(f"argument --eplb/--redundant/--model: {e}") from None
+        if opts.eplb == "compare" and opts.steps < eplb.every + model.n_layers + 2:
+            raise ConfigError(
+                f"argument --steps: --eplb compare measures after the first switch, at step"
+                f" {eplb.every + 1 + model.n_layers - model.n_dense_layers}; give more steps"
+                f" than that (e.g. --steps {2 * eplb.every + 2 * model.n_layers + 4})"
+            )
     try:
-        pod_config(model, per_die, opts)
+        pod_config(model, per_die, opts, eplb)
     except ConfigError as e:
         raise flag_error(e, _POD_FLAGS) from None
 
@@ -157,11 +194,18 @@ def _check_options(opts: DecodeOptions) -> None:
 def main(args: argparse.Namespace) -> int:
     opts = options(args)
     s = run_decode(opts)
-    print_summary(s)
+    if s.get("bench") == "decode-eplb":
+        print_eplb(s)
+    else:
+        print_summary(s)
+        if "eplb" in s:
+            print_eplb(s)
     if opts.json:
         with open(opts.json, "a") as f:
             f.write(json.dumps(s, default=jsonable) + "\n")
         progress(f"  appended the summary to {opts.json}")
     if opts.check and opts.quant is None and (s["mismatched_tokens"] or not s["logits_bit_equal"]):
+        return 1
+    if s.get("bench") == "decode-eplb" and (s["mismatched_tokens"] or not s["logits_bit_equal"]):
         return 1
     return 0

@@ -39,6 +39,7 @@ from comm.trace import STEP_NAMES, TRACK_NAMES
 from memory import layout as L
 from memory.errors import PodAborted, ProtocolError
 from runtime import wire
+from runtime.balancer import Balancer, EPLBConfig
 from runtime.kvpool import PagedKV
 from runtime.model import DieModel, ModelConfig, batch_rows, build_weights, last_rows, sample
 from runtime.stepring import Bell, Ring, bell_path
@@ -86,10 +87,12 @@ class Clock:
         return t1
 
 
-def forward(die, model: DieModel, segments, protocol: str, quant, clock: Clock, local_ids):
+def forward(die, model: DieModel, segments, protocol: str, quant, clock: Clock, bal: Balancer):
     """One step of this die: DieModel's phases with pod-wide MoE collectives; float32 logits
     [n_segments, vocab] at each segment's last row. Every die calls it at every step (an empty
-    `segments` is a dummy step); `clock.step` names the step (MoE event ids)."""
+    `segments` is a dummy step); `clock.step` names the step (MoE event ids). `bal` maps logical
+    experts to physical slots before each dispatch, records each layer's per-slot rows and says
+    which expert each local slot holds (`runtime.balancer`; without EPLB the identity)."""
     cfg = model.cfg
     t = time.perf_counter_ns()
     tokens, _, _ = batch_rows(segments)
@@ -103,12 +106,14 @@ def forward(die, model: DieModel, segments, protocol: str, quant, clock: Clock, 
             t = clock.span(3, layer, t)
             continue
         xn, idx, w = model.gate(layer, h)
+        idx = bal.route(layer, idx)
         t = clock.span(1, layer, t)
         ev = clock.step * cfg.n_layers + layer
         d = comm.dispatch(die, xn, idx, w, protocol=protocol, quant=quant, event_id=ev)
         rows = dequantize_int8(d.x, d.scales) if quant == "int8" else d.x
+        bal.record(layer, d.expert_counts)
         t = clock.span(2, layer, t)
-        y = model.experts(layer, rows, d.expert_counts, local_ids)
+        y = model.experts(layer, rows, d.expert_counts, bal.local_ids(layer))
         t = clock.span(3, layer, t)
         routed = comm.combine(die, y, d.handle, event_id=ev)
         t = clock.span(4, layer, t)
@@ -119,13 +124,27 @@ def forward(die, model: DieModel, segments, protocol: str, quant, clock: Clock, 
     return logits
 
 
-def build_model(die, cfg: ModelConfig, n_blocks: int, block_size: int):
-    """(DieModel over a PagedKV pool in the die's app area, the pool, this die's expert ids)."""
-    placement = Placement.default(cfg.num_experts, tuple(range(die.num_dies)))
-    local_ids = placement.experts_on(die.die_id).tolist()
+def build_model(
+    die, cfg: ModelConfig, n_blocks: int, block_size: int, eplb: EPLBConfig | None = None,
+    keep_history: bool = False,
+):  # fmt: skip
+    """(DieModel over a PagedKV pool in the die's app area, the pool, its `Balancer`).
+
+    Without EPLB the die builds its default experts in process memory; with EPLB the balancer's
+    bank in the app area holds them (the initial map's slots of this die)."""
+    if eplb is None:
+        placement = Placement.default(cfg.num_experts, tuple(range(die.num_dies)))
+        experts = placement.experts_on(die.die_id).tolist()
+    else:
+        experts = []
     pool = die.alloc((cfg.n_layers, max(n_blocks, 1), block_size, cfg.kv_cache_dim), np.float32)
-    kv = PagedKV(pool)
-    return DieModel(cfg, build_weights(cfg, local_ids), kv), pool, local_ids
+    model = DieModel(cfg, build_weights(cfg, experts), PagedKV(pool))
+    try:
+        bal = Balancer(die, model, eplb, keep_history)
+    except BaseException:
+        die.free(pool)
+        raise
+    return model, pool, bal
 
 
 def sample_rows(logits: np.ndarray, rows: list[dict]) -> list[int]:
@@ -152,6 +171,7 @@ class ServeSpec:
         run_dir: the pod's run directory (doorbells).
         keep_logits: return the logits of every sampled row (schedule replay).
         gc_every: 0 = Python's automatic GC; N = freeze after warm-up, collect every N steps.
+        eplb: expert load balancing (`runtime.balancer`), or None.
     """
 
     model: ModelConfig
@@ -162,6 +182,7 @@ class ServeSpec:
     run_dir: str
     keep_logits: bool = False
     gc_every: int = 0
+    eplb: EPLBConfig | None = None
 
 
 class _Loop:
@@ -186,8 +207,8 @@ class _Loop:
             Bell(bell_path(spec.run_dir, f"d{p}")) for p in range(self.n) if p != self.me
         ]
         self.master_bell = Bell(bell_path(spec.run_dir, f"m{self.me}"))
-        self.model, self.pool, self.local_ids = build_model(
-            die, spec.model, spec.num_blocks, spec.block_size
+        self.model, self.pool, self.bal = build_model(
+            die, spec.model, spec.num_blocks, spec.block_size, spec.eplb
         )
         self.clock = Clock(die, spec.model.n_layers)
         # Early votes need a pod-wide collective in every busy step (an MoE layer).
@@ -321,8 +342,11 @@ class _Loop:
         self.clock.step = s
         self.clock.cur = cur = [0] * len(PHASES)
         t0 = time.perf_counter_ns()
+        busy = self.stats["steps"]  # the balancer's step: busy steps, the same on every die
+        self.bal.begin_step(busy)
         logits = forward(self.die, self.model, segments, self.spec.protocol, self.spec.quant,
-                         self.clock, self.local_ids)  # fmt: skip
+                         self.clock, self.bal)  # fmt: skip
+        self.bal.end_step(busy)
         samp = [i for i, r in enumerate(rows) if r["sample"]]
         tokens = sample_rows(logits[samp], [rows[i] for i in samp]) if samp else []
         for i, tok in zip(samp, tokens, strict=True):
@@ -382,7 +406,10 @@ class _Loop:
                 continue
             self.run_step(s, cmd)
             gc_step = self._gc(gc_step)
-        return {"die": self.me, "last_step": s, **self.stats}
+        out = {"die": self.me, "last_step": s, **self.stats}
+        if self.spec.eplb is not None:
+            out["eplb"] = self.bal.report()
+        return out
 
     def _gc(self, n: int) -> int:
         every = self.spec.gc_every
@@ -404,6 +431,7 @@ class _Loop:
         if self.spec.gc_every:
             gc.enable()
             gc.unfreeze()
+        self.bal.close()
         self.die.free(self.pool)
 
 

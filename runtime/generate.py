@@ -46,8 +46,10 @@ from runtime.argtypes import (
     positive_float,
     positive_int,
 )
-from runtime.model import PRESETS, encode
+from runtime.balancer import EPLBConfig
+from runtime.model import PRESETS, SCORE_BIASES, encode
 from runtime.serve import CompletionOutput, Engine, EngineConfig, EngineError, SamplingParams
+from sched.eplb import POLICIES
 
 PROG = "xpod generate"
 TICK_S = 0.2  # progress redraw period (at most ~5 per second) and result poll period
@@ -58,6 +60,8 @@ REASONS = ("stop", "length", "abort", "error")
 # Fields named by EngineConfig / ModelConfig / PodConfig / SamplingParams errors -> their flags
 FLAGS = {
     "preset": "--model",
+    "score_bias": "--score-bias",
+    "eplb": "--eplb/--redundant/--model",
     "num_dies": "--dies",
     "expert_dies": "--dies",
     "num_experts": "--dies/--model",
@@ -208,6 +212,16 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
         help="0 = automatic GC; N = freeze after warm-up, collect every N steps",
     )
     add("--pin", default="auto", choices=("auto", "on", "off"), help="pin dies and masters")
+    add("--score-bias", default=None, choices=SCORE_BIASES,
+        help="router correction bias (default: the preset's); skew: a few hot experts")  # fmt: skip
+    add("--eplb", default="off", choices=("off", "on"),
+        help="expert load balancing while serving (runtime.balancer)")  # fmt: skip
+    add("--redundant", type=nonneg_int, default=1,
+        help="EPLB: redundant expert slots per die (default 1)")  # fmt: skip
+    add("--eplb-every", type=positive_int, default=64,
+        help="EPLB: busy steps per load window; a plan after each (default 64)")  # fmt: skip
+    add("--eplb-policy", default="greedy", choices=POLICIES,
+        help="EPLB placement policy (default greedy)")  # fmt: skip
     add(
         "--trace",
         type=output_file,
@@ -252,8 +266,11 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
             pin=args.pin,
             timeout_s=args.timeout,
             trace=args.trace or "",
+            model_overrides={"score_bias": args.score_bias} if args.score_bias else {},
+            eplb=EPLBConfig(redundant_per_die=args.redundant, every=args.eplb_every,
+                            policy=args.eplb_policy) if args.eplb == "on" else None,
             **extra,
-        )
+        )  # fmt: skip
         cfg.pod_config()  # the pod it sizes must be valid too
     except ConfigError as e:
         raise flag_error(e, FLAGS) from None

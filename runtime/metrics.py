@@ -135,6 +135,32 @@ class Metrics:
 
     # -- scrape time ----------------------------------------------------------------------------
 
+    def _eplb(self, by: dict):
+        """Expert load balancing (only when the engine runs it), from the dies' eplb words."""
+        if not any("eplb_rows" in (s or {}) for s in by.values()):
+            return
+        lead = by.get(0) or {}
+        yield GaugeMetricFamily("xpod:eplb_balancedness", "Mean over MoE layers of mean / max"
+                                " rows per die in the last EPLB window (1 = balanced).",
+                                value=lead.get("eplb_balance_ppm", 0) / 1e6)  # fmt: skip
+        yield CounterMetricFamily("xpod_eplb_rebalances", "Expert maps switched to.",
+                                  value=lead.get("eplb_switched", 0))  # fmt: skip
+        rows = [(s or {}).get("eplb_rows", 0) for s in by.values()]
+        mean = sum(rows) / len(rows) if rows else 0
+        yield GaugeMetricFamily("xpod_eplb_rows_max_over_mean", "Routed rows of the busiest die"
+                                " over the mean, since start.",
+                                value=max(rows) / mean if mean else 1.0)  # fmt: skip
+        for name, doc, key, scale in (
+            ("xpod_eplb_expert_rows", "Routed-expert rows a die received.", "eplb_rows", 1),
+            ("xpod_eplb_moved_bytes", "Expert weight bytes a die received in rebalances.",
+             "eplb_moved_bytes", 1),
+            ("xpod_eplb_move_seconds", "Time a die spent moving experts.", "eplb_move_ns", 1e-9),
+        ):  # fmt: skip
+            m = CounterMetricFamily(name, doc, labels=["group"])
+            for g, s in by.items():
+                m.add_metric([str(g)], (s or {}).get(key, 0) * scale)
+            yield m
+
     def collect(self):
         stats = dict(self.engine.stats)
         fresh = self.engine.die_counters() if hasattr(self.engine, "die_counters") else {}
@@ -194,6 +220,7 @@ class Metrics:
             mean = self.imb_sum / self.imb_n if self.imb_n else 0.0
         yield GaugeMetricFamily("xpod_attention_imbalance_mean", "Mean per-step attention"
                                 " imbalance since start.", value=mean)  # fmt: skip
+        yield from self._eplb(by)
         for name, fn in self.extra.items():
             yield GaugeMetricFamily(name, fn.__doc__ or name, value=fn())
         yield from self._processes()

@@ -65,6 +65,7 @@ __all__ = [
     "rms_norm",
     "rope_tables",
     "expert_bias",
+    "expert_ffn",
     "route_topk",
     "sample",
     "silu",
@@ -465,6 +466,11 @@ def _ffn(cfg: ModelConfig, tag: int, layer: int, index: int, inter: int) -> FFNW
     )
 
 
+def expert_ffn(cfg: ModelConfig, layer: int, expert: int) -> FFNWeights:
+    """Routed expert `expert` of `layer` as `build_weights` makes it (from its seed alone)."""
+    return _ffn(cfg, _TAG["expert"], layer, expert, cfg.moe_inter)
+
+
 def _layer(cfg: ModelConfig, layer: int) -> LayerWeights:
     h, nh, r, p = cfg.hidden, cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope_dim
     nope, v, ql = cfg.qk_nope_dim, cfg.v_head_dim, cfg.q_lora_rank
@@ -529,7 +535,7 @@ def build_weights(cfg: ModelConfig, experts: Sequence[int]) -> Weights:
         final_norm=np.ones(h, F32),
         lm_head=_randn(cfg, _TAG["lm_head"], 0, 0, (h, vocab), 1.0 / np.sqrt(h)),
         experts={
-            layer: {e: _ffn(cfg, _TAG["expert"], layer, e, cfg.moe_inter) for e in sorted(ids)}
+            layer: {e: expert_ffn(cfg, layer, e) for e in sorted(ids)}
             for layer in range(cfg.n_layers)
             if cfg.is_moe(layer)
         },

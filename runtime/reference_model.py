@@ -42,6 +42,7 @@ from runtime.model import (
     sample,
     softmax,
 )
+from sched.eplb import ExpertMap, replica_for, row_positions
 
 __all__ = ["GenerateResult", "ReferencePod", "mla_decompressed"]
 
@@ -84,6 +85,12 @@ class ReferencePod:
             `runtime.kvpool.PagedKV` stores driven by the served block tables.
         combine_dtype: "bfloat16" (expert rows rounded as a pod's default combine sends them)
             or "float32": the pod's `a2a_combine_dtype`.
+        expert_maps: replay of an EPLB run (`runtime.balancer`): `(switch_step, phy2log)` pairs,
+            the first at step 0, each phy2log `[moe layers][P]`; from its switch step on, each
+            MoE layer routes a die's row i to replica `(i + die + step) % replicas` of its expert
+            (`sched.eplb.replica_for` over `row_positions`) over a block placement of the P
+            physical slots, as the pod does. Steps are numbered by `generate` (0 = prefill)
+            or passed to `step`.
     """
 
     def __init__(
@@ -93,6 +100,7 @@ class ReferencePod:
         quant: str | None = None,
         kv: Sequence | None = None,
         combine_dtype: str = "bfloat16",
+        expert_maps: Sequence[tuple[int, Sequence]] | None = None,
     ):
         cfg.validate(num_dies)
         if quant not in QUANT_MODES:
@@ -103,30 +111,45 @@ class ReferencePod:
             )
         self.cfg, self.num_dies, self.quant = cfg, num_dies, quant
         self.combine_dtype = combine_dtype
-        self.placement = Placement.default(cfg.num_experts, tuple(range(num_dies)))
+        self.maps = _expert_maps(expert_maps, cfg, num_dies)
+        phys = self.maps[0][1].num_physical if self.maps else cfg.num_experts
+        self.placement = Placement.default(phys, tuple(range(num_dies)))
         if kv is not None and len(kv) != num_dies:
             raise ValueError(f"kv: expected {num_dies} stores (one per die), got {len(kv)}")
+        built = [set(self.placement.experts_on(d).tolist()) for d in range(num_dies)]
+        if self.maps:
+            s = phys // num_dies
+            built = [
+                {int(e) for _, m in self.maps for e in m.phy2log[:, d * s : (d + 1) * s].ravel()}
+                for d in range(num_dies)
+            ]
         self.dies = [
             DieModel(
                 cfg,
-                build_weights(cfg, self.placement.experts_on(d).tolist()),
+                build_weights(cfg, sorted(built[d])),
                 kv[d] if kv is not None else DictKV(cfg.kv_cache_dim),
             )
             for d in range(num_dies)
         ]
+        self.step_no = 0
 
-    def step(self, batches: Sequence[Sequence[Segment]]) -> list[np.ndarray]:
+    def step(
+        self, batches: Sequence[Sequence[Segment]], step: int | None = None
+    ) -> list[np.ndarray]:
         """One forward over every die.
 
         Arguments:
             batches: `[die]`, each a list of segments `(req_id, tokens, start_pos)` (may be
                 empty); a request's KV rows live on the die whose batch holds it.
+            step: the step number that picks the expert map (`expert_maps`); default: the
+                previous step's + 1 (0 first).
 
         Returns:
             logits: `[die]`, float32 `[n_segments_of_die, vocab]`, at each segment's last row.
         """
         if len(batches) != self.num_dies:
             raise ValueError(f"batches: expected {self.num_dies} (one per die), got {len(batches)}")
+        self.step_no = self.step_no + 1 if step is None else int(step)
         hs = [die.embed(batch_rows(b)[0]) for die, b in zip(self.dies, batches, strict=True)]
         for layer in range(self.cfg.n_layers):
             hs = [
@@ -143,11 +166,21 @@ class ReferencePod:
     def _moe(self, layer: int, hs: list[np.ndarray]) -> list[np.ndarray]:
         gates = [die.gate(layer, h) for die, h in zip(self.dies, hs, strict=True)]
         xns, idxs, ws = (list(g) for g in zip(*gates, strict=True))
+        m = None
+        if self.maps:
+            m = [mp for start, mp in self.maps if start <= self.step_no][-1]
+            j = layer - self.cfg.n_dense_layers
+            idxs = [replica_for(m, j, idx, row_positions(idx.shape[0], d, self.step_no))
+                    for d, idx in enumerate(idxs)]  # fmt: skip
         dispatched = dispatch_ref(xns, idxs, self.placement, quant=self.quant)
         expert_outs = {}
         for d, out in dispatched.items():
             rows = dequantize_dispatch(out).x
-            ids = self.placement.experts_on(d)
+            if m is None:
+                ids = self.placement.experts_on(d)
+            else:
+                s = m.slots_per_die
+                ids = m.phy2log[layer - self.cfg.n_dense_layers, d * s : (d + 1) * s]
             expert_outs[d] = self.dies[d].experts(layer, rows, out.expert_counts, ids)
         routed = combine_ref(expert_outs, dispatched, idxs, ws, combine_dtype=self.combine_dtype)
         return [
@@ -196,7 +229,7 @@ class ReferencePod:
             for d in range(len(ids))
         ]
         t0 = time.perf_counter()
-        logits = self.step(batches)
+        logits = self.step(batches, 0)
         prefill_s = time.perf_counter() - t0
         history = [[lg] for lg in logits]
         tokens = [
@@ -209,7 +242,7 @@ class ReferencePod:
                 [(r, [tokens[d][i][-1]], len(prompts[d][i]) + s - 1) for i, r in enumerate(ids[d])]
                 for d in range(len(ids))
             ]
-            logits = self.step(batches)
+            logits = self.step(batches, s)
             for d, lg in enumerate(logits):
                 history[d].append(lg)
                 for i, t in enumerate(self._sample(lg, ids[d], s, temperature, seed)):
@@ -221,6 +254,23 @@ class ReferencePod:
     def _sample(logits, req_ids, step: int, temperature: float, seed: int) -> np.ndarray:
         rngs = [np.random.default_rng([seed, r, step]) for r in req_ids] if temperature else None
         return sample(logits, temperature, rngs)
+
+
+def _expert_maps(expert_maps, cfg: ModelConfig, num_dies: int) -> list:
+    """[(switch_step, ExpertMap)] in step order, checked (ValueError naming the entry)."""
+    if not expert_maps:
+        return []
+    out = []
+    n_moe = cfg.n_layers - cfg.n_dense_layers
+    for i, (start, phy2log) in enumerate(expert_maps):
+        m = ExpertMap.from_phy2log(phy2log, cfg.num_experts, num_dies)
+        if m.num_layers != n_moe:
+            raise ValueError(f"expert_maps[{i}]: {m.num_layers} layers, the model has {n_moe}")
+        out.append((int(start), m))
+    out.sort(key=lambda t: t[0])
+    if out[0][0] != 0 or len({m.num_physical for _, m in out}) != 1:
+        raise ValueError("expert_maps: the first map starts at step 0 and all have one slot count")
+    return out
 
 
 def mla_decompressed(

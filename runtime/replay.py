@@ -53,26 +53,33 @@ def replay(
     block_size: int,
     logs: dict[int, list[dict]],
     combine_dtype: str = "bfloat16",
+    expert_maps: list | None = None,
 ) -> ReplayReport:
     """Replay every logged step (logs: group -> the master's step records); combine_dtype:
-    the served pod's (`EngineConfig.combine_dtype`)."""
+    the served pod's (`EngineConfig.combine_dtype`); expert_maps: an EPLB pod's
+    `(switch step, phy2log)` list (the dies' `eplb.maps`), whose steps count the steps with
+    rows (busy steps), as the dies' balancer does."""
     kv = [PagedKV.zeros(cfg.n_layers, num_blocks, block_size, cfg.kv_cache_dim)
           for _ in range(num_dies)]  # fmt: skip
-    pod = ReferencePod(cfg, num_dies, quant, kv, combine_dtype)
+    pod = ReferencePod(cfg, num_dies, quant, kv, combine_dtype, expert_maps=expert_maps)
     by_step: dict[int, dict[int, dict]] = {}
     for group, records in logs.items():
         for rec in records:
             by_step.setdefault(rec["step"], {})[int(group)] = rec
     report = ReplayReport()
+    busy = 0
     for step in sorted(by_step):
         recs = by_step[step]
+        if not any(rec["rows"] for rec in recs.values()):
+            continue  # an idle vote: no die ran a forward
         batches = []
         for d in range(num_dies):
             rows = recs[d]["rows"] if d in recs else []
             kv[d].begin_step([(r[0], r[2], len(r[1]), r[3]) for r in rows])
             batches.append([(r[0], r[1], r[2]) for r in rows])
             report.rows += sum(len(r[1]) for r in rows)
-        logits = pod.step(batches)
+        logits = pod.step(batches, busy)
+        busy += 1
         report.steps += 1
         for d, rec in recs.items():
             _compare(report, step, d, rec, logits[d])

@@ -43,6 +43,7 @@ from comm.quant import COMBINE_DTYPES
 from memory import layout as L
 from memory.errors import ConfigError, PodError
 from runtime import wire
+from runtime.balancer import EPLBConfig, bank_bytes
 from runtime.config import PodConfig
 from runtime.executor import ServeSpec, serve_main
 from runtime.master import MasterSpec, engine_socket, master_main, master_socket, output_socket
@@ -101,6 +102,8 @@ class EngineConfig:
         output_procs: output shortcutting (001 4.1): one output process per group renders the
             tokens of rendered requests (`stream(render=...)`: the HTTP server's) and sends the
             bytes straight to the caller; off: the caller's receiver thread renders them.
+        eplb: expert load balancing while serving (`runtime.balancer.EPLBConfig`), or None;
+            a window is `every` busy steps of the pod (idle votes do not count).
     """
 
     dies: int = 4
@@ -127,10 +130,15 @@ class EngineConfig:
     warmup: bool = True
     output_procs: bool = False
     stream_interval: int = 1
+    eplb: EPLBConfig | None = None
 
     def __post_init__(self) -> None:
         m = self.model_config()
         m.validate(self.dies)
+        if self.eplb is not None:
+            if not isinstance(self.eplb, EPLBConfig):
+                raise ConfigError(f"eplb: expected an EPLBConfig or None, got {self.eplb!r}")
+            self.eplb.check(m, self.dies)
         if self.queue_ahead == -1:
             object.__setattr__(self, "queue_ahead", self.max_num_seqs)
         for name, lo in (
@@ -174,12 +182,17 @@ class EngineConfig:
     def pod_config(self) -> PodConfig:
         m = self.model_config()
         kv_bytes = m.n_layers * self.blocks * self.block_size * m.kv_cache_dim * 4
+        ep = self.eplb
+        if ep is not None:
+            kv_bytes += bank_bytes(m, self.dies, ep)
         return PodConfig(
             num_dies=self.dies,
             a2a_max_batch=self.max_num_batched_tokens,
             a2a_hidden=m.hidden,
             a2a_topk=m.topk,
-            num_experts=m.num_experts,
+            num_experts=m.num_experts if ep is None else ep.physical(m, self.dies),
+            eplb_layers=0 if ep is None else m.n_layers - m.n_dense_layers,
+            eplb_window=0 if ep is None else ep.window,
             a2a_dispatch_dtype="int8" if self.quant == "int8" else "float32",
             a2a_combine_dtype=self.combine_dtype,
             app_bytes=kv_bytes + (4 << 20),
@@ -391,7 +404,7 @@ class Engine:
             s.connect(output_socket(self.run_dir, g))
             self.to_output.append(s)
         serve = ServeSpec(self.model, cfg.protocol, cfg.quant, cfg.blocks, cfg.block_size,
-                          self.run_dir, cfg.keep_logits, cfg.gc_every)  # fmt: skip
+                          self.run_dir, cfg.keep_logits, cfg.gc_every, cfg.eplb)  # fmt: skip
         self._thread(self._pod_loop, serve, name="xpod-pod-run")
         self._thread(self._receive, name="xpod-engine-receive")
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -820,6 +833,11 @@ class Engine:
         idx = {k: lo.serve_word(w) for k, w in (("dummy_steps", L.SV_DUMMY_STEPS),
                ("attn_ns", L.SV_ATTN_NS), ("moe_ns", L.SV_MOE_NS), ("step_ns", L.SV_STEP_NS),
                ("die_step", L.SV_VOTE_STEP))}  # fmt: skip
+        if lo.eplb_layers:
+            idx.update({k: lo.eplb_word(w) for k, w in (
+                ("eplb_balance_ppm", L.EP_BALANCE_PPM), ("eplb_rows", L.EP_ROWS),
+                ("eplb_moved_bytes", L.EP_MOVED_BYTES), ("eplb_move_ns", L.EP_MOVE_NS),
+                ("eplb_switched", L.EP_SWITCHED))})  # fmt: skip
         out = {}
         for g in range(self.config.dies):
             try:

@@ -8,7 +8,7 @@
   plan: DeepSeek's EPLB port and the greedy of 001 §4.5; replica_for by token position).
 """
 
-from .eplb import ExpertMap, plan, replica_for
+from .eplb import ExpertMap, plan, replica_for, row_positions
 from .kv import KVFull, KVManager, block_hash
 from .lb import LoadBalancer
 from .request import FinishReason, Request, RequestStatus, SamplingParams
@@ -31,4 +31,5 @@ __all__ = [
     "block_hash",
     "plan",
     "replica_for",
+    "row_positions",
 ]

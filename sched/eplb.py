@@ -71,6 +71,8 @@ __all__ = [
     "rebalance_experts_hierarchical",
     "replica_for",
     "replicate_experts",
+    "keep_in_place",
+    "row_positions",
 ]
 
 POLICIES = ("deepseek", "greedy")
@@ -687,6 +689,64 @@ def plan(
     else:
         triple = rebalance_experts(load, num_replicas, num_groups, num_nodes, num_dies)
     return ExpertMap(*triple, num_dies)
+
+
+def keep_in_place(old: ExpertMap, phy2log) -> np.ndarray:
+    """`phy2log [L, P]` with, per layer, its dies' slot blocks reordered so that each die keeps
+    as many of the experts it holds in `old` as a greedy matching can find (the die loads are
+    the same, only which die gets which block changes), and, within a die, each kept expert in
+    its old slot. What a rebalance then moves is only what has to move.
+
+    Greedy matching: repeatedly give the (new block, old die) pair with the most experts in
+    common to each other, the lowest ids first on a tie; if that keeps fewer than the blocks'
+    given order, the given order."""
+    new = _check_i64(phy2log, "phy2log", 2)
+    if new.shape != old.phy2log.shape:
+        raise ValueError(f"phy2log: expected shape {old.phy2log.shape}, got {new.shape}")
+    d, s = old.num_dies, old.slots_per_die
+    out = np.empty_like(new)
+    for layer in range(new.shape[0]):
+        before = old.phy2log[layer].reshape(d, s)
+        after = new[layer].reshape(d, s)
+        common = np.array([[np.intersect1d(a, b).size for b in before] for a in after])
+        block_of = np.full(d, -1)  # old die -> new block
+        free_new, free_old = set(range(d)), set(range(d))
+        for flat in np.argsort(-common, axis=None, kind="stable"):
+            a, b = divmod(int(flat), d)
+            if a in free_new and b in free_old:
+                block_of[b] = a
+                free_new.discard(a)
+                free_old.discard(b)
+        if common[block_of, np.arange(d)].sum() < np.trace(common):
+            block_of = np.arange(d)  # greedy is not optimal: never keep less than as given
+        for b in range(d):
+            block = after[block_of[b]].tolist()
+            slots = [-1] * s
+            rest = []
+            for e in block:
+                hit = np.flatnonzero(before[b] == e)
+                if hit.size and slots[int(hit[0])] == -1:
+                    slots[int(hit[0])] = e
+                else:
+                    rest.append(e)
+            for i in range(s):
+                if slots[i] == -1:
+                    slots[i] = rest.pop(0)
+            out[layer, b * s : (b + 1) * s] = slots
+    return out
+
+
+def row_positions(num_rows: int, die: int, step: int = 0) -> np.ndarray:
+    """The positions `replica_for` uses for a die's batch: row `i` of die `d` in step `s` is
+    position `i + d + s`.
+
+    A decode step has a token or two per die, all at similar sequence positions, so the
+    sequence position would send every token of a step to the same replica; the row index,
+    offset by the die (so that the dies' first rows differ) and by the step (so that a request
+    that keeps picking one expert does not keep hitting one replica), spreads a hot expert's
+    rows over its replicas within a step and over steps. Deterministic: the reference replays it
+    from the batches and the step number alone."""
+    return np.arange(int(num_rows), dtype=np.int64) + (int(die) + int(step))
 
 
 def replica_for(expert_map: ExpertMap, layer: int, logical_ids, positions) -> np.ndarray:
