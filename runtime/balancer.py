@@ -82,6 +82,10 @@ class EPLBConfig:
         every: steps per load window; a plan is made at the end of every window (>= 1).
         policy: "greedy" (001 §4.5) or "deepseek" (deepseek-ai/EPLB), `sched.eplb.plan`.
         num_groups, num_nodes: the "deepseek" policy's hierarchy (1, 1: global).
+        dies_per_node: > 0 makes "nodes" of that many consecutive dies on this one host: the
+            "deepseek" policy then places each of the model's `n_group` expert groups (all its
+            replicas) on one node (num_groups = n_group, num_nodes = dies / dies_per_node), so
+            a token of group-limited routing touches at most `topk_group` nodes. 0: one node.
         max_plans: stop planning after this many plans (0: never stop).
         decay: weight of the previous estimate when a window is added (0: the last window only,
             1: every window since the start alike).
@@ -96,11 +100,12 @@ class EPLBConfig:
     num_nodes: int = 1
     max_plans: int = 0
     decay: float = 0.5
+    dies_per_node: int = 0
     maps: tuple = ()
 
     def __post_init__(self) -> None:
         for name, lo in (("redundant_per_die", 0), ("every", 1), ("num_groups", 1),
-                         ("num_nodes", 1), ("max_plans", 0)):  # fmt: skip
+                         ("num_nodes", 1), ("max_plans", 0), ("dies_per_node", 0)):  # fmt: skip
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"eplb {name}: expected an int >= {lo}, got {v!r}")
@@ -128,6 +133,23 @@ class EPLBConfig:
         """Physical slots P = E + dies * redundant_per_die."""
         return cfg.num_experts + num_dies * self.redundant_per_die
 
+    def hierarchy(self, cfg: ModelConfig, num_dies: int) -> tuple[int, int]:
+        """(num_groups, num_nodes) for `sched.eplb.plan` (ConfigError if `dies_per_node` cannot
+        give every node whole expert groups)."""
+        dpn = self.dies_per_node
+        if not dpn:
+            return self.num_groups, self.num_nodes
+        if self.policy != "deepseek":
+            raise ConfigError("eplb dies_per_node: nodes are placed by the 'deepseek' policy")
+        if num_dies % dpn:
+            raise ConfigError(f"eplb dies_per_node: {num_dies} dies do not split into nodes"
+                              f" of {dpn}")  # fmt: skip
+        nodes = num_dies // dpn
+        if cfg.n_group % nodes:
+            raise ConfigError(f"eplb dies_per_node: {nodes} nodes cannot each hold whole expert"
+                              f" groups of the model's n_group={cfg.n_group}")  # fmt: skip
+        return cfg.n_group, nodes
+
     def check(self, cfg: ModelConfig, num_dies: int) -> None:
         """ConfigError unless this EPLB works for `cfg` on `num_dies` dies (before launch)."""
         n_moe = cfg.n_layers - cfg.n_dense_layers
@@ -154,10 +176,11 @@ def initial_map(cfg: ModelConfig, num_dies: int, eplb: EPLBConfig) -> ExpertMap:
     """The map a pod starts with: the policy's placement for a uniform load (every expert once
     on its default die when there is no redundancy)."""
     n_moe = cfg.n_layers - cfg.n_dense_layers
-    if eplb.redundant_per_die == 0:
+    groups, nodes = eplb.hierarchy(cfg, num_dies)
+    if eplb.redundant_per_die == 0:  # the block placement: whole groups per node too
         return ExpertMap.identity(n_moe, cfg.num_experts, num_dies)
     start = plan(np.ones((n_moe, cfg.num_experts)), num_dies, eplb.redundant_per_die,
-                 eplb.policy, eplb.num_groups, eplb.num_nodes)  # fmt: skip
+                 eplb.policy, groups, nodes)  # fmt: skip
     return ExpertMap.from_phy2log(start.phy2log, cfg.num_experts, num_dies)
 
 
@@ -411,8 +434,9 @@ class Balancer:
             phy2log = np.asarray(self.eplb.maps[k - 1], np.int64)
         else:
             e = self.eplb
-            fresh = plan(load, self.n, e.redundant_per_die, e.policy, e.num_groups, e.num_nodes)
-            phy2log = keep_in_place(self.map, fresh.phy2log)
+            groups, nodes = e.hierarchy(self.cfg, self.n)
+            fresh = plan(load, self.n, e.redundant_per_die, e.policy, groups, nodes)
+            phy2log = keep_in_place(self.map, fresh.phy2log, e.dies_per_node)
         self.plans[self.me][:] = phy2log
         self.w[self.word["plan_step"]] = b
         self.w[self.word["plan_seq"]] = k  # LAST

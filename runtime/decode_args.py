@@ -69,6 +69,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="EPLB: steps per load window; a plan after each (default 8)")  # fmt: skip
     p.add_argument("--eplb-policy", default="greedy", choices=POLICIES,
                    help="EPLB placement policy (default greedy, 001 §4.5)")  # fmt: skip
+    p.add_argument("--dies-per-node", type=nonneg_int, default=0,
+                   help="EPLB: nodes of N dies; the deepseek policy keeps each expert group on"
+                   " one node (0: one node)")  # fmt: skip
     p.add_argument("--quant", default="none", choices=("none", "int8"))
     p.add_argument("--combine-dtype", default="bfloat16", choices=COMBINE_DTYPES,
                    help="combine rows in 16 bits (the paper's) or float32")  # fmt: skip
@@ -136,7 +139,10 @@ def options(args: argparse.Namespace) -> DecodeOptions:
         wait=args.wait,
         eplb=args.eplb,
         eplb_config=EPLBConfig(
-            redundant_per_die=args.redundant, every=args.eplb_every, policy=args.eplb_policy
+            redundant_per_die=args.redundant,
+            every=args.eplb_every,
+            policy=args.eplb_policy,
+            dies_per_node=args.dies_per_node,
         ),
     )
     _check_options(opts)

@@ -231,6 +231,7 @@ def eplb_stats(res: list[dict], model: ModelConfig, step_ms: list[float], first:
         "hottest_over_mean": float(hot.mean()),
         "hottest_over_mean_per_layer": [float(v) for v in hot],
         "redundant_slots_per_die": (slots * dies - model.num_experts) // dies,
+        "maps": [{k: m[k] for k in ("switch_step", "plan_step", "phy2log")} for m in switches],
         "rebalances": [],
     }
     for k, m in enumerate(switches[1:], start=1):
@@ -307,6 +308,7 @@ def eplb_compare(off: list[dict], on: list[dict], per_die, opts: DecodeOptions,
         measured_step_ms_p50_off=_p50(s_off["step_ms"], e_on["measured_steps"][0]),
         measured_step_ms_p50_on=_p50(s_on["step_ms"], e_on["measured_steps"][0]),
         rebalances=e_on["rebalances"],
+        maps=e_on["maps"],
     )
     return out
 

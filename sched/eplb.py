@@ -691,7 +691,7 @@ def plan(
     return ExpertMap(*triple, num_dies)
 
 
-def keep_in_place(old: ExpertMap, phy2log) -> np.ndarray:
+def keep_in_place(old: ExpertMap, phy2log, dies_per_node: int = 0) -> np.ndarray:
     """`phy2log [L, P]` with, per layer, its dies' slot blocks reordered so that each die keeps
     as many of the experts it holds in `old` as a greedy matching can find (the die loads are
     the same, only which die gets which block changes), and, within a die, each kept expert in
@@ -699,7 +699,8 @@ def keep_in_place(old: ExpertMap, phy2log) -> np.ndarray:
 
     Greedy matching: repeatedly give the (new block, old die) pair with the most experts in
     common to each other, the lowest ids first on a tie; if that keeps fewer than the blocks'
-    given order, the given order."""
+    given order, the given order. With `dies_per_node` > 0 a block only moves between dies of
+    one node (consecutive groups of that many dies), so a node keeps the experts it was given."""
     new = _check_i64(phy2log, "phy2log", 2)
     if new.shape != old.phy2log.shape:
         raise ValueError(f"phy2log: expected shape {old.phy2log.shape}, got {new.shape}")
@@ -709,6 +710,9 @@ def keep_in_place(old: ExpertMap, phy2log) -> np.ndarray:
         before = old.phy2log[layer].reshape(d, s)
         after = new[layer].reshape(d, s)
         common = np.array([[np.intersect1d(a, b).size for b in before] for a in after])
+        if dies_per_node:
+            node = np.arange(d) // dies_per_node
+            common = np.where(node[:, None] == node[None, :], common, -1)
         block_of = np.full(d, -1)  # old die -> new block
         free_new, free_old = set(range(d)), set(range(d))
         for flat in np.argsort(-common, axis=None, kind="stable"):

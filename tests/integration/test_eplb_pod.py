@@ -276,3 +276,37 @@ def test_serving_with_eplb_equals_a_replay_of_schedule_and_maps():
     assert "xpod:eplb_balancedness " in text and "xpod_eplb_moved_bytes_total" in text
     bal = float(text.split("\nxpod:eplb_balancedness ")[1].split()[0])
     assert 0.0 < bal <= 1.0
+
+
+@pytest.mark.timeout(180)
+def test_nodes_keep_whole_expert_groups_so_a_token_touches_at_most_topk_group_nodes():
+    """Group-limited routing (4 groups, 2 kept) on 4 dies in nodes of 2, deepseek policy: in
+    every map every replica of a group sits on one node, so every routed token's physical slots
+    lie on <= topk_group nodes; the run equals the reference replaying its maps."""
+    over = {"score_bias": "skew", "n_group": 4, "topk_group": 2}
+    eplb = EPLBConfig(every=3, policy="deepseek", dies_per_node=2)
+    opts = DecodeOptions(dies=4, batch=8, prompt_len=8, steps=14, model="tiny", overrides=over,
+                         eplb="on", eplb_config=eplb, check=True, timeout_s=60.0)  # fmt: skip
+    s = run_decode(opts)
+    assert s["mismatched_tokens"] == 0 and s["logits_bit_equal"]
+    assert len(s["eplb"]["rebalances"]) >= 2
+    cfg = ModelConfig.preset("tiny", **over)
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((256, cfg.num_experts)).astype(np.float32)
+    from runtime.model import expert_bias, route_topk
+    from sched.eplb import replica_for, row_positions
+
+    idx, _ = route_topk(logits, cfg.topk, cfg.gating, cfg.routed_scaling, expert_bias(cfg, 1),
+                        cfg.n_group, cfg.topk_group)  # fmt: skip
+    group = cfg.num_experts // cfg.n_group
+    maps = [m["phy2log"] for m in s["eplb"]["maps"]]
+    assert maps[0] == initial_map(cfg, 4, eplb).phy2log.tolist() and len(maps) >= 3
+    for phy2log in maps:
+        m = ExpertMap.from_phy2log(phy2log, cfg.num_experts, 4)
+        node_of_slot = np.arange(m.num_physical) // m.slots_per_die // 2
+        for j in range(m.num_layers):
+            for g in range(cfg.n_group):
+                slots = np.flatnonzero(m.phy2log[j] // group == g)
+                assert np.unique(node_of_slot[slots]).size == 1, (j, g)
+            phys = replica_for(m, j, idx, row_positions(idx.shape[0], 1, 3))
+            assert max(np.unique(node_of_slot[p]).size for p in phys) <= cfg.topk_group
