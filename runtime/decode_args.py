@@ -37,8 +37,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--batch",
         type=int_range(1, MAX_BATCH),
-        default=8,
-        help="global batch: requests over all dies",
+        default=None,
+        help="global batch: requests over all dies (default 8; with --eplb compare 8 per die:"
+        " with one request per die a step routes ~4 rows per die, and its busiest die is noise)",
     )
     p.add_argument("--prompt-len", type=positive_int, default=64, help="prompt tokens per request")
     p.add_argument(
@@ -120,7 +121,9 @@ def options(args: argparse.Namespace) -> DecodeOptions:
     """
     opts = DecodeOptions(
         dies=args.dies,
-        batch=args.batch,
+        batch=args.batch
+        if args.batch is not None
+        else (8 * args.dies if args.eplb == "compare" else 8),
         prompt_len=args.prompt_len,
         steps=args.steps,
         model=args.model,
