@@ -155,6 +155,7 @@ class EPLBConfig:
         n_moe = cfg.n_layers - cfg.n_dense_layers
         if n_moe < 1:
             raise ConfigError("eplb: the model has no MoE layer to balance")
+        self.hierarchy(cfg, num_dies)
         try:
             initial_map(cfg, num_dies, self)
         except ValueError as e:

@@ -187,7 +187,7 @@ def _check_options(opts: DecodeOptions) -> None:
         try:
             eplb.check(model, opts.dies)
         except ConfigError as e:
-            raise ConfigError(f"argument --eplb/--redundant/--model: {e}") from None
+            raise ConfigError(f"argument --eplb/--redundant/--dies-per-node/--model: {e}") from None
         if opts.eplb == "compare" and opts.steps < eplb.every + model.n_layers + 2:
             raise ConfigError(
                 f"argument --steps: --eplb compare measures after the first switch, at step"

@@ -58,6 +58,12 @@ BAD = [
     (["decode", "--temperature", "hot"], "--temperature"),
     (["decode", "--timeout", "0"], "--timeout"),
     (["decode", "--model", "bogus"], "--model"),
+    (["decode", "--eplb", "maybe"], "--eplb"),
+    (["decode", "--eplb", "on", "--redundant", "40"], "--eplb"),
+    (["decode", "--eplb", "on", "--eplb-every", "0"], "--eplb-every"),
+    (["decode", "--eplb", "compare", "--steps", "5"], "--steps"),
+    (["decode", "--eplb", "on", "--dies-per-node", "3"], "--eplb"),
+    (["decode", "--eplb-policy", "random"], "--eplb-policy"),
     (["decode", "--quant", "int4"], "--quant"),
     (["decode", "--protocol", "fsed"], "--protocol"),
     (["decode", "--dies", "0"], "--dies"),
@@ -270,6 +276,11 @@ def test_decode_options(tmp_path):
     assert (opts.dies, opts.batch, opts.steps, opts.prompt_len) == (2, 8, 32, 64)
     assert opts.quant == "int8" and opts.model == "tiny" and opts.temperature == 0.7
     assert decode.options(parse("decode")).quant is None
+    cmp = decode.options(parse("decode", "--dies", "8", "--eplb", "compare"))
+    assert cmp.batch == 64 and cmp.eplb == "compare" and cmp.eplb_config.redundant_per_die == 1
+    on = decode.options(parse("decode", "--eplb", "on", "--redundant", "2", "--eplb-every", "5",
+                              "--eplb-policy", "deepseek"))  # fmt: skip
+    assert (on.batch, on.eplb_config.redundant_per_die, on.eplb_config.every) == (8, 2, 5)
 
 
 def test_p2p_options():
