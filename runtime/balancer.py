@@ -43,6 +43,10 @@ The expert bank: per MoE layer a pool of `2 S` expert buffers in the die's app a
 x moe_inter float32 each: gate, up, down), `S` in use; a move only fills unused buffers, so a
 layer never needs more than `2 S`.
 
+Trace (track "eplb"): the leader's "wait counts" and "plan" slices (a plan's `bytes` argument is
+the balancedness of its window x 1e6), every die's "move" per layer (`bytes` received, with the
+zero-copy p2p steps beside it) and "switch".
+
 Without EPLB (`eplb=None`) the same object only records the per-step counts (for the decode
 report) and routes logical ids unchanged over the default placement.
 """
@@ -441,7 +445,9 @@ class Balancer:
         self.plans[self.me][:] = phy2log
         self.w[self.word["plan_step"]] = b
         self.w[self.word["plan_seq"]] = k  # LAST
-        self.die.trace.rec(t1, time.perf_counter_ns() - t1, TRACE_OP, 0, -1, EPLB_LANE, b, k)
+        # the plan's slice: event_id = the step, bytes = the window's balancedness x 1e6
+        ppm = int(self.w[self.word["balance"]])
+        self.die.trace.rec(t1, time.perf_counter_ns() - t1, TRACE_OP, 0, -1, EPLB_LANE, b, ppm)
 
     # -- every die -------------------------------------------------------------------------------
 
