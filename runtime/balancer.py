@@ -355,23 +355,20 @@ class Balancer:
 
     def record(self, layer: int, expert_counts: np.ndarray) -> None:
         """Rows each local slot received in `layer` this step."""
-        j = layer - self.first
-        self.counts[j] = expert_counts
-        if self.eplb is not None:
-            row = self.ring[self.step % self.window]
-            row[1 + j * self.slots : 1 + (j + 1) * self.slots] = expert_counts
+        self.counts[layer - self.first] = expert_counts  # with EPLB: the ring row itself
 
     # -- step boundaries ----------------------------------------------------------------------
 
     def begin_step(self, b: int) -> None:
         """Before the forward of busy step `b` (0, 1, 2, ... on every die)."""
         self.step = b
-        self.counts[:] = 0
         if self.eplb is None:
+            self.counts[:] = 0
             return
         row = self.ring[b % self.window]
         row[1:] = 0
         row[0] = b
+        self.counts = row[1:].reshape(self.n_moe, self.slots)  # `record` writes the ring
         if self.pending is None and self.plan_at is not None and b == self.plan_at + 2:
             self._take_plan(b)
         p = self.pending
@@ -407,11 +404,6 @@ class Balancer:
                 )
             out[:, p * s : (p + 1) * s] = row[1:].reshape(self.n_moe, s)
         return out
-
-    def window_counts(self, first: int, last: int) -> np.ndarray:
-        """int64 `[n_moe, P]`: rows per physical slot over steps `first..last`."""
-        return sum((self.step_counts(t) for t in range(first, last + 1)),
-                   np.zeros((self.n_moe, self.n * self.slots), np.int64))  # fmt: skip
 
     def _make_plan(self, b: int) -> None:
         t0 = time.perf_counter_ns()
@@ -470,7 +462,8 @@ class Balancer:
         for i, e in enumerate(after):
             if e in held:
                 p.slot_buf[j, i] = held[e]
-        free = [b for b in range(2 * self.slots) if b not in set(cur.tolist())]
+        used = set(cur.tolist())
+        free = [b for b in range(2 * self.slots) if b not in used]
         reqs, got = [], 0
         for idx, (dst, slot, e, src) in enumerate(move_list(self.map, p.map, j)):
             ev = EVENT_BASE + ((p.seq * 4096 + j) << 16) + idx

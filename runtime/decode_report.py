@@ -201,10 +201,8 @@ def eplb_stats(res: list[dict], model: ModelConfig, step_ms: list[float], first:
     dies, steps, n_moe, slots = counts.shape
     switches = reps[0]["maps"]
     maps = [(m["switch_step"], np.asarray(m["phy2log"], np.int64)) for m in switches]
-    if not maps:
-        per = model.num_experts // dies
+    if not maps:  # EPLB off: the block placement, expert e in slot e
         maps = [(0, np.tile(np.arange(model.num_experts), (n_moe, 1)))]
-        assert per == slots
     if first is None:
         first = switches[1]["switch_step"] if len(switches) > 1 else 0
     first = min(first, steps - 1)
@@ -269,8 +267,7 @@ def eplb_compare(off: list[dict], on: list[dict], per_die, opts: DecodeOptions,
                        expert_maps=replayed_maps(on)).generate(
         per_die, opts.steps, opts.temperature, opts.seed)  # fmt: skip
     replay = compare(on, ref, exact=True)
-    off_as_ref = _as_generated(off)
-    vs_off = compare(on, off_as_ref, exact=False)
+    vs_off = compare(on, _Generated(off), exact=False)
     out = {k: s_on[k] for k in ("bench", "model", "dies", "batch", "prompt_len", "steps", "quant",
                                 "combine_dtype", "protocol")}  # fmt: skip
     out.update(
@@ -324,10 +321,6 @@ class _Generated:
     def __init__(self, res: list[dict]):
         self.tokens = [r["tokens"] for r in res]
         self.logits = [r["logits"] for r in res]
-
-
-def _as_generated(res: list[dict]) -> _Generated:
-    return _Generated(res)
 
 
 def print_eplb(s: dict) -> None:
