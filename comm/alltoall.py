@@ -55,6 +55,7 @@ from comm.routing import (
     DedupLayout,
     DispatchLayout,
     Placement,
+    check_topk_idx,
     get_dedup_layout,
     get_dispatch_layout,
 )
@@ -162,7 +163,8 @@ class A2AState:
         checked: the last caller placement that passed the capacity check.
         last: the handle of this die's latest dispatch (what a refusing combine owes).
         fused_combined: the fused dispatch operation this die combined last (once only).
-        place_info: per-die facts of the last placement used; comb_f32: combine buffer views.
+        place_info: per-die facts of the last placement used; comb_f32: combine buffer views;
+            views: word views (`_words`) and flat combine buffers, made once per area.
     """
 
     pull_ops: list[int] = field(default_factory=lambda: [0, 0])
@@ -174,6 +176,7 @@ class A2AState:
     fused_combined: int = 0
     place_info: _PlaceInfo | None = None
     comb_f32: dict = field(default_factory=dict)
+    views: dict = field(default_factory=dict)
 
     def counters(self) -> list[int]:
         return [*self.pull_ops, *self.fused_ops]
@@ -293,6 +296,21 @@ def _placement(ep: Endpoint, placement: Placement | None) -> Placement:
         lo = ep.layout
         st.placement = Placement.default(lo.a2a_num_experts, tuple(range(ep.num_dies)))
     return st.placement
+
+
+def _layout(topk_idx: np.ndarray, placement: Placement) -> DispatchLayout:
+    """`comm.routing.get_dispatch_layout` in one compiled pass (`comm.kernels.dispatch_layout`,
+    equal to it); a routing the kernel refuses goes the numpy way, which raises the error
+    naming the bad entry."""
+    if topk_idx.dtype.kind not in "iu":
+        check_topk_idx(topk_idx, placement.num_experts)  # raises its TypeError
+    t = np.ascontiguousarray(topk_idx, np.int64)
+    got = kernels().dispatch_layout(
+        t, placement.pos_of, placement.local_of, placement.die_of, len(placement.dies)
+    )
+    if isinstance(got, int):  # the numpy path names the bad entry (and is the authority)
+        return get_dispatch_layout(t, placement)
+    return DispatchLayout(*got)
 
 
 def _payload(x: np.ndarray, quant: str | None) -> tuple[np.ndarray, np.ndarray]:
@@ -455,7 +473,7 @@ def dispatch(
         if not isinstance(dedup, bool | np.bool_):
             raise TypeError(f"dedup must be a bool, got {_describe(dedup)}")
         dedup = bool(dedup)
-        lay = get_dispatch_layout(topk_idx, placement)
+        lay = _layout(topk_idx, placement)
         _check_capacity(ep, lay, placement)
         dl = get_dedup_layout(topk_idx, topk_weights, placement) if dedup else None
         # steps 1-2, load and quantize, before the operation starts: a row INT8 cannot take
@@ -512,36 +530,40 @@ def dispatch(
 def _assemble(ep, parts, pb, quant, placement, lay, topk_idx, topk_weights, op, proto):
     """Step 7: rows grouped by local expert, stable, so (src_rank, slot, k) order stays.
 
-    `parts` is a list of (src, uint8 [count, stride] rows), own or remote memory. Only the
-    16-byte row metadata is gathered first; then each part's payloads are copied once, straight
-    to their output positions (no concatenated temporary)."""
+    `parts` is a list of (src, uint8 [count, stride] rows), own or remote memory. Two compiled
+    passes (`comm.kernels.assemble_count`, `assemble_place`: a counting sort by local expert);
+    each payload is copied once, straight from the (possibly remote) row to its place."""
+    k = kernels()
     hidden = ep.layout.a2a_hidden
-    dt = np.int8 if quant == "int8" else np.float32
-    counts_per_part = [len(r) for _, r in parts]
-    total = sum(counts_per_part)
     stride = ep.layout.pull_disp_stride
-    meta = np.empty((total, 4), np.int32)
-    src_of = np.empty(total, np.int64)
-    at = 0
-    for (src, rows), n in zip(parts, counts_per_part, strict=True):
-        meta[at : at + n] = rows[:, stride - L.PULL_ROW_META :].view(np.int32)
-        src_of[at : at + n] = src
-        at += n
-    local = meta[:, 3].astype(np.int64)
-    order = np.argsort(local, kind="stable")
-    pos = np.empty(total, np.int64)
-    pos[order] = np.arange(total)
+    n_local = _place_info(ep, placement).num_local[ep.die_id]
+    counts = np.zeros(n_local, np.int64)
+    flats = []
+    for src, rows in parts:
+        n = len(rows)
+        if not n:
+            continue
+        flat8 = rows.reshape(-1)
+        flat32 = flat8.view(np.int32)
+        if k.assemble_count(flat32, n, stride, counts) < 0:
+            raise ProtocolError(
+                f"die {ep.die_id}: dispatch rows from die {src} name a local expert outside"
+                f" [0, {n_local}) (not dispatch packets of this placement): nothing read"
+            )
+        flats.append((src, n, flat8, flat32))
+    total = int(counts.sum())
+    cursor = np.zeros(n_local, np.int64)
+    np.cumsum(counts[:-1], out=cursor[1:])
+    dt = np.int8 if quant == "int8" else np.float32
     x = np.empty((total, hidden), dt)
-    xb = x.view(np.uint8).reshape(total, pb)
-    at = 0
-    for (_, rows), n in zip(parts, counts_per_part, strict=True):
-        if n:
-            xb[pos[at : at + n]] = rows[:, :pb]  # the one copy (a pull: a remote read)
-        at += n
-    scales = np.ascontiguousarray(meta[order, 0]).view(np.float32) if quant == "int8" else None
-    counts = np.bincount(local, minlength=_place_info(ep, placement).num_local[ep.die_id])
-    rows = (x, scales, src_of[order], meta[order, 1].astype(np.int64),
-            meta[order, 2].astype(np.int64), local[order], counts.astype(np.int64))  # fmt: skip
+    scale_bits = np.empty(total, np.int32)
+    src_rank, slot, k_index, local = np.empty((4, total), np.int64)
+    x8 = x.view(np.uint8).reshape(total, pb)
+    for src, n, flat8, flat32 in flats:  # the one copy (a pull: a remote read)
+        k.assemble_place(flat8, flat32, n, stride, pb, src, cursor, x8, scale_bits, src_rank,
+                         slot, k_index, local)  # fmt: skip
+    scales = scale_bits.view(np.float32) if quant == "int8" else None
+    rows = (x, scales, src_rank, slot, k_index, local, counts)
     return _result(proto, quant, placement, lay, topk_idx, topk_weights, op, rows)
 
 
@@ -878,8 +900,12 @@ def _reduce(ep: Endpoint, handle: DispatchHandle, where: list[tuple], half: int)
 
 
 def _words(ep: Endpoint, die: int, off: int, n: int) -> np.ndarray:
-    """int64 numpy view of n meta words of a die's region at byte offset off."""
-    return ep.regions[die].array[off : off + 8 * n].view(np.int64)
+    """int64 numpy view of n meta words of a die's region at byte offset off (made once)."""
+    views = ep.a2a.views
+    v = views.get((die, off, n))
+    if v is None:
+        v = views[die, off, n] = ep.regions[die].array[off : off + 8 * n].view(np.int64)
+    return v
 
 
 def _fused_rows(ep: Endpoint, die: int, half: int, src: int, count: int) -> np.ndarray:
@@ -1095,25 +1121,60 @@ def _write_slots_by_src(ep, rows, dest, slots, ks, op, event_id) -> None:
     then row i straight into die dest[i]'s combine buffer at (slots[i], ks[i]), one row copy
     each and no gathered temporary, then the completion words of those (slot, k) LAST. Rows in
     float32 are rounded to bfloat16 in the same pass (a bfloat16 pod; bfloat16 rows, forwarded
-    by a trampoline, go as they are): `comm.kernels.scatter_rows`, one compiled pass per
-    destination."""
+    by a trampoline, go as they are). The send plan is one compiled pass
+    (`comm.kernels.group_by_dest`, which also proves every index in range), then one compiled
+    copy per destination (`scatter_rows_raw`)."""
     n = len(dest)
     if not n:
         return
     lo = ep.layout
-    scatter = kernels().scatter_rows
-    topk = lo.a2a_topk
-    order = np.argsort(dest, kind="stable")
-    ordered = dest[order]
-    cuts = (np.flatnonzero(ordered[1:] != ordered[:-1]) + 1).tolist()
-    for a, b in zip([0, *cuts], [*cuts, n], strict=True):
-        d = int(ordered[a])
-        sel = order[a:b]
-        lin = slots[sel] * topk + ks[sel]
-        _lin_check(ep, d, lin)
+    k = kernels()
+    topk, cap = lo.a2a_topk, lo.a2a_max_batch * lo.a2a_topk
+    order, lin = np.empty((2, n), np.int64)
+    starts = np.empty(ep.num_dies + 1, np.int64)
+    if k.group_by_dest(dest, slots, ks, topk, ep.num_dies, cap, order, lin, starts):
+        _bad_plan(ep, dest, slots, ks, cap)
+    cdt = _comb_dtype(ep)
+    rows = np.ascontiguousarray(rows)
+    if rows.dtype != cdt and not (rows.dtype == np.float32 and cdt == BF16):
+        raise TypeError(f"rows {rows.dtype} cannot go into a {cdt} combine buffer")
+    round_bf16 = rows.dtype != cdt
+    stride = lo.pull_comb_stride
+    starts = starts.tolist()
+    for d in range(ep.num_dies):
+        a, b = starts[d], starts[d + 1]
+        if a == b:
+            continue
         _words(ep, d, lo.fused_cevent_off, ep.num_dies)[ep.die_id] = event_id
-        scatter(rows, sel, _comb_buf(ep, d), lin)  # remote writes
-        _words(ep, d, lo.fused_cflag_off, lo.a2a_max_batch * topk)[lin] = op  # LAST
+        k.scatter_rows_raw(rows, order[a:b], _comb_flat(ep, d), lin[a:b], stride, round_bf16)
+        _words(ep, d, lo.fused_cflag_off, cap)[lin[a:b]] = op  # LAST
+
+
+def _bad_plan(ep: Endpoint, dest, slots, ks, cap: int) -> None:
+    """Raise the ProtocolError of a combine send plan `group_by_dest` refused; nothing sent."""
+    outside = np.flatnonzero((dest < 0) | (dest >= ep.num_dies))
+    if len(outside):
+        raise ProtocolError(
+            f"die {ep.die_id}: combine rows for die {int(dest[outside[0]])}, outside the pod of"
+            f" {ep.num_dies} dies; nothing written"
+        )
+    topk = ep.layout.a2a_topk
+    bad = np.flatnonzero((ks < 0) | (ks >= topk) | (slots * topk + ks < 0)
+                         | (slots * topk + ks >= cap))  # fmt: skip
+    i = int(bad[0]) if len(bad) else 0
+    _area_check(ep, f"combine buffer of die {int(dest[i])} (slot {int(slots[i])}, k"
+                f" {int(ks[i])})", int(slots[i] * topk + ks[i]), 1, -1)  # fmt: skip
+
+
+def _comb_flat(ep: Endpoint, die: int) -> np.ndarray:
+    """uint8 flat view of die's fused combine buffer (rows pull_comb_stride bytes apart)."""
+    views = ep.a2a.views
+    v = views.get(("comb", die))
+    if v is None:
+        lo = ep.layout
+        n = lo.a2a_max_batch * lo.a2a_topk * lo.pull_comb_stride
+        v = views["comb", die] = ep.regions[die].array[lo.fused_comb_off : lo.fused_comb_off + n]
+    return v
 
 
 def _write_groups_by_src(ep, rows, g: DedupGroups, op, event_id) -> None:

@@ -34,7 +34,12 @@ import numpy as np
 from comm.quant import BF16
 
 __all__ = [
+    "assemble_count",
+    "assemble_place",
     "dedup_count",
+    "dispatch_layout",
+    "group_by_dest",
+    "scatter_rows_raw",
     "dedup_place",
     "pack_dedup_rows",
     "pack_rows",
@@ -282,6 +287,18 @@ def scatter_rows(rows: np.ndarray, sel: np.ndarray, buf: np.ndarray, lin: np.nda
                       buf.shape[1] * item)  # fmt: skip
     else:
         raise TypeError(f"rows {rows.dtype} cannot go into a {buf.dtype} buffer")
+
+
+def scatter_rows_raw(rows: np.ndarray, sel: np.ndarray, flat: np.ndarray, lin: np.ndarray,
+                     stride: int, round_bf16: bool) -> None:  # fmt: skip
+    """`scatter_rows` without its checks, for callers that proved the indices in range (the
+    combine's send plan, `group_by_dest`): rows C-contiguous, float32 rounded to bfloat16 on
+    the way (`round_bf16`) or copied as they are; flat the buffer's flat uint8 view, its rows
+    `stride` bytes apart."""
+    if round_bf16:
+        _scatter_round(rows.view(np.uint32), sel, flat.view(np.uint16), lin, stride // 2)
+    else:
+        _scatter_copy(rows.view(np.uint8), sel, flat, lin, stride)
 
 
 def _packet_shape(payload, rows, n: int) -> tuple[np.ndarray, int, int]:
@@ -608,6 +625,175 @@ def dedup_place(flat, n, stride, eoff, src, cursor, g0, x8, scale_bits, out_src,
             out_local[p] = loc
 
 
+# -- the bookkeeping of a dispatch: layout and grouping, one compiled pass each --------------------
+#
+# At decode sizes (a few tokens per die) a dispatch moves a few KB and its cost is the numpy calls
+# around the bytes (~40 per collective, 1-5 us each): the routing's sort, the grouping by expert.
+# These kernels do each in one call; their results are equal to the numpy they replace
+# (`comm.routing.get_dispatch_layout`, `_assemble`'s stable argsort), tests/unit/test_kernels.py.
+
+
+_I64 = numba.types.int64[::1]
+_LAYOUT_SIG = numba.types.int64(
+    numba.types.Array(numba.types.int64, 2, "C", readonly=True), _RO_I64, _RO_I64, _RO_I64,
+    numba.types.int64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
+)  # fmt: skip
+_RO_U8 = numba.types.Array(numba.types.uint8, 1, "C", readonly=True)
+
+
+@numba.njit(_LAYOUT_SIG, cache=True, nogil=True, boundscheck=False)
+def _layout(topk, pos_of, local_of, die_of, n_pos, slot, kk, dest, loc, per_die,
+            per_expert, offsets, bucket_start):  # pragma: no cover - compiled
+    """Counting sort of the routed (slot, k) by (destination position, local expert), then
+    (slot, k) ascending. Returns the message count, or -1 for an id outside [-1, E), -2 for an
+    expert named twice in one row (nothing usable is written then)."""
+    b, k_n = topk.shape
+    n_exp = pos_of.shape[0]
+    for e in range(n_exp):
+        per_expert[e] = 0
+    for p in range(n_pos):
+        per_die[p] = 0
+    for i in range(b):
+        for j in range(k_n):
+            e = topk[i, j]
+            if e < -1 or e >= n_exp:
+                return -1
+            if e >= 0:
+                for jj in range(j):
+                    if topk[i, jj] == e:
+                        return -2
+                per_expert[e] += 1
+                per_die[pos_of[e]] += 1
+    # bucket of expert e = experts on earlier positions + its local index
+    offsets[0] = 0
+    for p in range(n_pos):
+        offsets[p + 1] = offsets[p] + per_die[p]
+    for p in range(n_pos + 1):
+        bucket_start[p] = 0
+    for e in range(n_exp):
+        bucket_start[pos_of[e] + 1] += 1  # experts per position
+    for p in range(n_pos):
+        bucket_start[p + 1] += bucket_start[p]
+    cursor = np.zeros(n_exp, np.int64)
+    for e in range(n_exp):  # rows before bucket (pos, local): bucket index -> first message
+        cursor[bucket_start[pos_of[e]] + local_of[e]] = per_expert[e]
+    acc = 0
+    for q in range(n_exp):
+        c = cursor[q]
+        cursor[q] = acc
+        acc += c
+    for i in range(b):
+        for j in range(k_n):
+            e = topk[i, j]
+            if e >= 0:
+                q = bucket_start[pos_of[e]] + local_of[e]
+                at = cursor[q]
+                cursor[q] = at + 1
+                slot[at] = i
+                kk[at] = j
+                dest[at] = die_of[e]
+                loc[at] = local_of[e]
+    return acc
+
+
+def dispatch_layout(topk: np.ndarray, pos_of: np.ndarray, local_of: np.ndarray,
+                    die_of: np.ndarray, n_pos: int) -> tuple | int:  # fmt: skip
+    """`comm.routing.get_dispatch_layout`'s arrays in one compiled pass: (num_tokens_per_die,
+    num_tokens_per_expert, msg_slot, msg_k, msg_dest, msg_local_expert, dest_offsets), each
+    int64, read-only, equal to the numpy version's; or -1 / -2 for an id out of range / named
+    twice in a row (the caller raises `check_topk_idx`'s error).
+
+    topk: int64 [batch, k] C-contiguous; pos_of, local_of, die_of: a Placement's int64 tables."""
+    b, k_n = topk.shape
+    cap = b * k_n
+    n_exp = len(pos_of)
+    out = np.empty(4 * cap + n_exp + 2 * n_pos + 2 + n_pos, np.int64)
+    slot, kk, dest, loc = (out[i * cap : (i + 1) * cap] for i in range(4))
+    at = 4 * cap
+    per_expert = out[at : at + n_exp]
+    per_die = out[at + n_exp : at + n_exp + n_pos]
+    offsets = out[at + n_exp + n_pos : at + n_exp + 2 * n_pos + 1]
+    scratch = out[at + n_exp + 2 * n_pos + 1 :]
+    n = _layout(topk, pos_of, local_of, die_of, n_pos, slot, kk, dest, loc, per_die,
+                per_expert, offsets, scratch)  # fmt: skip
+    if n < 0:
+        return int(n)
+    out.flags.writeable = False  # views taken from here on are read-only too
+    at = 4 * cap
+    return (out[at + n_exp : at + n_exp + n_pos], out[at : at + n_exp], out[:n],
+            out[cap : cap + n], out[2 * cap : 2 * cap + n], out[3 * cap : 3 * cap + n],
+            out[at + n_exp + n_pos : at + n_exp + 2 * n_pos + 1])  # fmt: skip
+
+
+@numba.njit(numba.types.int64(_RO_I32, numba.types.int64, numba.types.int64, _I64), cache=True,
+            nogil=True, boundscheck=False)  # fmt: skip
+def assemble_count(flat32, n, stride, counts):  # pragma: no cover - compiled
+    """Add the rows per local expert of n dispatch packets (`stride` bytes apart, their last 16
+    bytes scale | slot | k | local as int32) to counts; -1 if a local expert is out of range."""
+    n_local = counts.shape[0]
+    w = stride // 4
+    for i in range(n):
+        loc = flat32[(i + 1) * w - 1]
+        if loc < 0 or loc >= n_local:
+            return -1
+        counts[loc] += 1
+    return 0
+
+
+@numba.njit(numba.types.void(_RO_U8, _RO_I32, *[numba.types.int64] * 4, _I64,
+                             numba.types.uint8[:, ::1], numba.types.int32[::1], *[_I64] * 4),
+            cache=True, nogil=True, boundscheck=False)  # fmt: skip
+def assemble_place(flat8, flat32, n, stride, pb, src, cursor, x8, scale_bits, out_src,
+                   out_slot, out_k, out_local):  # pragma: no cover - compiled
+    """Each of n packets to its place in the grouped output (cursor: the next row of each
+    local expert, advanced): payload bytes, scale bits, source, slot, k, local expert. Called
+    per source in source order, this is `_assemble`'s stable sort by local expert."""
+    w = stride // 4
+    for i in range(n):
+        m = (i + 1) * w - 4
+        loc = flat32[m + 3]
+        p = cursor[loc]
+        cursor[loc] = p + 1
+        row = flat8[i * stride : i * stride + pb]
+        d = x8[p]
+        for c in range(pb):
+            d[c] = row[c]
+        scale_bits[p] = flat32[m]
+        out_src[p] = src
+        out_slot[p] = flat32[m + 1]
+        out_k[p] = flat32[m + 2]
+        out_local[p] = loc
+
+
+
+@numba.njit(numba.types.int64(_RO_I64, _RO_I64, _RO_I64, *[numba.types.int64] * 3,
+                              *[_I64] * 3), cache=True, nogil=True, boundscheck=False)  # fmt: skip
+def group_by_dest(dest, slots, ks, topk, n_dies, cap, order, lin, starts):  # pragma: no cover
+    """The combine's send plan, stable by destination (a counting sort): order[j] = the row
+    sent j-th, lin[j] = its (slot * topk + k) in its destination's buffer, rows of die d at
+    starts[d]:starts[d + 1]. Returns 0, or -1 if a destination or a (slot, k) is out of range
+    (nothing is sent then)."""
+    n = dest.shape[0]
+    for d in range(n_dies + 1):
+        starts[d] = 0
+    for i in range(n):
+        d = dest[i]
+        q = slots[i] * topk + ks[i]
+        if d < 0 or d >= n_dies or ks[i] < 0 or ks[i] >= topk or q < 0 or q >= cap:
+            return -1
+        starts[d + 1] += 1
+    for d in range(n_dies):
+        starts[d + 1] += starts[d]
+    cursor = starts[:n_dies].copy()
+    for i in range(n):
+        d = dest[i]
+        j = cursor[d]
+        cursor[d] = j + 1
+        order[j] = i
+        lin[j] = slots[i] * topk + ks[i]
+    return 0
+
+
 def warm() -> None:
     """Load every kernel (compiled at import from the on-disk cache, or compiled there once)
     and run it once, so that a die forked afterwards starts with it ready."""
@@ -638,3 +824,10 @@ def warm() -> None:
     dedup_place(flat, 1, 64, 8, 0, np.zeros(1, np.int64), 0, np.zeros((1, 8), np.uint8),
                 np.zeros(1, np.int32), *i64[:7], np.zeros(2, np.int64), i64[7],
                 np.zeros(1, np.int32))  # fmt: skip
+    tables = np.zeros(2, np.int64), np.zeros(2, np.int64), np.zeros(2, np.int64)
+    group_by_dest(*tables, 1, 1, 2, np.zeros(2, np.int64), np.zeros(2, np.int64),
+                  np.zeros(2, np.int64))  # fmt: skip
+    dispatch_layout(np.zeros((1, 2), np.int64) - 1, *tables, 1)
+    assemble_count(packed.reshape(-1).view(np.int32), 1, 64, counts)
+    assemble_place(flat, flat.view(np.int32), 0, 64, 8, 0, np.zeros(1, np.int64),
+                   np.zeros((1, 8), np.uint8), np.zeros(1, np.int32), *i64[:4])  # fmt: skip
