@@ -918,6 +918,22 @@ def _fused_rows(ep: Endpoint, die: int, half: int, src: int, count: int) -> np.n
     return ep.regions[die].array[base : base + count * stride].reshape(count, stride)
 
 
+def _fused_block(ep: Endpoint, die: int, half: int, count: int) -> tuple:
+    """(uint8, int32) flat views of die's whole dispatch block for this source (made once);
+    `count` rows are checked to fit, as `_fused_rows` does."""
+    lo = ep.layout
+    _area_check(ep, f"fused dispatch block of die {die} for source {ep.die_id}", 0, count,
+                lo.fused_disp_rows)  # fmt: skip
+    views = ep.a2a.views
+    v = views.get(("block", die, half))
+    if v is None:
+        rows, stride = lo.fused_disp_rows, lo.pull_disp_stride
+        base = lo.fused_disp_off + (half * ep.num_dies + ep.die_id) * rows * stride
+        flat = ep.regions[die].array[base : base + rows * stride]
+        v = views["block", die, half] = (flat, flat.view(np.int32))
+    return v
+
+
 @dataclass(frozen=True)
 class _PlaceInfo:
     """Per-die facts of a placement, computed once per placement object (hot-path lookups)."""
@@ -925,6 +941,7 @@ class _PlaceInfo:
     placement: Placement
     pos: list[int]  # [die] position in placement.dies, -1 if the die hosts no expert
     num_local: list[int]  # [die] experts hosted
+    experts: list  # [die] its logical experts in local order (int64; empty if none)
 
 
 def _place_info(ep: Endpoint, placement: Placement) -> _PlaceInfo:
@@ -935,7 +952,9 @@ def _place_info(ep: Endpoint, placement: Placement) -> _PlaceInfo:
         for p, d in enumerate(placement.dies):
             pos[d] = p
         counts = np.bincount(placement.die_of, minlength=ep.num_dies).tolist()
-        info = st.place_info = _PlaceInfo(placement, pos, counts[: ep.num_dies])
+        experts = [placement.experts_on(d) if pos[d] >= 0 else np.zeros(0, np.int64)
+                   for d in range(ep.num_dies)]  # fmt: skip
+        info = st.place_info = _PlaceInfo(placement, pos, counts[: ep.num_dies], experts)
     return info
 
 
@@ -954,28 +973,33 @@ def _fused_dispatch(ep, payload, scale, topk_idx, topk_weights, quant, event_id,
     pb = payload.shape[1] * payload.dtype.itemsize
     info = _place_info(ep, placement)
     offs = (lay if dl is None else dl).dest_offsets.tolist()
-    pack = kernels().pack_rows  # each packet written once, straight into d's block
+    if dl is None:  # each packet written once, straight into d's block (one compiled pass)
+        k = kernels()
+        src8 = np.ascontiguousarray(payload).view(np.uint8).reshape(len(payload), pb)
+        scale_bits = np.ascontiguousarray(scale, np.float32).view(np.int32)
     for p, d in enumerate(placement.dies):
         a, b = offs[p], offs[p + 1]
         if a == b:
             continue
-        block = _fused_rows(ep, d, half, ep.die_id, b - a)  # remote: d's block for this source
-        if dl is None:
-            pack(payload, scale, lay.msg_slot[a:b], lay.msg_k[a:b], lay.msg_local_expert[a:b],
-                 block)  # fmt: skip
+        if dl is None:  # remote: d's block for this source (rows checked by _check_capacity)
+            flat8, flat32 = _fused_block(ep, d, half, b - a)
+            k._pack(src8, scale_bits, lay.msg_slot[a:b], lay.msg_k[a:b],
+                    lay.msg_local_expert[a:b], flat8, flat32, lo.pull_disp_stride)  # fmt: skip
         else:
-            _pack_dedup(payload, scale, dl, a, b, block, pb)
+            _pack_dedup(payload, scale, dl, a, b, _fused_rows(ep, d, half, ep.die_id, b - a),
+                        pb)  # fmt: skip
     t1 = now_ns()
     code = QUANT_CODE[quant] + (DEDUP_CODE if dl is not None else 0)
+    per_expert = lay.num_tokens_per_expert
     for d in range(ep.num_dies):  # step 2: counts, then the completion flag LAST
         p, n_local = info.pos[d], info.num_local[d]
         a, b = (offs[p], offs[p + 1]) if p >= 0 else (0, 0)
         if n_local:
             if dl is None:
-                locals_ = lay.msg_local_expert[a:b]
+                counts = per_expert[info.experts[d]]
             else:
                 locals_ = dl.ent_local[dl.ent_start[a] : dl.ent_start[b]]
-            counts = np.bincount(locals_, minlength=n_local)
+                counts = np.bincount(locals_, minlength=n_local)
             _words(ep, d, lo.fused_counts_off_of(half, ep.die_id), n_local)[:] = counts
         _flag(ep, d, lo.fused_flag_word(half, ep.die_id), event_id, b - a, op, code)
     t2 = now_ns()
