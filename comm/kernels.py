@@ -642,8 +642,21 @@ _RO_U8 = numba.types.Array(numba.types.uint8, 1, "C", readonly=True)
 
 
 @numba.njit(_LAYOUT_SIG, cache=True, nogil=True, boundscheck=False)
-def _layout(topk, pos_of, local_of, die_of, n_pos, slot, kk, dest, loc, per_die,
-            per_expert, offsets, bucket_start):  # pragma: no cover - compiled
+def _layout(
+    topk,
+    pos_of,
+    local_of,
+    die_of,
+    n_pos,
+    slot,
+    kk,
+    dest,
+    loc,
+    per_die,
+    per_expert,
+    offsets,
+    bucket_start,
+):  # pragma: no cover - compiled
     """Counting sort of the routed (slot, k) by (destination position, local expert), then
     (slot, k) ascending. Returns the message count, or -1 for an id outside [-1, E), -2 for an
     expert named twice in one row (nothing usable is written then)."""
@@ -743,8 +756,9 @@ def assemble_count(flat32, n, stride, counts):  # pragma: no cover - compiled
 @numba.njit(numba.types.void(_RO_U8, _RO_I32, *[numba.types.int64] * 4, _I64,
                              numba.types.uint8[:, ::1], numba.types.int32[::1], *[_I64] * 4),
             cache=True, nogil=True, boundscheck=False)  # fmt: skip
-def assemble_place(flat8, flat32, n, stride, pb, src, cursor, x8, scale_bits, out_src,
-                   out_slot, out_k, out_local):  # pragma: no cover - compiled
+def assemble_place(
+    flat8, flat32, n, stride, pb, src, cursor, x8, scale_bits, out_src, out_slot, out_k, out_local
+):  # pragma: no cover - compiled
     """Each of n packets to its place in the grouped output (cursor: the next row of each
     local expert, advanced): payload bytes, scale bits, source, slot, k, local expert. Called
     per source in source order, this is `_assemble`'s stable sort by local expert."""
@@ -763,7 +777,6 @@ def assemble_place(flat8, flat32, n, stride, pb, src, cursor, x8, scale_bits, ou
         out_slot[p] = flat32[m + 1]
         out_k[p] = flat32[m + 2]
         out_local[p] = loc
-
 
 
 @numba.njit(numba.types.int64(_RO_I64, _RO_I64, _RO_I64, *[numba.types.int64] * 3,

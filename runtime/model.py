@@ -74,6 +74,7 @@ __all__ = [
 ]
 
 F32 = np.float32
+SMALL_ROWS = 3  # runtime.model_kernels.SMALL_ROWS (kept equal; a test checks)
 
 # -- tokenizer -------------------------------------------------------------------------------------
 
@@ -545,6 +546,17 @@ def build_weights(cfg: ModelConfig, experts: Sequence[int]) -> Weights:
 # -- kernels (float32 in, float32 out) -------------------------------------------------------------
 
 
+def mm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """`x @ w` of float32 rows by a weight matrix (or per head, 3-D): up to a few rows a compiled
+    kernel (`runtime.model_kernels`: BLAS GEMM's fixed cost dominates a die's 2-3 decode rows),
+    BLAS above. Every matrix product of the model with its weights goes through here."""
+    if not 2 <= x.shape[-2] <= SMALL_ROWS:
+        return x @ w
+    from runtime.model_kernels import mm as small  # numba: imported on a die's first step
+
+    return small(x, w)
+
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """`(x * 1/sqrt(mean(x^2) + eps)) * weight` over the last axis; x float32 `[..., d]`."""
     ms = np.mean(np.square(x), axis=-1, keepdims=True)
@@ -559,7 +571,7 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 def swiglu(x: np.ndarray, w: FFNWeights) -> np.ndarray:
     """SwiGLU FFN on rows: x float32 `[m, hidden]` -> float32 `[m, hidden]`."""
-    return (silu(x @ w.w_gate) * (x @ w.w_up)) @ w.w_down
+    return mm(silu(mm(x, w.w_gate)) * mm(x, w.w_up), w.w_down)
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
@@ -616,13 +628,13 @@ def mla_project(
     """
     n, nh, r = x.shape[0], cfg.n_heads, cfg.kv_lora_rank
     if lw.wq is None:  # q_lora_rank > 0: compress, norm, decompress (W_CQ, then W_DQ|W_RQ)
-        x_q, w_q = rms_norm(x @ lw.wq_a, lw.q_norm, cfg.norm_eps), lw.wq_b
+        x_q, w_q = rms_norm(mm(x, lw.wq_a), lw.q_norm, cfg.norm_eps), lw.wq_b
     else:
         x_q, w_q = x, lw.wq
-    q = (x_q @ w_q).reshape(n, nh, cfg.qk_head_dim)
+    q = mm(x_q, w_q).reshape(n, nh, cfg.qk_head_dim)
     q_nope = q[:, :, : cfg.qk_nope_dim]
     q_pe = apply_rope(q[:, :, cfg.qk_nope_dim :], cos, sin)
-    kv = x @ lw.wkv_a
+    kv = mm(x, lw.wkv_a)
     kv_rows = np.empty((n, cfg.kv_cache_dim), dtype=F32)
     kv_rows[:, :r] = rms_norm(kv[:, :r], lw.kv_norm, cfg.norm_eps)
     kv_rows[:, r:] = apply_rope(kv[:, r:], cos, sin)
@@ -662,7 +674,7 @@ def absorbed_attention(
     r = cfg.kv_lora_rank
     scale = F32(1.0 / np.sqrt(cfg.qk_head_dim))
     # [H, n, nope] @ [H, nope, R] -> [H, n, R], batched over every row of the die
-    q_lat = np.matmul(np.ascontiguousarray(q_nope.transpose(1, 0, 2)), lw.w_uk)
+    q_lat = mm(np.ascontiguousarray(q_nope.transpose(1, 0, 2)), lw.w_uk)
     q_cat = np.concatenate([q_lat, q_pe.transpose(1, 0, 2)], axis=-1)  # [H, n, R+P]
     o_lat = np.empty((cfg.n_heads, q_nope.shape[0], r), dtype=F32)
     for cache, (lo, hi, start) in zip(caches, bounds, strict=True):
@@ -671,9 +683,9 @@ def absorbed_attention(
             rows = np.arange(hi - lo)[:, None] + start
             scores[:, np.arange(cache.shape[0])[None, :] > rows] = -np.inf
         o_lat[:, lo:hi] = np.matmul(softmax(scores), cache[:, :r])
-    o = np.matmul(o_lat, lw.w_uv)  # [H, n, v]
+    o = mm(o_lat, lw.w_uv)  # [H, n, v]
     n = q_nope.shape[0]
-    return o.transpose(1, 0, 2).reshape(n, cfg.n_heads * cfg.v_head_dim) @ lw.wo
+    return mm(o.transpose(1, 0, 2).reshape(n, cfg.n_heads * cfg.v_head_dim), lw.wo)
 
 
 def route_topk(
@@ -914,7 +926,7 @@ class DieModel:
         """
         lw, cfg = self.weights.layers[layer], self.cfg
         xn = rms_norm(h, lw.ffn_norm, cfg.norm_eps)
-        idx, w = route_topk(xn @ lw.gate, cfg.topk, cfg.gating, cfg.routed_scaling,
+        idx, w = route_topk(mm(xn, lw.gate), cfg.topk, cfg.gating, cfg.routed_scaling,
                             self.bias(layer), cfg.n_group, cfg.topk_group)  # fmt: skip
         return xn, idx, w
 
@@ -975,7 +987,7 @@ class DieModel:
     def logits(self, h_last_rows: np.ndarray) -> np.ndarray:
         """float32 `[m, hidden]` -> float32 `[m, vocab]`: final RMSNorm then LM head."""
         x = rms_norm(h_last_rows, self.weights.final_norm, self.cfg.norm_eps)
-        return x @ self.weights.lm_head
+        return mm(x, self.weights.lm_head)
 
     def forward(self, segments: Sequence[Segment], moe_fn: MoEFn) -> np.ndarray:
         """The whole layer loop on this die alone.

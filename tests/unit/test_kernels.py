@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from comm.kernels import weighted_sum
 from comm.quant import BF16
@@ -214,3 +216,118 @@ def test_reduce_groups_sums_each_group_in_order_then_rounds_once(dtype):
         reduce_groups(rows, pos + n, start, w, 1, buf, lin)  # row indices past rows
     with pytest.raises(ValueError):
         reduce_groups(rows, pos, start, w, 0, buf, np.array([8, 0, 1], np.int64))
+
+
+# -- the dispatch bookkeeping: layout, grouping, the combine's send plan ---------------------------
+
+
+def _routing(draw_seed: int, batch: int, k: int, experts: int, unrouted: float) -> np.ndarray:
+    rng = np.random.default_rng(draw_seed)
+    if not batch:
+        return np.zeros((0, k), np.int64)
+    idx = np.stack([rng.choice(experts, k, replace=False) for _ in range(batch)]).astype(np.int64)
+    idx[rng.random(idx.shape) < unrouted] = -1
+    return idx
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**31), batch=st.integers(0, 9), k=st.integers(1, 6),
+       dies=st.integers(1, 6), per=st.integers(1, 4), unrouted=st.sampled_from([0.0, 0.3, 1.0]),
+       table=st.booleans())  # fmt: skip
+def test_dispatch_layout_equals_the_routing_module(seed, batch, k, dies, per, unrouted, table):
+    """The compiled layout is get_dispatch_layout, array for array (default and uneven
+    placements, dies without experts, unrouted entries), and read-only."""
+    from comm.kernels import dispatch_layout
+    from comm.routing import Placement, get_dispatch_layout
+
+    experts = dies * per
+    k = min(k, experts)
+    rng = np.random.default_rng(seed + 1)
+    if table:  # any die may host any number of experts, including none
+        place = Placement.from_table(rng.integers(0, dies, experts), tuple(range(dies)))
+    else:
+        place = Placement.default(experts, tuple(range(dies))[::-1])
+    idx = _routing(seed, batch, k, experts, unrouted)
+    want = get_dispatch_layout(idx, place)
+    got = dispatch_layout(idx, place.pos_of, place.local_of, place.die_of, len(place.dies))
+    names = ("num_tokens_per_die", "num_tokens_per_expert", "msg_slot", "msg_k", "msg_dest",
+             "msg_local_expert", "dest_offsets")  # fmt: skip
+    for name, arr in zip(names, got, strict=True):
+        assert np.array_equal(arr, getattr(want, name)), name
+        assert arr.dtype == np.int64 and not arr.flags.writeable
+
+
+def test_dispatch_layout_refuses_bad_ids_and_repeats():
+    from comm.kernels import dispatch_layout
+    from comm.routing import Placement
+
+    p = Placement.default(8, (0, 1))
+    tables = (p.pos_of, p.local_of, p.die_of, 2)
+    assert dispatch_layout(np.array([[0, 8]]), *tables) == -1
+    assert dispatch_layout(np.array([[-2, 1]]), *tables) == -1
+    assert dispatch_layout(np.array([[3, -1, 3]]), *tables) == -2
+    assert dispatch_layout(np.array([[-1, -1, 3]]), *tables) != -2  # -1 may repeat
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.float32])
+def test_assemble_groups_packets_stably_by_local_expert(dtype):
+    """assemble_count / assemble_place over packets from 3 sources equal the numpy stable sort
+    by local expert of the concatenated packets (payload, scale, source, slot, k)."""
+    from comm.kernels import assemble_count, assemble_place, pack_rows
+
+    rng = np.random.default_rng(7)
+    hidden, n_local = 12, 5
+    pb = hidden * np.dtype(dtype).itemsize
+    stride = pb + 16 + 4
+    parts, metas = [], []
+    for src in range(3):
+        n = int(rng.integers(0, 7))
+        payload = (rng.integers(-100, 100, (9, hidden)) * (src + 1)).astype(dtype)
+        scale = rng.random(9).astype(np.float32)
+        slots, ks = rng.integers(0, 9, n), rng.integers(0, 4, n)
+        locs = rng.integers(0, n_local, n)
+        rows = np.zeros((n, stride), np.uint8)
+        pack_rows(payload, scale, slots, ks, locs, rows)
+        parts.append((src, rows))
+        for i in range(n):
+            metas.append((locs[i], src, slots[i], ks[i], payload[slots[i]], scale[slots[i]]))
+    counts = np.zeros(n_local, np.int64)
+    for _, rows in parts:
+        assert assemble_count(rows.reshape(-1).view(np.int32), len(rows), stride, counts) == 0
+    total = int(counts.sum())
+    cursor = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    x8 = np.zeros((total, pb), np.uint8)
+    sb = np.zeros(total, np.int32)
+    out = np.zeros((4, total), np.int64)
+    for src, rows in parts:
+        flat = rows.reshape(-1)
+        assemble_place(flat, flat.view(np.int32), len(rows), stride, pb, src, cursor, x8, sb,
+                       *out)  # fmt: skip
+    want = sorted(enumerate(metas), key=lambda t: (t[1][0], t[0]))  # stable by local expert
+    for p, (_, (loc, src, slot, k, row, scale)) in enumerate(want):
+        assert out[:, p].tolist() == [src, slot, k, loc]
+        assert np.array_equal(x8[p].view(dtype), row) and sb[p] == scale.view(np.int32)
+    assert np.array_equal(counts, np.bincount([m[0] for m in metas], minlength=n_local))
+    bad = parts[0][1].copy() if len(parts[0][1]) else np.zeros((1, stride), np.uint8)
+    bad.reshape(-1).view(np.int32)[stride // 4 - 1] = n_local  # a local expert out of range
+    assert assemble_count(bad.reshape(-1).view(np.int32), 1, stride, np.zeros(n_local,
+                          np.int64)) == -1  # fmt: skip
+
+
+def test_group_by_dest_is_a_stable_plan_and_refuses_out_of_range():
+    from comm.kernels import group_by_dest
+
+    rng = np.random.default_rng(3)
+    n, dies, topk, batch = 40, 5, 4, 16
+    dest = rng.integers(0, dies, n)
+    slots, ks = rng.integers(0, batch, n), rng.integers(0, topk, n)
+    order, lin = np.zeros((2, n), np.int64)
+    starts = np.zeros(dies + 1, np.int64)
+    assert group_by_dest(dest, slots, ks, topk, dies, batch * topk, order, lin, starts) == 0
+    assert np.array_equal(order, np.argsort(dest, kind="stable"))
+    assert np.array_equal(lin, (slots * topk + ks)[order])
+    assert np.array_equal(np.diff(starts), np.bincount(dest, minlength=dies))
+    for d2, s2, k2 in ((dies, 0, 0), (-1, 0, 0), (0, batch, 0), (0, 0, topk), (0, -1, 0)):
+        d, s, k = dest.copy(), slots.copy(), ks.copy()
+        d[5], s[5], k[5] = d2, s2, k2
+        assert group_by_dest(d, s, k, topk, dies, batch * topk, order, lin, starts) == -1

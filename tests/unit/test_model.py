@@ -331,12 +331,15 @@ def _flat_logits(res, step):
 
 @pytest.mark.parametrize("num_dies", [2, 4])
 def test_reference_pod_matches_one_die(num_dies):
-    """The same 8 requests spread over D dies or all on one: same tokens, logits within 1e-5."""
+    """The same 8 requests spread over D dies or all on one: same tokens, logits within 1e-5.
+
+    With float32 combine rows: a bfloat16 combine rounds each expert row to 2^-8, so a 1-ulp
+    difference of a grouping (BLAS over other row counts) can move a rounding (~5e-4 here)."""
     per_die = [8 // num_dies] * num_dies
     spread = prompts_for(num_dies, per_die)
     one = [[p for d in spread for p in d]]
-    a = ReferencePod(TINY, 1).generate(one, 4)
-    b = ReferencePod(TINY, num_dies).generate(spread, 4)
+    a = ReferencePod(TINY, 1, combine_dtype="float32").generate(one, 4)
+    b = ReferencePod(TINY, num_dies, combine_dtype="float32").generate(spread, 4)
     assert [t for d in b.tokens for t in d] == a.tokens[0]
     assert [r for d in b.request_ids for r in d] == list(range(8))
     for step in range(5):
@@ -425,3 +428,46 @@ def test_bfloat16_combine_rounds_the_expert_rows_and_stays_close():
     assert diffs[0] < 0.05
     with pytest.raises(ConfigError, match="combine_dtype"):
         ReferencePod(TINY, 4, combine_dtype="float16")
+
+
+# -- the small-row products (runtime.model_kernels) ------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(2, 256, 512), (3, 128, 256), (2, 7, 5)])
+def test_small_row_products_are_exact_sums_rounded_once(shape):
+    """2-3 rows go to the kernel: within one float32 rounding of the float64 product, and each
+    row's result is the same whatever rows share the call (batch-invariant)."""
+    from runtime import model as M
+    from runtime import model_kernels as K
+
+    assert M.SMALL_ROWS == K.SMALL_ROWS
+    m, k, n = shape
+    rng = np.random.default_rng(m * k + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    got = M.mm(x, w)
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    ulp = np.spacing(np.abs(exact).astype(np.float32))
+    assert got.dtype == np.float32 and np.all(np.abs(got - exact) <= ulp)
+    other = rng.standard_normal((1, k)).astype(np.float32)
+    for i in range(m):
+        pair = M.mm(np.concatenate([other, x[i : i + 1]]), w)
+        assert np.array_equal(pair[1], got[i])
+
+
+def test_small_row_products_per_head_and_blas_elsewhere():
+    from runtime import model as M
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4, 2, 32)).astype(np.float32)
+    w = rng.standard_normal((4, 32, 64)).astype(np.float32)
+    got = M.mm(x, w)
+    for h in range(4):
+        assert np.array_equal(got[h], M.mm(x[h], w[h]))
+    np.testing.assert_allclose(got, np.matmul(x, w), rtol=1e-5, atol=1e-5)
+    for rows in (1, 4, 8):  # one row (GEMV) and 4 or more rows: BLAS, bit for bit
+        y = rng.standard_normal((rows, 32)).astype(np.float32)
+        assert np.array_equal(M.mm(y, w[0]), y @ w[0])
+    wt = np.asfortranarray(w[0])  # a weight that is not C-contiguous: BLAS
+    y = rng.standard_normal((2, 32)).astype(np.float32)
+    assert np.array_equal(M.mm(y, wt), y @ wt)
