@@ -912,10 +912,16 @@ def _fused_rows(ep: Endpoint, die: int, half: int, src: int, count: int) -> np.n
     """uint8 [count, stride]: the first `count` rows of die's pre-allocated dispatch buffer
     block for src (the bound is checked: never a row outside the block)."""
     lo = ep.layout
-    rows, stride = lo.fused_disp_rows, lo.pull_disp_stride
-    _area_check(ep, f"fused dispatch block of die {die} for source {src}", 0, count, rows)
-    base = lo.fused_disp_off + (half * ep.num_dies + src) * rows * stride
+    _area_check(ep, f"fused dispatch block of die {die} for source {src}", 0, count,
+                lo.fused_disp_rows)  # fmt: skip
+    base, stride = _block_off(ep, half, src), lo.pull_disp_stride
     return ep.regions[die].array[base : base + count * stride].reshape(count, stride)
+
+
+def _block_off(ep: Endpoint, half: int, src: int) -> int:
+    """Byte offset of the dispatch block for source src in a die's fused receive area."""
+    lo = ep.layout
+    return lo.fused_disp_off + (half * ep.num_dies + src) * lo.fused_disp_rows * lo.pull_disp_stride
 
 
 def _fused_block(ep: Endpoint, die: int, half: int, count: int) -> tuple:
@@ -927,9 +933,8 @@ def _fused_block(ep: Endpoint, die: int, half: int, count: int) -> tuple:
     views = ep.a2a.views
     v = views.get(("block", die, half))
     if v is None:
-        rows, stride = lo.fused_disp_rows, lo.pull_disp_stride
-        base = lo.fused_disp_off + (half * ep.num_dies + ep.die_id) * rows * stride
-        flat = ep.regions[die].array[base : base + rows * stride]
+        base = _block_off(ep, half, ep.die_id)
+        flat = ep.regions[die].array[base : base + lo.fused_disp_rows * lo.pull_disp_stride]
         v = views["block", die, half] = (flat, flat.view(np.int32))
     return v
 
@@ -983,8 +988,16 @@ def _fused_dispatch(ep, payload, scale, topk_idx, topk_weights, quant, event_id,
             continue
         if dl is None:  # remote: d's block for this source (rows checked by _check_capacity)
             flat8, flat32 = _fused_block(ep, d, half, b - a)
-            k._pack(src8, scale_bits, lay.msg_slot[a:b], lay.msg_k[a:b],
-                    lay.msg_local_expert[a:b], flat8, flat32, lo.pull_disp_stride)  # fmt: skip
+            k.pack_rows_raw(
+                src8,
+                scale_bits,
+                lay.msg_slot[a:b],
+                lay.msg_k[a:b],
+                lay.msg_local_expert[a:b],
+                flat8,
+                flat32,
+                lo.pull_disp_stride,
+            )
         else:
             _pack_dedup(payload, scale, dl, a, b, _fused_rows(ep, d, half, ep.die_id, b - a),
                         pb)  # fmt: skip
@@ -1176,18 +1189,15 @@ def _write_slots_by_src(ep, rows, dest, slots, ks, op, event_id) -> None:
 
 def _bad_plan(ep: Endpoint, dest, slots, ks, cap: int) -> None:
     """Raise the ProtocolError of a combine send plan `group_by_dest` refused; nothing sent."""
-    outside = np.flatnonzero((dest < 0) | (dest >= ep.num_dies))
-    if len(outside):
-        raise ProtocolError(
-            f"die {ep.die_id}: combine rows for die {int(dest[outside[0]])}, outside the pod of"
-            f" {ep.num_dies} dies; nothing written"
-        )
     topk = ep.layout.a2a_topk
-    bad = np.flatnonzero((ks < 0) | (ks >= topk) | (slots * topk + ks < 0)
-                         | (slots * topk + ks >= cap))  # fmt: skip
-    i = int(bad[0]) if len(bad) else 0
-    _area_check(ep, f"combine buffer of die {int(dest[i])} (slot {int(slots[i])}, k"
-                f" {int(ks[i])})", int(slots[i] * topk + ks[i]), 1, -1)  # fmt: skip
+    lin = slots * topk + ks
+    bad = (dest < 0) | (dest >= ep.num_dies) | (ks < 0) | (ks >= topk) | (lin < 0) | (lin >= cap)
+    i = int(np.flatnonzero(bad)[0])
+    raise ProtocolError(
+        f"die {ep.die_id}: combine row for die {int(dest[i])} at (slot {int(slots[i])}, k"
+        f" {int(ks[i])}): outside the pod's {ep.num_dies} dies or the combine area of {cap}"
+        " rows; nothing written"
+    )
 
 
 def _comb_flat(ep: Endpoint, die: int) -> np.ndarray:

@@ -43,6 +43,7 @@ __all__ = [
     "dedup_place",
     "pack_dedup_rows",
     "pack_rows",
+    "pack_rows_raw",
     "quantize_int8",
     "reduce_groups",
     "scatter_rows",
@@ -356,6 +357,11 @@ def pack_rows(payload: np.ndarray, scale: np.ndarray, slots: np.ndarray, ks: np.
           slots.astype(np.int64, copy=False), ks.astype(np.int64, copy=False),
           locs.astype(np.int64, copy=False), flat, flat.view(np.int32), stride)  # fmt: skip
 
+
+pack_rows_raw = _pack
+"""`pack_rows` without its checks (the compiled pass itself): for callers that proved the rows
+fit (the fused dispatch's capacity check) and pass payload as uint8 [batch, bytes], scales as
+int32 bits, and the destination block as flat uint8 and int32 views."""
 
 _RO_I32 = numba.types.Array(numba.types.int32, 1, "C", readonly=True)
 _RO_F32 = numba.types.Array(numba.types.float32, 1, "C", readonly=True)

@@ -74,7 +74,6 @@ __all__ = [
 ]
 
 F32 = np.float32
-SMALL_ROWS = 3  # runtime.model_kernels.SMALL_ROWS (kept equal; a test checks)
 
 # -- tokenizer -------------------------------------------------------------------------------------
 
@@ -550,9 +549,7 @@ def mm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """`x @ w` of float32 rows by a weight matrix (or per head, 3-D): up to a few rows a compiled
     kernel (`runtime.model_kernels`: BLAS GEMM's fixed cost dominates a die's 2-3 decode rows),
     BLAS above. Every matrix product of the model with its weights goes through here."""
-    if not 2 <= x.shape[-2] <= SMALL_ROWS:
-        return x @ w
-    from runtime.model_kernels import mm as small  # numba: imported on a die's first step
+    from runtime.model_kernels import mm as small  # numba: loaded on first use (pods: warm)
 
     return small(x, w)
 
