@@ -115,7 +115,9 @@ def test_an_exception_in_the_callers_code_leaves_nothing(tmp_path):
 
 
 def _load(eng: Engine, n: int = 6) -> list[int]:
-    return [eng.submit(f"r{i}", SamplingParams(max_tokens=150, ignore_eos=True)) for i in range(n)]
+    """n requests as long as `tiny` allows (3 prompt tokens + 250 of its 256 positions): ~0.4 s
+    of decode even on a quiet machine, so a fault 0.1 s in lands while they run."""
+    return [eng.submit(f"r{i}", SamplingParams(max_tokens=250, ignore_eos=True)) for i in range(n)]
 
 
 @pytest.mark.timeout(90)
@@ -124,7 +126,7 @@ def test_a_killed_die_or_master_fails_every_request_and_closes_clean(victim):
     eng = Engine.launch(dies=2, model="tiny", timeout_s=5.0)
     try:
         ids = _load(eng)
-        time.sleep(0.3)
+        time.sleep(0.1)
         pid = (eng.pod.procs if victim == "die" else eng.masters)[1].pid
         t0 = time.monotonic()
         os.kill(pid, signal.SIGKILL)
