@@ -765,7 +765,8 @@ class InProcessServer:
 @pytest.mark.parametrize("output_procs", [False, True])
 def test_concurrent_streams_equal_the_schedule_replay(output_procs):
     """24 concurrent requests (streamed and not, greedy and seeded, chunked prefill, shared
-    prefixes, a small KV pool that forces preemption): each response's token ids equal the
+    prefixes, a small KV pool that forces preemption: four requests of a group need 5 shared
+    and 4 x 5 own blocks of 16 at their end, of 16): each response's token ids equal the
     tokens its request sampled in the logged steps, and the replay of those steps through the
     single-process reference is bit-equal."""
     from runtime.replay import replay
@@ -781,7 +782,7 @@ def test_concurrent_streams_equal_the_schedule_replay(output_procs):
 
                 async def one(i):
                     body = {"model": MODEL, "prompt": base + "x" * (i % 7) if i % 3 else f"p{i}",
-                            "max_tokens": 20 + 5 * (i % 4), "temperature": 0.8 * (i % 2),
+                            "max_tokens": 60 + 5 * (i % 4), "temperature": 0.8 * (i % 2),
                             "seed": i, "stream": i % 2 == 0, "return_token_ids": True}  # fmt: skip
                     async with http.post(srv.url + "/v1/completions", json=body) as r:
                         rid = int(r.headers["X-Xpod-Request"])
