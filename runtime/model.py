@@ -555,7 +555,15 @@ def mm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """`(x * 1/sqrt(mean(x^2) + eps)) * weight` over the last axis; x float32 `[..., d]`."""
+    """`(x * 1/sqrt(mean(x^2) + eps)) * weight` over the last axis; x float32 `[..., d]`.
+
+    Rows (`[n, d]`, every norm of the model) go through one compiled call
+    (`runtime.model_kernels.rms_norm`: the mean of squares summed in float64 and rounded once);
+    a die's few rows made the five numpy calls a fixed cost paid 17 times a decode step."""
+    if x.ndim == 2 and x.dtype == F32 and weight.dtype == F32:
+        from runtime.model_kernels import rms_norm as rows  # numba (pods: warm before fork)
+
+        return rows(x, weight, eps)
     ms = np.mean(np.square(x), axis=-1, keepdims=True)
     return (x * (F32(1.0) / np.sqrt(ms + F32(eps)))) * weight
 
@@ -598,6 +606,10 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     Returns:
         float32 like `x`: `(x0 cos - x1 sin, x0 sin + x1 cos)` per pair.
     """
+    if x.dtype == F32 and x.ndim in (2, 3) and cos.dtype == F32 and sin.dtype == F32:
+        from runtime.model_kernels import rope  # one compiled call, bit for bit the numpy below
+
+        return rope(x, cos, sin) if x.ndim == 3 else rope(x[:, None], cos, sin)[:, 0]
     extra = (slice(None),) + (None,) * (x.ndim - 2)
     c, s = cos[extra], sin[extra]
     x0, x1 = x[..., 0::2], x[..., 1::2]

@@ -471,3 +471,37 @@ def test_small_row_products_per_head_and_blas_elsewhere():
     wt = np.asfortranarray(w[0])  # a weight that is not C-contiguous: BLAS
     y = rng.standard_normal((2, 32)).astype(np.float32)
     assert np.array_equal(M.mm(y, wt), y @ wt)
+
+
+@pytest.mark.parametrize("rows, d", [(1, 7), (2, 256), (3, 64), (8, 100), (0, 16)])
+def test_rms_norm_rows_sum_squares_exactly_and_round_once(rows, d):
+    """The compiled RMSNorm of rows (any strides): the mean of squares summed in float64 and
+    rounded once, then float32 operations in the order of the formula; each row alone."""
+    from runtime import model as M
+
+    rng = np.random.default_rng(rows * 1000 + d)
+    base = (rng.standard_normal((rows, d + 5)) * 10.0 ** rng.integers(-3, 4)).astype(np.float32)
+    x = base[:, 2 : d + 2]  # not contiguous
+    w = rng.standard_normal(d).astype(np.float32)
+    got = M.rms_norm(x, w, 1e-6)
+    ms = (x.astype(np.float64) ** 2).sum(axis=-1, keepdims=True) / d
+    inv = np.float32(1.0) / np.sqrt(ms.astype(np.float32) + np.float32(1e-6))
+    assert got.dtype == np.float32 and np.array_equal(got, (x * inv) * w)
+    for i in range(rows):
+        assert np.array_equal(M.rms_norm(x[i : i + 1], w, 1e-6)[0], got[i])
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 32), (3, 32), (1, 1, 2), (0, 2, 8)])
+def test_rope_kernel_equals_the_numpy_rotation(shape):
+    from runtime import model as M
+
+    rng = np.random.default_rng(len(shape) * 10 + shape[-1])
+    x = rng.standard_normal((*shape[:-1], shape[-1] + 8)).astype(np.float32)[..., 8:]
+    n, half = shape[0], shape[-1] // 2
+    cos, sin = rng.standard_normal((2, n, half)).astype(np.float32)
+    extra = (slice(None),) + (None,) * (x.ndim - 2)
+    c, s = cos[extra], sin[extra]
+    want = np.empty_like(x)
+    want[..., 0::2] = x[..., 0::2] * c - x[..., 1::2] * s
+    want[..., 1::2] = x[..., 0::2] * s + x[..., 1::2] * c
+    assert np.array_equal(M.apply_rope(x, cos, sin), want)
