@@ -1083,12 +1083,16 @@ def _fused_combine(ep, expert_out, handle, event_id):
         idx = handle.dedup.idx_first
         w = _ones(idx.shape)
     t1 = now_ns()
-    r_slot, r_k = np.nonzero(idx >= 0)
-    owners = handle.placement.die_of[idx[r_slot, r_k]]
+    if g is None:  # the routed (slot, k) and their expert dies: the dispatch's messages
+        lay = handle.layout
+        r_slot, r_k, owners = lay.msg_slot, lay.msg_k, lay.msg_dest
+    else:
+        r_slot, r_k = np.nonzero(idx >= 0)
+        owners = handle.placement.die_of[idx[r_slot, r_k]]
     _wait_slots(ep, r_slot, r_k, op, "fused", owners)
     _check_sources(ep, owners, op, event_id, "fused combine")
     t2 = now_ns()
-    out = _weighted_sum(_comb_rows(ep, idx.shape[0]), idx, w)
+    out = _own_weighted_sum(ep, idx, w)
     if tr:
         t3 = now_ns()
         n_rows = len(handle.recv_src_rank if g is None else g.src)
@@ -1100,30 +1104,39 @@ def _fused_combine(ep, expert_out, handle, event_id):
 
 def _check_sources(ep: Endpoint, owners: np.ndarray, op: int, event_id: int, what: str) -> None:
     """After the completion words of `op`: PeerRefused if a die that owed rows refused,
-    ProtocolError if it wrote them for another event id (calls mis-paired)."""
+    ProtocolError if it wrote them for another event id (calls mis-paired); the lowest such die
+    is named. One compiled pass (`comm.kernels.first_bad_source`; np.unique and a scalar read
+    per die cost ~4x more at decode sizes)."""
     if not len(owners):
         return
     lo = ep.layout
     refuse = _words(ep, ep.die_id, lo.fused_refuse_off, ep.num_dies)
     events = _words(ep, ep.die_id, lo.fused_cevent_off, ep.num_dies)
-    dies = np.unique(owners).tolist()
-    for d in dies:
-        if refuse[d] == op:
-            raise _refused(ep, d, what, op)
-    for d in dies:
-        if events[d] != event_id:
-            raise ProtocolError(
-                f"die {ep.die_id}: {what} from die {d}: expected event_id {event_id}, its rows"
-                f" carry {events[d]} (calls mis-paired)"
-            )
+    bad = kernels().first_bad_source(owners, refuse, events, op, event_id)
+    if bad < 0:
+        return
+    d = bad // 2
+    if bad % 2 == 0:
+        raise _refused(ep, d, what, op)
+    raise ProtocolError(
+        f"die {ep.die_id}: {what} from die {d}: expected event_id {event_id}, its rows"
+        f" carry {events[d]} (calls mis-paired)"
+    )
+
+
+_KERNELS = None
 
 
 def kernels():
     """`comm.kernels` (numba), imported on first use: a pod with bfloat16 combine rows loads it
-    in the launcher before its dies fork (`runtime.pod`), so they start with it compiled."""
-    from comm import kernels as k
+    in the launcher before its dies fork (`runtime.pod`), so they start with it compiled. Kept
+    in a global: an import statement costs ~2.4 us, and a collective looks it up ~5 times."""
+    global _KERNELS
+    if _KERNELS is None:
+        from comm import kernels as k
 
-    return k
+        _KERNELS = k
+    return _KERNELS
 
 
 def _comb_dtype(ep: Endpoint) -> np.dtype:
@@ -1145,12 +1158,19 @@ def _comb_buf(ep: Endpoint, die: int) -> np.ndarray:
     return v
 
 
-def _comb_rows(ep: Endpoint, batch: int) -> np.ndarray:
-    """[batch, topk, hidden] view of this die's own combine buffer, combine dtype (unrouted
-    entries hold stale bytes that `_weighted_sum` never reads)."""
-    lo = ep.layout
-    v = _comb_buf(ep, ep.die_id)[: batch * lo.a2a_topk, : lo.a2a_hidden]
-    return v.reshape(batch, lo.a2a_topk, lo.a2a_hidden)
+def _own_weighted_sum(ep: Endpoint, idx: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """`_weighted_sum` over this die's own fused combine buffer, rows (slot, k) at slot * topk
+    + k: the flat view of the buffer is made once (the general entry point re-derives it from
+    strides on every call, a third of its cost at decode sizes)."""
+    views = ep.a2a.views
+    v = views.get("own_comb")
+    if v is None:
+        lo = ep.layout
+        cdt = _comb_dtype(ep)
+        flat = _comb_flat(ep, ep.die_id).view(np.uint16 if cdt == BF16 else np.float32)
+        v = views["own_comb"] = (flat, lo.pull_comb_stride // cdt.itemsize, cdt == BF16)
+    flat, stride, bf16 = v
+    return kernels().weighted_sum_flat(flat, stride, bf16, idx, w, ep.layout.a2a_hidden)
 
 
 def _write_slots_by_src(ep, rows, dest, slots, ks, op, event_id) -> None:
@@ -1460,7 +1480,7 @@ def e2a(ep: Endpoint, expert_out: np.ndarray | None, handle: A2EHandle, event_id
         raise bad
     _check_sources(ep, owners, op, event_id, "e2a")
     t1 = now_ns()
-    out = _weighted_sum(_comb_rows(ep, idx.shape[0]), idx, w)
+    out = _own_weighted_sum(ep, idx, w)
     if ep.trace.enabled:
         ep.trace.rec(t0, t1 - t0, "e2a", 5, me + n_att, 0, event_id, 0)
         ep.trace.rec(t1, now_ns() - t1, "e2a", 6, -1, 0, event_id, 0)
@@ -1502,14 +1522,16 @@ def _e2a_expert(ep, expert_out, handle, op, event_id, bad) -> None:
 def _wait_slots(ep, slots, ks, op, what, owners=None) -> None:
     """Wait until the completion word of every (slot, k) of this die carries `op`."""
     lo = ep.layout
-    flags = _words(ep, ep.die_id, lo.fused_cflag_off, lo.a2a_max_batch * lo.a2a_topk)
-    lin = slots * lo.a2a_topk + ks
+    topk = lo.a2a_topk
+    flags = _words(ep, ep.die_id, lo.fused_cflag_off, lo.a2a_max_batch * topk)
     base = lo.fused_cflag_off // 8
+    slots = np.ascontiguousarray(slots, np.int64)
+    ks = np.ascontiguousarray(ks, np.int64)
+    pending = kernels().first_pending
     while True:
-        pending = np.flatnonzero(flags[lin] < op)
-        if not len(pending):
+        j = pending(flags, slots, ks, topk, op)
+        if j < 0:
             return
-        j = int(pending[0])
         peer = -1 if owners is None else int(owners[j])
-        i = int(lin[j])
+        i = int(slots[j] * topk + ks[j])
         ep.wait_ge(ep.words[ep.die_id], base + i, op, peer, f"{what}.cflag[{i}]")

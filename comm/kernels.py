@@ -38,6 +38,8 @@ __all__ = [
     "assemble_place",
     "dedup_count",
     "dispatch_layout",
+    "first_bad_source",
+    "first_pending",
     "group_by_dest",
     "scatter_rows_raw",
     "dedup_place",
@@ -50,6 +52,7 @@ __all__ = [
     "to_bfloat16",
     "warm",
     "weighted_sum",
+    "weighted_sum_flat",
 ]
 
 
@@ -194,6 +197,24 @@ def weighted_sum(contrib: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.ndar
 
 
 _NO_U16, _NO_F32 = np.zeros(0, np.uint16), np.zeros(0, np.float32)  # the unused rows argument
+
+
+def weighted_sum_flat(flat: np.ndarray, stride: int, bf16: bool, idx: np.ndarray,
+                      w: np.ndarray, hidden: int) -> np.ndarray:  # fmt: skip
+    """`weighted_sum` over rows (slot, k) at `(slot * k_max + k) * stride` of a flat uint16
+    (bfloat16 bits, `bf16`) or float32 buffer that holds every row of `idx`'s shape: the fused
+    combine's own buffer, whose flat view the caller makes once. Same result, bit for bit."""
+    nb = idx.shape[0]
+    out = np.empty((nb, hidden), np.float32)
+    if not nb:
+        return out
+    if idx.dtype != np.int64 or not idx.flags.c_contiguous or not idx.flags.writeable:
+        idx = np.array(idx, np.int64)  # the signature's idx: int64, C order, writeable
+    if w.dtype != np.float32 or not w.flags.c_contiguous:
+        w = np.ascontiguousarray(w, np.float32)
+    rows16, rows32 = (flat, _NO_F32) if bf16 else (_NO_U16, flat)
+    _reduce(rows16, rows32, bf16, stride, idx, w, out)
+    return out
 
 
 @numba.njit("void(uint32[:, ::1], uint32[::1])", cache=True, nogil=True, boundscheck=False)
@@ -813,6 +834,38 @@ def group_by_dest(dest, slots, ks, topk, n_dies, cap, order, lin, starts):  # pr
     return 0
 
 
+_FLAG_SIG = numba.types.int64(_RO_I64, _RO_I64, _RO_I64, numba.types.int64, numba.types.int64)
+
+
+@numba.njit(_FLAG_SIG, cache=True, nogil=True, boundscheck=False)
+def first_pending(flags, slots, ks, topk, op):  # pragma: no cover - compiled
+    """Index i of the first (slots[i], ks[i]) whose completion word flags[slot * topk + k] is
+    below op, or -1 if every one carries op: the fused combine's readiness test in one call
+    (numpy's gather, compare and flatnonzero were three)."""
+    for i in range(slots.shape[0]):
+        if flags[slots[i] * topk + ks[i]] < op:
+            return i
+    return -1
+
+
+@numba.njit(_FLAG_SIG, cache=True, nogil=True, boundscheck=False)
+def first_bad_source(owners, refuse, events, op, event_id):  # pragma: no cover - compiled
+    """After a fused combine's completion words: 2 * d for the lowest die d of `owners` whose
+    refusal word is `op`, else 2 * d + 1 for the lowest one whose event id word is not
+    `event_id`, else -1."""
+    n = refuse.shape[0]
+    owed = np.zeros(n, np.bool_)
+    for i in range(owners.shape[0]):
+        owed[owners[i]] = True
+    for d in range(n):
+        if owed[d] and refuse[d] == op:
+            return 2 * d
+    for d in range(n):
+        if owed[d] and events[d] != event_id:
+            return 2 * d + 1
+    return -1
+
+
 def warm() -> None:
     """Load every kernel (compiled at import from the on-disk cache, or compiled there once)
     and run it once, so that a die forked afterwards starts with it ready."""
@@ -820,6 +873,11 @@ def warm() -> None:
     idx, w = np.zeros((1, 2), np.int64), np.ones((1, 2), np.float32)
     weighted_sum(np.zeros((1, 2, 8), BF16), idx, w)
     weighted_sum(np.zeros((1, 2, 8), np.float32), idx, w)
+    weighted_sum_flat(np.zeros(16, np.uint16), 8, True, idx, w, 8)
+    weighted_sum_flat(np.zeros(16, np.float32), 8, False, idx, w, 8)
+    z = np.zeros(1, np.int64)
+    first_pending(z, z, z, 1, 0)
+    first_bad_source(z, z, z, 0, 0)
     quantize_int8(np.ones((2, 8), np.float32))
     one, b16, b32 = np.zeros(1, np.int64), np.zeros((2, 16), BF16), np.zeros((2, 16), np.float32)
     scatter_rows(np.zeros((1, 8), np.float32), one, b16, one)

@@ -331,3 +331,54 @@ def test_group_by_dest_is_a_stable_plan_and_refuses_out_of_range():
         d, s, k = dest.copy(), slots.copy(), ks.copy()
         d[5], s[5], k[5] = d2, s2, k2
         assert group_by_dest(d, s, k, topk, dies, batch * topk, order, lin, starts) == -1
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.float32])
+def test_weighted_sum_flat_equals_weighted_sum(dtype):
+    """The fused combine's entry point over its own flat buffer gives weighted_sum's bits,
+    whatever dtype, order or writeability its routing table has."""
+    from comm.kernels import weighted_sum_flat
+
+    rng = np.random.default_rng(7)
+    batch, k, hidden, stride, cap = 5, 4, 40, 48, 8  # the buffer holds more rows than used
+    buf = rng.standard_normal(cap * k * stride).astype(np.float32).astype(dtype)
+    idx = rng.integers(-1, 9, (batch, k)).astype(np.int32)
+    w = rng.standard_normal((batch, k)).astype(np.float64)
+    contrib = buf[: batch * k * stride].reshape(batch, k, stride)[:, :, :hidden]
+    want = weighted_sum(contrib, idx, w.astype(np.float32))
+    flat = buf.view(np.uint16 if dtype == BF16 else np.float32)
+    ro = idx.copy()
+    ro.flags.writeable = False
+    got = weighted_sum_flat(flat, stride, dtype == BF16, ro, w, hidden)
+    assert np.array_equal(got, want, equal_nan=True)
+    assert weighted_sum_flat(flat, stride, dtype == BF16, idx[:0], w[:0], hidden).shape == (
+        0,
+        hidden,
+    )
+
+
+def test_first_pending_and_first_bad_source():
+    """The fused combine's readiness test and source check name the first unfinished slot and
+    the lowest refusing (then mis-paired) die among those that owe rows, or -1."""
+    from comm.kernels import first_bad_source, first_pending
+
+    topk = 3
+    flags = np.zeros(12, np.int64)
+    slots, ks = np.array([0, 1, 3], np.int64), np.array([2, 0, 1], np.int64)
+    flags[[2, 3, 10]] = [5, 4, 5]
+    assert first_pending(flags, slots, ks, topk, 5) == 1
+    flags[3] = 6  # a later operation's word also counts as done (words only grow)
+    assert first_pending(flags, slots, ks, topk, 5) == -1
+    assert first_pending(flags, slots[:0], ks[:0], topk, 5) == -1
+    owners = np.array([3, 1, 3], np.int64)
+    refuse, events = np.zeros(4, np.int64), np.full(4, 9, np.int64)
+    assert first_bad_source(owners, refuse, events, 5, 9) == -1
+    refuse[0] = 5  # die 0 refused, but owes nothing here
+    events[2] = 8
+    assert first_bad_source(owners, refuse, events, 5, 9) == -1
+    events[3] = 8
+    assert first_bad_source(owners, refuse, events, 5, 9) == 2 * 3 + 1
+    refuse[3] = 5
+    assert first_bad_source(owners, refuse, events, 5, 9) == 2 * 3
+    refuse[1] = 5
+    assert first_bad_source(owners, refuse, events, 5, 9) == 2 * 1
