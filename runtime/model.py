@@ -545,13 +545,26 @@ def build_weights(cfg: ModelConfig, experts: Sequence[int]) -> Weights:
 # -- kernels (float32 in, float32 out) -------------------------------------------------------------
 
 
+_KERNELS = None
+
+
+def kernels():
+    """`runtime.model_kernels` (numba), imported on first use (a pod loads it before its dies
+    fork) and kept in a global: an import statement costs ~1-2 us, and a die's decode step
+    makes ~100 calls that need it."""
+    global _KERNELS
+    if _KERNELS is None:
+        from runtime import model_kernels
+
+        _KERNELS = model_kernels
+    return _KERNELS
+
+
 def mm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """`x @ w` of float32 rows by a weight matrix (or per head, 3-D): up to a few rows a compiled
     kernel (`runtime.model_kernels`: BLAS GEMM's fixed cost dominates a die's 2-3 decode rows),
     BLAS above. Every matrix product of the model with its weights goes through here."""
-    from runtime.model_kernels import mm as small  # numba: loaded on first use (pods: warm)
-
-    return small(x, w)
+    return kernels().mm(x, w)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -561,9 +574,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     (`runtime.model_kernels.rms_norm`: the mean of squares summed in float64 and rounded once);
     a die's few rows made the five numpy calls a fixed cost paid 17 times a decode step."""
     if x.ndim == 2 and x.dtype == F32 and weight.dtype == F32:
-        from runtime.model_kernels import rms_norm as rows  # numba (pods: warm before fork)
-
-        return rows(x, weight, eps)
+        return kernels().rms_norm(x, weight, eps)
     ms = np.mean(np.square(x), axis=-1, keepdims=True)
     return (x * (F32(1.0) / np.sqrt(ms + F32(eps)))) * weight
 
@@ -575,8 +586,19 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 def swiglu(x: np.ndarray, w: FFNWeights) -> np.ndarray:
-    """SwiGLU FFN on rows: x float32 `[m, hidden]` -> float32 `[m, hidden]`."""
+    """SwiGLU FFN on rows: x float32 `[m, hidden]` -> float32 `[m, hidden]`.
+
+    2 to SMALL_ROWS rows of C-contiguous float32 weights take one compiled call
+    (`runtime.model_kernels.swiglu`: the same products as `mm`, silu with libm's expf, which
+    is within an ulp of numpy's SIMD exp but not always its bits); numpy's 8 calls otherwise."""
+    K = kernels()
+    if 2 <= x.shape[0] <= K.SMALL_ROWS and x.dtype == F32 and _ffn_ok(w):
+        return K.swiglu(np.ascontiguousarray(x), w.w_gate, w.w_up, w.w_down)
     return mm(silu(mm(x, w.w_gate)) * mm(x, w.w_up), w.w_down)
+
+
+def _ffn_ok(w: FFNWeights) -> bool:
+    return all(a.dtype == F32 and a.flags.c_contiguous for a in (w.w_gate, w.w_up, w.w_down))
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
@@ -607,8 +629,7 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         float32 like `x`: `(x0 cos - x1 sin, x0 sin + x1 cos)` per pair.
     """
     if x.dtype == F32 and x.ndim in (2, 3) and cos.dtype == F32 and sin.dtype == F32:
-        from runtime.model_kernels import rope  # one compiled call, bit for bit the numpy below
-
+        rope = kernels().rope  # one compiled call, bit for bit the numpy below
         return rope(x, cos, sin) if x.ndim == 3 else rope(x[:, None], cos, sin)[:, 0]
     extra = (slice(None),) + (None,) * (x.ndim - 2)
     c, s = cos[extra], sin[extra]
@@ -680,21 +701,40 @@ def absorbed_attention(
     Returns:
         o: float32 `[n, hidden]`, the attention output after `W_O` (before the residual add).
     """
-    r = cfg.kv_lora_rank
-    scale = F32(1.0 / np.sqrt(cfg.qk_head_dim))
     # [H, n, nope] @ [H, nope, R] -> [H, n, R], batched over every row of the die
     q_lat = mm(np.ascontiguousarray(q_nope.transpose(1, 0, 2)), lw.w_uk)
     q_cat = np.concatenate([q_lat, q_pe.transpose(1, 0, 2)], axis=-1)  # [H, n, R+P]
-    o_lat = np.empty((cfg.n_heads, q_nope.shape[0], r), dtype=F32)
+    o = mm(attend(cfg, q_cat, caches, bounds), lw.w_uv)  # [H, n, v]
+    n = q_nope.shape[0]
+    return mm(o.transpose(1, 0, 2).reshape(n, cfg.n_heads * cfg.v_head_dim), lw.wo)
+
+
+def attend(
+    cfg: ModelConfig,
+    q_cat: np.ndarray,
+    caches: Sequence[np.ndarray],
+    bounds: Sequence[tuple[int, int, int]],
+) -> np.ndarray:
+    """The latent attention core of `absorbed_attention`: per segment, scores of the absorbed
+    queries against its cached rows, softmax, weighted sum of the rows' latent part.
+
+    Arguments:
+        q_cat: float32 `[H, n, R+P]`, per head `concat(q_nope @ W_UK[h], q_pe)`.
+        caches, bounds: as `absorbed_attention`.
+
+    Returns:
+        o_lat: float32 `[H, n, R]` (before `W_UV`).
+    """
+    r = cfg.kv_lora_rank
+    scale = F32(1.0 / np.sqrt(cfg.qk_head_dim))
+    o_lat = np.empty((cfg.n_heads, q_cat.shape[1], r), dtype=F32)
     for cache, (lo, hi, start) in zip(caches, bounds, strict=True):
         scores = np.matmul(q_cat[:, lo:hi], cache.T) * scale  # [H, s, T]
         if hi - lo > 1:
             rows = np.arange(hi - lo)[:, None] + start
             scores[:, np.arange(cache.shape[0])[None, :] > rows] = -np.inf
         o_lat[:, lo:hi] = np.matmul(softmax(scores), cache[:, :r])
-    o = mm(o_lat, lw.w_uv)  # [H, n, v]
-    n = q_nope.shape[0]
-    return mm(o.transpose(1, 0, 2).reshape(n, cfg.n_heads * cfg.v_head_dim), lw.wo)
+    return o_lat
 
 
 def route_topk(
@@ -738,6 +778,18 @@ def route_topk(
     else:
         scores = softmax(logits)
     choice = scores if bias is None else scores + bias.astype(F32, copy=False)
+    if choice.dtype == F32 and choice.ndim == 2:  # one compiled pass, the same choice (below)
+        topk_idx = kernels().topk_choice(choice, n_group, topk_group, topk)
+    else:
+        topk_idx = _topk_numpy(choice, n_group, topk_group, topk)
+    w = np.take_along_axis(scores, topk_idx, axis=1)
+    topk_weights = (w / np.sum(w, axis=1, keepdims=True)) * F32(routed_scaling)
+    return topk_idx, topk_weights.astype(F32, copy=False)
+
+
+def _topk_numpy(choice: np.ndarray, n_group: int, topk_group: int, topk: int) -> np.ndarray:
+    """`route_topk`'s choice in numpy (the definition `runtime.model_kernels.topk_choice`
+    compiles, bit for bit; tests compare the two)."""
     if n_group > 1 and topk_group < n_group:
         n, e = choice.shape
         grouped = choice.reshape(n, n_group, e // n_group)
@@ -747,10 +799,7 @@ def route_topk(
         masked = np.ones((n, n_group), bool)
         np.put_along_axis(masked, keep, False, axis=1)
         choice = np.where(masked[:, :, None], F32(-np.inf), grouped).reshape(n, e)
-    topk_idx = np.argsort(-choice, axis=1, kind="stable")[:, :topk].astype(np.int64)
-    w = np.take_along_axis(scores, topk_idx, axis=1)
-    topk_weights = (w / np.sum(w, axis=1, keepdims=True)) * F32(routed_scaling)
-    return topk_idx, topk_weights.astype(F32, copy=False)
+    return np.argsort(-choice, axis=1, kind="stable")[:, :topk].astype(np.int64)
 
 
 # -- batches and the KV store ----------------------------------------------------------------------
@@ -879,6 +928,7 @@ class DieModel:
         self.kv = kv
         self.cos, self.sin = rope_tables(cfg)
         self._bias = {layer: expert_bias(cfg, layer) for layer in range(cfg.n_layers)}
+        self._attn_ok: dict[int, bool] = {}
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         """int `[n]` token ids in `[0, vocab)` -> float32 `[n, hidden]` (a copy of the rows)."""
@@ -887,22 +937,38 @@ class DieModel:
             raise ValueError(f"tokens: ids must be in [0, {self.cfg.vocab_size}), got {tokens}")
         return self.weights.embed[tokens]
 
-    def attention(self, layer: int, h: np.ndarray, segments: Sequence[Segment]) -> np.ndarray:
+    def attention(
+        self, layer: int, h: np.ndarray, segments: Sequence[Segment], rows: tuple | None = None
+    ) -> np.ndarray:
         """Pre-norm MLA block with residual: h float32 `[n, hidden]` -> `[n, hidden]`.
 
         Appends each segment's latent rows (`kv_rows[lo:hi]`) to `kv` under its request, in
         segment order, then attends each segment against all its request's rows (absorbed form).
-        Projections are batched over all `n` rows; scores/softmax loop over segments.
+        Projections are batched over all `n` rows; scores/softmax loop over segments. `rows`:
+        `batch_rows(segments)` if the caller has it (a step computes it once for every layer).
+
+        A die's 2-3 decode rows take the projections in two compiled calls
+        (`runtime.model_kernels.mla_in` / `attn_out`: the same kernels in the same order as the
+        numpy path, so the same bits; ~35 us less per layer than its ~20 numpy calls).
         """
         cfg, lw = self.cfg, self.weights.layers[layer]
-        _, positions, bounds = batch_rows(segments)
-        if positions.shape[0] != h.shape[0]:
-            raise ValueError(f"h: {h.shape[0]} rows, but the segments hold {positions.shape[0]}")
+        _, positions, bounds = batch_rows(segments) if rows is None else rows
+        n = h.shape[0]
+        if positions.shape[0] != n:
+            raise ValueError(f"h: {n} rows, but the segments hold {positions.shape[0]}")
         if positions.size and positions.max() >= cfg.max_seq_len:
             raise ValueError(f"segments: position {positions.max()} >= max_seq_len")
-        x = rms_norm(h, lw.attn_norm, cfg.norm_eps)
         cos, sin = self.cos[positions], self.sin[positions]
-        q_nope, q_pe, kv_rows = mla_project(cfg, lw, x, cos, sin)
+        K = kernels()
+        small = 2 <= n <= K.SMALL_ROWS and h.dtype == F32 and self._compiled_attention(layer)
+        if small:
+            h = np.ascontiguousarray(h)
+            w_q = lw.wq_b if lw.wq is None else lw.wq
+            q_cat, kv_rows = K.mla_in(h, lw.attn_norm, cfg.norm_eps, lw.wq_a, lw.q_norm, w_q,
+                                      lw.wkv_a, lw.kv_norm, lw.w_uk, cos, sin)  # fmt: skip
+        else:
+            x = rms_norm(h, lw.attn_norm, cfg.norm_eps)
+            q_nope, q_pe, kv_rows = mla_project(cfg, lw, x, cos, sin)
         caches = []
         for req, lo, hi, start in bounds:
             self.kv.append(req, layer, kv_rows[lo:hi])
@@ -914,7 +980,29 @@ class DieModel:
                 )
             caches.append(cache)
         seg_bounds = [(lo, hi, start) for _, lo, hi, start in bounds]
+        if small:
+            return K.attn_out(attend(cfg, q_cat, caches, seg_bounds), lw.w_uv, lw.wo, h)
         return h + absorbed_attention(cfg, lw, q_nope, q_pe, caches, seg_bounds)
+
+    def _compiled_attention(self, layer: int) -> bool:
+        """Whether layer's attention weights suit the compiled small-row path (C-contiguous
+        float32, as `build_weights` makes them); checked once per layer."""
+        ok = self._attn_ok.get(layer)
+        if ok is None:
+            lw = self.weights.layers[layer]
+            ws = [
+                lw.attn_norm,
+                lw.wq_b if lw.wq is None else lw.wq,
+                lw.wkv_a,
+                lw.kv_norm,
+                lw.w_uk,
+                lw.w_uv,
+                lw.wo,
+            ] + ([] if lw.wq_a is None else [lw.wq_a, lw.q_norm])
+            ok = self._attn_ok[layer] = all(
+                w.dtype == F32 and w.flags.c_contiguous for w in ws
+            )  # fmt: skip
+        return ok
 
     def is_moe(self, layer: int) -> bool:
         return self.cfg.is_moe(layer)
@@ -1009,10 +1097,10 @@ class DieModel:
         Returns:
             h: float32 `[n, hidden]`, the final hidden rows (before the final norm).
         """
-        tokens, _, _ = batch_rows(segments)
-        h = self.embed(tokens)
+        rows = batch_rows(segments)
+        h = self.embed(rows[0])
         for layer in range(self.cfg.n_layers):
-            h = self.attention(layer, h, segments)
+            h = self.attention(layer, h, segments, rows)
             if not self.is_moe(layer):
                 h = self.dense_ffn(layer, h)
                 continue

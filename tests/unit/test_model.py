@@ -505,3 +505,88 @@ def test_rope_kernel_equals_the_numpy_rotation(shape):
     want[..., 0::2] = x[..., 0::2] * c - x[..., 1::2] * s
     want[..., 1::2] = x[..., 0::2] * s + x[..., 1::2] * c
     assert np.array_equal(M.apply_rope(x, cos, sin), want)
+
+
+@pytest.mark.parametrize("q_lora_rank", [0, 24])
+@pytest.mark.parametrize("rows", [2, 3])
+def test_compiled_attention_projections_equal_the_numpy_path(q_lora_rank, rows):
+    """A die's 2-3 rows take the attention projections in two compiled calls (mla_in,
+    attn_out): the same kernels in the same order as the numpy path, so the same bits."""
+    from runtime import model as M
+    from runtime import model_kernels as K
+
+    cfg = dataclasses.replace(TINY, q_lora_rank=q_lora_rank)
+    lw = full_die(cfg).weights.layers[1]
+    rng = np.random.default_rng(rows + q_lora_rank)
+    h = rng.standard_normal((rows, cfg.hidden)).astype(np.float32)
+    cos, sin = M.rope_tables(cfg)
+    pos = np.arange(rows) + 11
+    c, s = cos[pos], sin[pos]
+    w_q = lw.wq_b if lw.wq is None else lw.wq
+    q_cat, kv_rows = K.mla_in(h, lw.attn_norm, cfg.norm_eps, lw.wq_a, lw.q_norm, w_q, lw.wkv_a,
+                              lw.kv_norm, lw.w_uk, c, s)  # fmt: skip
+    q_nope, q_pe, want_kv = mla_project(cfg, lw, rms_norm(h, lw.attn_norm, cfg.norm_eps), c, s)
+    want_q = np.concatenate(
+        [M.mm(np.ascontiguousarray(q_nope.transpose(1, 0, 2)), lw.w_uk), q_pe.transpose(1, 0, 2)],
+        axis=-1,
+    )
+    assert np.array_equal(q_cat, want_q) and np.array_equal(kv_rows, want_kv)
+    o_lat = rng.standard_normal((cfg.n_heads, rows, cfg.kv_lora_rank)).astype(np.float32)
+    o = M.mm(o_lat, lw.w_uv).transpose(1, 0, 2).reshape(rows, -1)
+    assert np.array_equal(K.attn_out(o_lat, lw.w_uv, lw.wo, h), h + M.mm(o, lw.wo))
+
+
+def test_decode_attention_of_two_rows_takes_the_compiled_path_and_matches_one_row_each():
+    """Two decode segments in one call (compiled) and each alone (numpy, one row): equal within
+    float32 noise; the KV store gets the same rows either way."""
+    a, b = full_die(), full_die()
+    rng = np.random.default_rng(SEED)
+    prefill = rng.standard_normal((2, 5, TINY.hidden), dtype=np.float32)
+    for die in (a, b):
+        for req in (0, 1):
+            die.attention(1, prefill[req], [(req, np.zeros(5, np.int64), 0)])
+    h = rng.standard_normal((2, TINY.hidden), dtype=np.float32)
+    both = a.attention(1, h, [(0, [1], 5), (1, [2], 5)])
+    one = np.concatenate([b.attention(1, h[i : i + 1], [(i, [1 + i], 5)]) for i in (0, 1)])
+    np.testing.assert_allclose(both, one, rtol=1e-5, atol=1e-6)
+    for req in (0, 1):
+        np.testing.assert_allclose(a.kv.get(req, 1), b.kv.get(req, 1), rtol=1e-5, atol=1e-6)
+
+
+def test_topk_choice_kernel_equals_the_numpy_choice():
+    """route_topk's compiled choice against its numpy definition, bit for bit: group limits,
+    ties (lower id / lower group first), -inf and NaN scores."""
+    from runtime import model as M
+    from runtime import model_kernels as K
+
+    rng = np.random.default_rng(11)
+    shapes = [(16, 4, 2, 4), (32, 8, 4, 8), (8, 8, 8, 2), (12, 1, 1, 3), (6, 3, 1, 2),
+              (256, 8, 4, 8), (5, 5, 2, 5)]  # fmt: skip
+    for trial in range(700):
+        e, n_group, topk_group, topk = shapes[trial % len(shapes)]
+        x = (rng.standard_normal((int(rng.integers(0, 6)), e)) * 2).astype(np.float32)
+        if trial % 3 == 0:
+            x = np.round(x)  # ties
+        if trial % 5 == 0 and len(x):
+            x[0, : min(3, e)] = [-np.inf, np.nan, np.inf][: min(3, e)]
+        if trial % 7 == 0 and len(x):
+            x[-1] = np.nan
+        got = K.topk_choice(x, n_group, topk_group, topk)
+        assert np.array_equal(got, M._topk_numpy(x, n_group, topk_group, topk)), (trial, x)
+
+
+@pytest.mark.parametrize("rows", [2, 3])
+def test_compiled_swiglu_is_the_numpy_ffn_within_float32_noise_and_batch_invariant(rows):
+    from runtime import model as M
+
+    w = full_die().weights.layers[0].dense
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, TINY.hidden)).astype(np.float32)
+    got = M.swiglu(x, w)
+    x64 = x.astype(np.float64)
+    g = x64 @ w.w_gate
+    want = ((g / (1 + np.exp(-g))) * (x64 @ w.w_up)) @ w.w_down
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    other = rng.standard_normal((1, TINY.hidden)).astype(np.float32)
+    for i in range(rows):
+        assert np.array_equal(M.swiglu(np.concatenate([other, x[i : i + 1]]), w)[1], got[i])
