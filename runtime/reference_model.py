@@ -150,10 +150,12 @@ class ReferencePod:
         if len(batches) != self.num_dies:
             raise ValueError(f"batches: expected {self.num_dies} (one per die), got {len(batches)}")
         self.step_no = self.step_no + 1 if step is None else int(step)
-        hs = [die.embed(batch_rows(b)[0]) for die, b in zip(self.dies, batches, strict=True)]
+        rows = [batch_rows(b) for b in batches]  # once for every layer
+        hs = [die.embed(r[0]) for die, r in zip(self.dies, rows, strict=True)]
         for layer in range(self.cfg.n_layers):
             hs = [
-                die.attention(layer, h, b) for die, h, b in zip(self.dies, hs, batches, strict=True)
+                die.attention(layer, h, b, r)
+                for die, h, b, r in zip(self.dies, hs, batches, rows, strict=True)
             ]
             if self.cfg.is_moe(layer):
                 hs = self._moe(layer, hs)
