@@ -95,11 +95,11 @@ def forward(die, model: DieModel, segments, protocol: str, quant, clock: Clock, 
     which expert each local slot holds (`runtime.balancer`; without EPLB the identity)."""
     cfg = model.cfg
     t = time.perf_counter_ns()
-    rows = batch_rows(segments)  # once for every layer
-    h = model.embed(rows[0])
+    batch = batch_rows(segments)  # once for every layer
+    h = model.embed(batch[0])
     t = clock.span(5, -1, t)
     for layer in range(cfg.n_layers):
-        h = model.attention(layer, h, segments, rows)
+        h = model.attention(layer, h, segments, batch)
         t = clock.span(0, layer, t)
         if not model.is_moe(layer):
             h = model.dense_ffn(layer, h)
