@@ -924,21 +924,6 @@ def _block_off(ep: Endpoint, half: int, src: int) -> int:
     return lo.fused_disp_off + (half * ep.num_dies + src) * lo.fused_disp_rows * lo.pull_disp_stride
 
 
-def _fused_block(ep: Endpoint, die: int, half: int, count: int) -> tuple:
-    """(uint8, int32) flat views of die's whole dispatch block for this source (made once);
-    `count` rows are checked to fit, as `_fused_rows` does."""
-    lo = ep.layout
-    _area_check(ep, f"fused dispatch block of die {die} for source {ep.die_id}", 0, count,
-                lo.fused_disp_rows)  # fmt: skip
-    views = ep.a2a.views
-    v = views.get(("block", die, half))
-    if v is None:
-        base = _block_off(ep, half, ep.die_id)
-        flat = ep.regions[die].array[base : base + lo.fused_disp_rows * lo.pull_disp_stride]
-        v = views["block", die, half] = (flat, flat.view(np.int32))
-    return v
-
-
 @dataclass(frozen=True)
 class _PlaceInfo:
     """Per-die facts of a placement, computed once per placement object (hot-path lookups)."""
@@ -947,6 +932,10 @@ class _PlaceInfo:
     pos: list[int]  # [die] position in placement.dies, -1 if the die hosts no expert
     num_local: list[int]  # [die] experts hosted
     experts: list  # [die] its logical experts in local order (int64; empty if none)
+    pos_arr: np.ndarray  # int64 [die]: pos, for the kernels
+    dies_arr: np.ndarray  # int64 [position]: placement.dies
+    exp_flat: np.ndarray  # int64: every die's experts, die after die
+    exp_start: np.ndarray  # int64 [die + 1]: die d's are exp_flat[exp_start[d]:exp_start[d + 1]]
 
 
 def _place_info(ep: Endpoint, placement: Placement) -> _PlaceInfo:
@@ -959,8 +948,38 @@ def _place_info(ep: Endpoint, placement: Placement) -> _PlaceInfo:
         counts = np.bincount(placement.die_of, minlength=ep.num_dies).tolist()
         experts = [placement.experts_on(d) if pos[d] >= 0 else np.zeros(0, np.int64)
                    for d in range(ep.num_dies)]  # fmt: skip
-        info = st.place_info = _PlaceInfo(placement, pos, counts[: ep.num_dies], experts)
+        sizes = [len(e) for e in experts]
+        info = st.place_info = _PlaceInfo(
+            placement, pos, counts[: ep.num_dies], experts,
+            np.array(pos, np.int64), np.array(placement.dies, np.int64),
+            np.concatenate([np.asarray(e, np.int64) for e in experts]),
+            np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+        )  # fmt: skip
     return info
+
+
+@dataclass(frozen=True)
+class _Mem:
+    """Every region of the pod as numba typed lists of flat views (uint8, uint16, int32,
+    int64), made once per die: the fused protocol's kernels write into every destination in
+    one call (`comm.kernels.fused_pack` and the rest)."""
+
+    u8: object
+    u16: object
+    i32: object
+    i64: object
+
+
+def _mem(ep: Endpoint) -> _Mem:
+    views = ep.a2a.views
+    m = views.get("mem")
+    if m is None:
+        from numba.typed import List
+
+        arrays = [r.array for r in ep.regions]
+        m = views["mem"] = _Mem(*(List([a.view(t) for a in arrays])
+                                  for t in (np.uint8, np.uint16, np.int32, np.int64)))  # fmt: skip
+    return m
 
 
 def _fused_dispatch(ep, payload, scale, topk_idx, topk_weights, quant, event_id, placement, lay,
@@ -977,56 +996,41 @@ def _fused_dispatch(ep, payload, scale, topk_idx, topk_weights, quant, event_id,
     tr = ep.trace if ep.trace.enabled else None
     pb = payload.shape[1] * payload.dtype.itemsize
     info = _place_info(ep, placement)
-    offs = (lay if dl is None else dl).dest_offsets.tolist()
-    if dl is None:  # each packet written once, straight into d's block (one compiled pass)
-        k = kernels()
-        src8 = np.ascontiguousarray(payload).view(np.uint8).reshape(len(payload), pb)
-        scale_bits = np.ascontiguousarray(scale, np.float32).view(np.int32)
-    for p, d in enumerate(placement.dies):
-        a, b = offs[p], offs[p + 1]
-        if a == b:
-            continue
-        if dl is None:  # remote: d's block for this source (rows checked by _check_capacity)
-            flat8, flat32 = _fused_block(ep, d, half, b - a)
-            k.pack_rows_raw(
-                src8,
-                scale_bits,
-                lay.msg_slot[a:b],
-                lay.msg_k[a:b],
-                lay.msg_local_expert[a:b],
-                flat8,
-                flat32,
-                lo.pull_disp_stride,
-            )
-        else:
-            _pack_dedup(payload, scale, dl, a, b, _fused_rows(ep, d, half, ep.die_id, b - a),
-                        pb)  # fmt: skip
-    t1 = now_ns()
     code = QUANT_CODE[quant] + (DEDUP_CODE if dl is not None else 0)
-    per_expert = lay.num_tokens_per_expert
-    for d in range(ep.num_dies):  # step 2: counts, then the completion flag LAST
-        p, n_local = info.pos[d], info.num_local[d]
-        a, b = (offs[p], offs[p + 1]) if p >= 0 else (0, 0)
-        if n_local:
-            if dl is None:
-                counts = per_expert[info.experts[d]]
-            else:
+    if dl is None:  # steps 1-2 for every destination in three compiled calls (`_fused_send`)
+        t1 = _fused_send(ep, payload, scale, lay, info, half, op, event_id, code, pb)
+    else:
+        offs = dl.dest_offsets.tolist()
+        for p, d in enumerate(placement.dies):
+            a, b = offs[p], offs[p + 1]
+            if a < b:
+                _pack_dedup(payload, scale, dl, a, b, _fused_rows(ep, d, half, ep.die_id, b - a),
+                            pb)  # fmt: skip
+        t1 = now_ns()
+        for d in range(ep.num_dies):  # step 2: counts, then the completion flag LAST
+            p, n_local = info.pos[d], info.num_local[d]
+            a, b = (offs[p], offs[p + 1]) if p >= 0 else (0, 0)
+            if n_local:
                 locals_ = dl.ent_local[dl.ent_start[a] : dl.ent_start[b]]
                 counts = np.bincount(locals_, minlength=n_local)
-            _words(ep, d, lo.fused_counts_off_of(half, ep.die_id), n_local)[:] = counts
-        _flag(ep, d, lo.fused_flag_word(half, ep.die_id), event_id, b - a, op, code)
+                _words(ep, d, lo.fused_counts_off_of(half, ep.die_id), n_local)[:] = counts
+            _flag(ep, d, lo.fused_flag_word(half, ep.die_id), event_id, b - a, op, code)
     t2 = now_ns()
     # step 3: every source's flag, then the packets in per-expert order
-    parts, counts, t3 = _fused_gather(
-        ep, half, op, event_id, range(ep.num_dies), placement, "", quant, dl is not None
-    )
-    args = (ep, parts, pb, quant, placement, lay, topk_idx, topk_weights, op, "fused")
-    res = _assemble(*args) if dl is None else _assemble_dedup(*args, dl)
-    if not np.array_equal(res.expert_counts, counts):
-        raise ProtocolError(
-            f"die {ep.die_id}: fused dispatch counts {counts.tolist()} disagree with the packets"
-            f" received {res.expert_counts.tolist()}"
+    if dl is None:
+        res, t3 = _fused_receive(ep, half, op, event_id, placement, quant, lay, topk_idx,
+                                 topk_weights, pb)  # fmt: skip
+    else:
+        parts, counts, t3 = _fused_gather(
+            ep, half, op, event_id, range(ep.num_dies), placement, "", quant, True
         )
+        args = (ep, parts, pb, quant, placement, lay, topk_idx, topk_weights, op, "fused")
+        res = _assemble_dedup(*args, dl)
+        if not np.array_equal(res.expert_counts, counts):
+            raise ProtocolError(
+                f"die {ep.die_id}: fused dispatch counts {counts.tolist()} disagree with the"
+                f" packets received {res.expert_counts.tolist()}"
+            )
     if tr:
         t4 = now_ns()
         for step, a, b in ((1, t0, t1), (2, t1, t2), (3, t2, t4)):
@@ -1060,6 +1064,88 @@ def _fused_gather(ep, half, op, event_id, sources, placement, what, quant, dedup
     if problems:
         raise problems[0]
     return parts, counts, now_ns()
+
+
+def _fused_send(ep, payload, scale, lay, info, half, op, event_id, code, pb) -> int:
+    """FusedDispatch steps 1-2 for every destination: each packet written once, straight into
+    its destination's block for this source (`fused_pack`; rows checked by _check_capacity),
+    then every die's counts, event id, row count and quant code (`fused_counts`), then every
+    die's operation number LAST (`fused_seq`). Returns the time the packets were written."""
+    lo = ep.layout
+    k, mem = kernels(), _mem(ep)
+    if not payload.flags.writeable:  # the kernels are compiled for writeable arrays only
+        payload = payload.copy()
+    src8 = np.ascontiguousarray(payload).view(np.uint8).reshape(len(payload), pb)
+    scale_bits = np.ascontiguousarray(scale, np.float32).view(np.int32)
+    k.fused_pack(mem.u8, mem.i32, info.dies_arr, lay.dest_offsets, _block_off(ep, half, ep.die_id),
+                 src8, scale_bits, lay.msg_slot, lay.msg_k, lay.msg_local_expert,
+                 lo.pull_disp_stride)  # fmt: skip
+    t1 = now_ns()
+    flag = lo.fused_flag_word(half, ep.die_id)
+    k.fused_counts(mem.i64, info.pos_arr, lay.dest_offsets, lay.num_tokens_per_expert,
+                   info.exp_flat, info.exp_start, lo.fused_counts_off_of(half, ep.die_id) // 8,
+                   flag, event_id, code)  # fmt: skip
+    k.fused_seq(mem.i64, ep.num_dies, flag + G_SEQ, op)
+    return t1
+
+
+def _fused_receive(ep, half, op, event_id, placement, quant, lay, topk_idx, topk_weights, pb):
+    """FusedDispatch step 3: every source's flag (all of them before raising anything), then
+    the packets of this die's receive area grouped by local expert in one compiled pass
+    (`fused_assemble`, which also checks them against the counts each source wrote).
+    Returns (DispatchResult, time the last flag was seen)."""
+    lo = ep.layout
+    lw, problems = ep.words[ep.die_id], []
+    srcs, cnts = [], []
+    code = QUANT_CODE[quant]
+    for src in range(ep.num_dies):
+        f = lo.fused_flag_word(half, src)
+        ep.wait_ge(lw, f + G_SEQ, op, src, f"fused.flag[{half}]")
+        count = lw[f + G_COUNT]
+        if count == REFUSED:
+            problems.append(_refused(ep, src, "fused dispatch", op))
+            continue
+        bad = _mispaired(ep, "fused dispatch", src, event_id, lw[f + G_EVENT], code,
+                         lw[f + G_QUANT])  # fmt: skip
+        if bad is not None:
+            problems.append(bad)
+            continue
+        if not 0 <= count <= lo.fused_disp_rows:
+            _area_check(ep, f"fused dispatch block of die {ep.die_id} for source {src}", 0,
+                        count, lo.fused_disp_rows)  # fmt: skip
+        srcs.append(src)
+        cnts.append(count)
+    if problems:
+        raise problems[0]
+    t3 = now_ns()
+    n_local = _place_info(ep, placement).num_local[ep.die_id]
+    total = sum(cnts)
+    hidden, stride = lo.a2a_hidden, lo.pull_disp_stride
+    x = np.empty((total, hidden), np.int8 if quant == "int8" else np.float32)
+    scale_bits = np.empty(total, np.int32)
+    src_rank, slot, k_index, local = np.empty((4, total), np.int64)
+    counts = np.zeros(n_local, np.int64)
+    mem = _mem(ep)
+    me = ep.die_id
+    got = kernels().fused_assemble(
+        mem.u8[me], mem.i32[me], mem.i64[me], np.array(srcs, np.int64), np.array(cnts, np.int64),
+        _block_off(ep, half, 0), lo.fused_disp_rows * stride, lo.fused_counts_off_of(half, 0) // 8,
+        lo.a2a_experts_per_die, stride, pb, counts, x.view(np.uint8).reshape(total, pb),
+        scale_bits, src_rank, slot, k_index, local,
+    )  # fmt: skip
+    if got == -(1 << 40):
+        raise ProtocolError(
+            f"die {ep.die_id}: fused dispatch packets per local expert {counts.tolist()} disagree"
+            " with the counts their sources wrote"
+        )
+    if got < 0:
+        raise ProtocolError(
+            f"die {ep.die_id}: dispatch rows from die {-1 - got} name a local expert outside"
+            f" [0, {n_local}) (not dispatch packets of this placement): nothing read"
+        )
+    scales = scale_bits.view(np.float32) if quant == "int8" else None
+    rows = (x, scales, src_rank, slot, k_index, local, counts)
+    return _result("fused", quant, placement, lay, topk_idx, topk_weights, op, rows), t3
 
 
 def _fused_combine(ep, expert_out, handle, event_id):
@@ -1178,9 +1264,10 @@ def _write_slots_by_src(ep, rows, dest, slots, ks, op, event_id) -> None:
     then row i straight into die dest[i]'s combine buffer at (slots[i], ks[i]), one row copy
     each and no gathered temporary, then the completion words of those (slot, k) LAST. Rows in
     float32 are rounded to bfloat16 in the same pass (a bfloat16 pod; bfloat16 rows, forwarded
-    by a trampoline, go as they are). The send plan is one compiled pass
-    (`comm.kernels.group_by_dest`, which also proves every index in range), then one compiled
-    copy per destination (`scatter_rows_raw`)."""
+    by a trampoline, go as they are). Three compiled calls: the send plan
+    (`comm.kernels.group_by_dest`, which also proves every index in range), the event words and
+    rows of every destination (`fused_scatter_round` / `fused_scatter_copy`), then every
+    completion word (`fused_cflags`)."""
     n = len(dest)
     if not n:
         return
@@ -1195,16 +1282,20 @@ def _write_slots_by_src(ep, rows, dest, slots, ks, op, event_id) -> None:
     rows = np.ascontiguousarray(rows)
     if rows.dtype != cdt and not (rows.dtype == np.float32 and cdt == BF16):
         raise TypeError(f"rows {rows.dtype} cannot go into a {cdt} combine buffer")
-    round_bf16 = rows.dtype != cdt
-    stride = lo.pull_comb_stride
-    starts = starts.tolist()
-    for d in range(ep.num_dies):
-        a, b = starts[d], starts[d + 1]
-        if a == b:
-            continue
-        _words(ep, d, lo.fused_cevent_off, ep.num_dies)[ep.die_id] = event_id
-        k.scatter_rows_raw(rows, order[a:b], _comb_flat(ep, d), lin[a:b], stride, round_bf16)
-        _words(ep, d, lo.fused_cflag_off, cap)[lin[a:b]] = op  # LAST
+    if not rows.flags.writeable:  # the kernels are compiled for writeable arrays only
+        rows = rows.copy()
+    mem = _mem(ep)
+    item = cdt.itemsize
+    args = (order, lin, starts)
+    place = (lo.fused_comb_off // item, lo.pull_comb_stride // item, lo.fused_cevent_off // 8,
+             ep.die_id, event_id)  # fmt: skip
+    if rows.dtype != cdt:  # float32 rows rounded to bfloat16 on the way
+        k.fused_scatter_round(rows.view(np.uint32), *args, mem.u16, mem.i64, *place)
+    elif item == 2:
+        k.fused_scatter_copy(rows.view(np.uint16), *args, mem.u16, mem.i64, *place)
+    else:
+        k.fused_scatter_copy(rows.view(np.int32), *args, mem.i32, mem.i64, *place)
+    k.fused_cflags(mem.i64, lin, starts, lo.fused_cflag_off // 8, op)  # LAST
 
 
 def _bad_plan(ep: Endpoint, dest, slots, ks, cap: int) -> None:

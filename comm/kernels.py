@@ -39,13 +39,18 @@ __all__ = [
     "dedup_count",
     "dispatch_layout",
     "first_bad_source",
+    "fused_assemble",
+    "fused_cflags",
+    "fused_counts",
+    "fused_pack",
+    "fused_scatter_copy",
+    "fused_scatter_round",
+    "fused_seq",
     "first_pending",
     "group_by_dest",
-    "scatter_rows_raw",
     "dedup_place",
     "pack_dedup_rows",
     "pack_rows",
-    "pack_rows_raw",
     "quantize_int8",
     "reduce_groups",
     "scatter_rows",
@@ -311,18 +316,6 @@ def scatter_rows(rows: np.ndarray, sel: np.ndarray, buf: np.ndarray, lin: np.nda
         raise TypeError(f"rows {rows.dtype} cannot go into a {buf.dtype} buffer")
 
 
-def scatter_rows_raw(rows: np.ndarray, sel: np.ndarray, flat: np.ndarray, lin: np.ndarray,
-                     stride: int, round_bf16: bool) -> None:  # fmt: skip
-    """`scatter_rows` without its checks, for callers that proved the indices in range (the
-    combine's send plan, `group_by_dest`): rows C-contiguous, float32 rounded to bfloat16 on
-    the way (`round_bf16`) or copied as they are; flat the buffer's flat uint8 view, its rows
-    `stride` bytes apart."""
-    if round_bf16:
-        _scatter_round(rows.view(np.uint32), sel, flat.view(np.uint16), lin, stride // 2)
-    else:
-        _scatter_copy(rows.view(np.uint8), sel, flat, lin, stride)
-
-
 def _packet_shape(payload, rows, n: int) -> tuple[np.ndarray, int, int]:
     """(payload C-contiguous, its bytes per token, the rows' stride): the checks the packet
     writers share; ValueError unless rows is C-contiguous uint8 [>= n, stride]."""
@@ -378,11 +371,6 @@ def pack_rows(payload: np.ndarray, scale: np.ndarray, slots: np.ndarray, ks: np.
           slots.astype(np.int64, copy=False), ks.astype(np.int64, copy=False),
           locs.astype(np.int64, copy=False), flat, flat.view(np.int32), stride)  # fmt: skip
 
-
-pack_rows_raw = _pack
-"""`pack_rows` without its checks (the compiled pass itself): for callers that proved the rows
-fit (the fused dispatch's capacity check) and pass payload as uint8 [batch, bytes], scales as
-int32 bits, and the destination block as flat uint8 and int32 views."""
 
 _RO_I32 = numba.types.Array(numba.types.int32, 1, "C", readonly=True)
 _RO_F32 = numba.types.Array(numba.types.float32, 1, "C", readonly=True)
@@ -866,6 +854,163 @@ def first_bad_source(owners, refuse, events, op, event_id):  # pragma: no cover 
     return -1
 
 
+# -- the fused protocol over every die's region in one call -------------------------------------
+# `mem8` / `mem16` / `mem32` / `mem64` are numba typed lists of flat views of every region of the
+# pod (uint8 / uint16 / int32 / int64; `comm.alltoall._mem`, made once per die), so one call
+# writes into every destination instead of a Python loop of calls per die (~5-15 us per
+# destination at decode sizes). Every polled word a reader waits on is written by a LATER call
+# than the data it guards: a call boundary keeps the compiler from moving stores across it, and
+# x86's total store order keeps them in program order for the other cores (docs/protocols.md §3).
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def fused_pack(mem8, mem32, dies, offs, base, payload8, scale_bits, slots, ks, locs,
+               stride):  # pragma: no cover - compiled  # fmt: skip
+    """FusedDispatch step 1 for every destination: the packets of layout rows
+    offs[p]:offs[p + 1] into die dies[p]'s block for this source (byte `base` of its region),
+    row by row as `pack_rows` writes them (payload, then scale | slot | k | local as int32)."""
+    pb = payload8.shape[1]
+    for p in range(dies.shape[0]):
+        d8 = mem8[dies[p]]
+        d32 = mem32[dies[p]]
+        for i in range(offs[p], offs[p + 1]):
+            row = base + (i - offs[p]) * stride
+            src = payload8[slots[i]]
+            dst = d8[row : row + pb]
+            for c in range(pb):
+                dst[c] = src[c]
+            m = (row + stride - 16) // 4
+            d32[m] = scale_bits[slots[i]]
+            d32[m + 1] = np.int32(slots[i])
+            d32[m + 2] = np.int32(ks[i])
+            d32[m + 3] = np.int32(locs[i])
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def fused_counts(mem64, pos_of, offs, per_expert, exp_flat, exp_start, counts_word, flag_word,
+                 event, code):  # pragma: no cover - compiled  # fmt: skip
+    """FusedDispatch step 2 for every die d, all but the polled word: the rows per local
+    expert into d's counts block for this source (word `counts_word`), then the flag's event
+    id, row count and quant code (words from `flag_word`). `fused_seq` stores the operation
+    number afterwards, in a later call."""
+    for d in range(pos_of.shape[0]):
+        w = mem64[d]
+        p = pos_of[d]
+        a = exp_start[d]
+        for j in range(a, exp_start[d + 1]):
+            w[counts_word + j - a] = per_expert[exp_flat[j]]
+        w[flag_word + 0] = event  # FLAG_EVENT
+        w[flag_word + 1] = offs[p + 1] - offs[p] if p >= 0 else 0  # FLAG_COUNT
+        w[flag_word + 3] = code  # FLAG_QUANT
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def fused_seq(mem64, n_dies, word, op):  # pragma: no cover - compiled
+    """The polled word of every die, LAST: mem64[d][word] = op."""
+    for d in range(n_dies):
+        mem64[d][word] = op
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def fused_assemble(m8, m32, m64, srcs, cnts, block0, block_bytes, cw0, cw_stride, stride, pb,
+                   counts, x8, scale_bits, out_src, out_slot, out_k, out_local):  # fmt: skip
+    """FusedDispatch step 3 over this die's own receive area (pragma: no cover - compiled):
+    source srcs[j]'s cnts[j] packets at byte block0 + src * block_bytes, counted by local
+    expert into `counts` (zeros in), checked against the per-expert counts each source wrote
+    (words cw0 + src * cw_stride), then placed grouped by local expert, stable in (source,
+    slot, k) order, as `assemble_count` / `assemble_place` per source do. Returns 0; -1 - src
+    for a packet naming a local expert outside [0, len(counts)); -(1 << 40) when the packets
+    disagree with the counts words."""
+    n_local = counts.shape[0]
+    w = stride // 4
+    for j in range(srcs.shape[0]):
+        s = srcs[j]
+        base32 = (block0 + s * block_bytes) // 4
+        for i in range(cnts[j]):
+            loc = m32[base32 + (i + 1) * w - 1]
+            if loc < 0 or loc >= n_local:
+                return -1 - s
+            counts[loc] += 1
+    for e in range(n_local):
+        t = 0
+        for j in range(srcs.shape[0]):
+            t += m64[cw0 + srcs[j] * cw_stride + e]
+        if t != counts[e]:
+            return -(1 << 40)
+    cursor = np.empty(n_local, np.int64)
+    acc = 0
+    for e in range(n_local):
+        cursor[e] = acc
+        acc += counts[e]
+    for j in range(srcs.shape[0]):
+        s = srcs[j]
+        base = block0 + s * block_bytes
+        for i in range(cnts[j]):
+            m = (base + (i + 1) * stride) // 4 - 4
+            loc = m32[m + 3]
+            p = cursor[loc]
+            cursor[loc] = p + 1
+            row = m8[base + i * stride : base + i * stride + pb]
+            d = x8[p]
+            for c in range(pb):
+                d[c] = row[c]
+            scale_bits[p] = m32[m]
+            out_src[p] = s
+            out_slot[p] = m32[m + 1]
+            out_k[p] = m32[m + 2]
+            out_local[p] = loc
+    return 0
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def fused_scatter_round(rows, order, lin, starts, mem16, mem64, base, stride, cevent_word, me,
+                        event):  # pragma: no cover - compiled  # fmt: skip
+    """FusedCombine step 1 for every destination d, rows rounded to bfloat16: this die's event
+    id word (cevent_word + me), then row order[j] (float32 bits) into d's combine buffer row
+    lin[j] (`base` / `stride` in bfloat16 elements), for j in starts[d]:starts[d + 1], as
+    `_scatter_round` writes them. `fused_cflags` stores the completion words afterwards."""
+    h = rows.shape[1]
+    for d in range(starts.shape[0] - 1):
+        if starts[d] == starts[d + 1]:
+            continue
+        mem64[d][cevent_word + me] = event
+        dst = mem16[d]
+        for j in range(starts[d], starts[d + 1]):
+            s = rows[order[j]]
+            at = base + lin[j] * stride
+            o = dst[at : at + h]
+            for c in range(h):
+                o[c] = _bf16(s[c])
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def fused_scatter_copy(rows, order, lin, starts, mem, mem64, base, stride, cevent_word, me,
+                       event):  # pragma: no cover - compiled  # fmt: skip
+    """`fused_scatter_round` for rows already in the buffer's element type (uint16 bfloat16
+    bits into a bfloat16 buffer, int32 float bits into a float32 one): copied as they are."""
+    h = rows.shape[1]
+    for d in range(starts.shape[0] - 1):
+        if starts[d] == starts[d + 1]:
+            continue
+        mem64[d][cevent_word + me] = event
+        dst = mem[d]
+        for j in range(starts[d], starts[d + 1]):
+            s = rows[order[j]]
+            at = base + lin[j] * stride
+            o = dst[at : at + h]
+            for c in range(h):
+                o[c] = s[c]
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def fused_cflags(mem64, lin, starts, cflag_word, op):  # pragma: no cover - compiled
+    """FusedCombine step 2, LAST: the completion word of every row sent, op."""
+    for d in range(starts.shape[0] - 1):
+        w = mem64[d]
+        for j in range(starts[d], starts[d + 1]):
+            w[cflag_word + lin[j]] = op
+
+
 def warm() -> None:
     """Load every kernel (compiled at import from the on-disk cache, or compiled there once)
     and run it once, so that a die forked afterwards starts with it ready."""
@@ -878,6 +1023,7 @@ def warm() -> None:
     z = np.zeros(1, np.int64)
     first_pending(z, z, z, 1, 0)
     first_bad_source(z, z, z, 0, 0)
+    _warm_fused()
     quantize_int8(np.ones((2, 8), np.float32))
     one, b16, b32 = np.zeros(1, np.int64), np.zeros((2, 16), BF16), np.zeros((2, 16), np.float32)
     scatter_rows(np.zeros((1, 8), np.float32), one, b16, one)
@@ -908,3 +1054,29 @@ def warm() -> None:
     assemble_count(packed.reshape(-1).view(np.int32), 1, 64, counts)
     assemble_place(flat, flat.view(np.int32), 0, 64, 8, 0, np.zeros(1, np.int64),
                    np.zeros((1, 8), np.uint8), np.zeros(1, np.int32), *i64[:4])  # fmt: skip
+
+
+def _warm_fused() -> None:
+    """The fused protocol's many-region kernels, for the types the protocol passes (typed lists
+    of flat region views; read-only layout arrays; writeable payloads and outputs)."""
+    from numba.typed import List
+
+    region = np.zeros(4096, np.uint8)
+    mem8, mem16, mem32, mem64 = (List([region.view(t)]) for t in (np.uint8, np.uint16, np.int32,
+                                                                   np.int64))  # fmt: skip
+    ro = np.zeros(2, np.int64)
+    ro.flags.writeable = False
+    one = np.zeros(1, np.int64)
+    fused_pack(mem8, mem32, one, ro, 0, np.zeros((1, 16), np.uint8), np.zeros(1, np.int32), ro, ro,
+               ro, 32)  # fmt: skip
+    fused_counts(mem64, one, ro, ro, one, np.zeros(2, np.int64), 0, 8, 0, 0)
+    fused_seq(mem64, 1, 10, 0)
+    counts = np.zeros(1, np.int64)
+    fused_assemble(mem8[0], mem32[0], mem64[0], one, np.zeros(1, np.int64), 0, 64, 16, 1, 32, 16,
+                   counts, np.zeros((1, 16), np.uint8), np.zeros(1, np.int32), one.copy(),
+                   one.copy(), one.copy(), one.copy())  # fmt: skip
+    starts = np.array([0, 0], np.int64)
+    for rows, mem in ((np.zeros((1, 4), np.uint16), mem16), (np.zeros((1, 4), np.int32), mem32)):
+        fused_scatter_copy(rows, one, one, starts, mem, mem64, 0, 8, 0, 0, 0)
+    fused_scatter_round(np.zeros((1, 4), np.uint32), one, one, starts, mem16, mem64, 0, 8, 0, 0, 0)
+    fused_cflags(mem64, one, starts, 0, 0)

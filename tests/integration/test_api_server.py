@@ -465,7 +465,7 @@ def test_stream_interval_sends_every_n_tokens():
 
 @pytest.mark.timeout(90)
 def test_client_disconnect_mid_stream_aborts_and_frees_kv():
-    """Three streams of 400 tokens (the small model: ~4 s each) whose clients leave after 3
+    """Three streams of 400 tokens (the small model: ~1 s each) whose clients leave after 3
     chunks, and a non-streamed one whose client leaves: each request is aborted and every
     group's KV usage returns to 0."""
     server = ServerProc("--model", "small")
@@ -674,8 +674,10 @@ def test_sigterm_under_load_drains_and_exits_0():
 
 @pytest.mark.timeout(120)
 def test_ctrl_c_past_the_drain_timeout_aborts_and_exits_0():
-    s = ServerProc("--drain-timeout", "0.5", "--max-num-seqs", "2", "--model", "small")
-    t, out = _run_streams(s.url, 4, 240, "xpod-small")  # ~10 ms a step: > 2 s each
+    # one request at a time, each needs 480 steps (~1 s at ~2 ms a step): the first is still
+    # running when the 0.1 s drain ends 0.3 s after the requests arrived, the rest queued
+    s = ServerProc("--drain-timeout", "0.1", "--max-num-seqs", "1", "--model", "small")
+    t, out = _run_streams(s.url, 4, 480, "xpod-small")
     try:
         _wait_running(s, 4)
         time.sleep(0.2)
@@ -685,14 +687,14 @@ def test_ctrl_c_past_the_drain_timeout_aborts_and_exits_0():
         t.join(30)
     assert len(out) == 4
     for reason, _, usage in out:
-        assert reason == "abort" and usage["completion_tokens"] < 240, out
+        assert reason == "abort" and usage["completion_tokens"] < 480, out
     assert "aborted 4" in err, err
 
 
 @pytest.mark.timeout(120)
 def test_a_killed_die_ends_requests_with_an_error_and_exit_1():
     s = ServerProc("--model", "small")
-    t, out = _run_streams(s.url, 2, 400, "xpod-small")  # ~4 s each
+    t, out = _run_streams(s.url, 2, 400, "xpod-small")  # ~1 s each
     try:
         _wait_running(s, 2)
         os.kill(_pid(s, "die", 1), signal.SIGKILL)

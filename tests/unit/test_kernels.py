@@ -382,3 +382,137 @@ def test_first_pending_and_first_bad_source():
     assert first_bad_source(owners, refuse, events, 5, 9) == 2 * 3
     refuse[1] = 5
     assert first_bad_source(owners, refuse, events, 5, 9) == 2 * 1
+
+
+def _regions(n: int, nbytes: int = 1 << 14):
+    """n fake regions as the fused kernels take them: typed lists of flat views."""
+    from numba.typed import List
+
+    arrays = [np.zeros(nbytes, np.uint8) for _ in range(n)]
+    return arrays, [List([a.view(t) for a in arrays]) for t in (np.uint8, np.uint16, np.int32,
+                                                                np.int64)]  # fmt: skip
+
+
+def test_fused_pack_counts_and_seq_write_what_the_per_destination_calls_write():
+    """fused_pack writes each destination's packets where pack_rows would, fused_counts each
+    die's counts and flag words, fused_seq the polled word; nothing else is touched."""
+    from comm.kernels import fused_counts, fused_pack, fused_seq, pack_rows
+    from comm.routing import Placement, get_dispatch_layout
+
+    rng = np.random.default_rng(3)
+    dies, experts, batch, topk, stride, base = 3, 6, 5, 2, 48, 256
+    placement = Placement.default(experts, tuple(range(dies)))
+    idx = np.stack([rng.choice(experts, topk, replace=False) for _ in range(batch)])
+    idx[1, 1] = -1
+    lay = get_dispatch_layout(idx, placement)
+    payload = rng.integers(-127, 128, (batch, 16)).astype(np.int8)
+    scale = rng.random(batch).astype(np.float32)
+    arrays, (m8, _, m32, m64) = _regions(dies)
+    offs = lay.dest_offsets
+    fused_pack(m8, m32, np.arange(dies, dtype=np.int64), offs, base,
+               payload.view(np.uint8), scale.view(np.int32), lay.msg_slot, lay.msg_k,
+               lay.msg_local_expert, stride)  # fmt: skip
+    for d in range(dies):
+        a, b = offs[d], offs[d + 1]
+        want = np.zeros((b - a, stride), np.uint8)
+        pack_rows(payload, scale, lay.msg_slot[a:b], lay.msg_k[a:b], lay.msg_local_expert[a:b],
+                  want)  # fmt: skip
+        got = arrays[d][base : base + (b - a) * stride].reshape(-1, stride)
+        assert np.array_equal(got, want)
+        assert not arrays[d][base + (b - a) * stride :].any() and not arrays[d][:base].any()
+    exp = [placement.experts_on(d) for d in range(dies)]
+    exp_start = np.concatenate([[0], np.cumsum([len(e) for e in exp])]).astype(np.int64)
+    for a in arrays:
+        a[:] = 0
+    fused_counts(m64, np.arange(dies, dtype=np.int64), offs, lay.num_tokens_per_expert,
+                 np.concatenate(exp).astype(np.int64), exp_start, 100, 200, 77, 3)  # fmt: skip
+    fused_seq(m64, dies, 202, 9)
+    for d in range(dies):
+        w = arrays[d].view(np.int64)
+        assert w[100 : 100 + len(exp[d])].tolist() == lay.num_tokens_per_expert[exp[d]].tolist()
+        assert w[200:204].tolist() == [77, offs[d + 1] - offs[d], 9, 3]
+
+
+def test_fused_assemble_groups_every_source_and_checks_the_counts_words():
+    from comm.kernels import assemble_count, assemble_place, fused_assemble, pack_rows
+
+    rng = np.random.default_rng(4)
+    n_local, stride, pb, block, cw0 = 3, 32, 16, 4 * 32, 8
+    arrays, (m8, _, m32, m64) = _regions(1, 4096)
+    base0 = 512
+    cnts = np.array([2, 0, 4], np.int64)
+    flat = []
+    for s, n in enumerate(cnts):
+        locs = rng.integers(0, n_local, n)
+        payload = rng.integers(0, 255, (n, pb)).astype(np.uint8)
+        rows = arrays[0][base0 + s * block : base0 + s * block + n * stride].reshape(n, stride)
+        pack_rows(payload, np.ones(n, np.float32), np.arange(n), np.full(n, s), locs, rows)
+        arrays[0].view(np.int64)[cw0 + s * n_local : cw0 + (s + 1) * n_local] = np.bincount(
+            locs, minlength=n_local
+        )
+        flat.append((s, int(n), rows.reshape(-1)))
+    want_counts = np.zeros(n_local, np.int64)
+    for _, n, f in flat:
+        assert assemble_count(f.view(np.int32), n, stride, want_counts) == 0
+    cursor = np.concatenate([[0], np.cumsum(want_counts)[:-1]]).astype(np.int64)
+    total = int(want_counts.sum())
+    want = [np.zeros((total, pb), np.uint8), np.zeros(total, np.int32)] + [
+        np.zeros(total, np.int64) for _ in range(4)
+    ]
+    for s, n, f in flat:
+        assemble_place(f, f.view(np.int32), n, stride, pb, s, cursor, *want)
+    got = [np.zeros((total, pb), np.uint8), np.zeros(total, np.int32)] + [
+        np.zeros(total, np.int64) for _ in range(4)
+    ]
+    counts = np.zeros(n_local, np.int64)
+    srcs = np.arange(3, dtype=np.int64)
+    args = (m8[0], m32[0], m64[0], srcs, cnts, base0, block, cw0, n_local, stride, pb)
+    assert fused_assemble(*args, counts, *got) == 0
+    assert np.array_equal(counts, want_counts)
+    for g, w in zip(got, want, strict=True):
+        assert np.array_equal(g, w)
+    arrays[0].view(np.int64)[cw0] += 1  # a counts word that disagrees with the packets
+    assert fused_assemble(*args, np.zeros(n_local, np.int64), *got) == -(1 << 40)
+    arrays[0].view(np.int64)[cw0] -= 1
+    arrays[0].view(np.int32)[(base0 + 2 * block + stride) // 4 - 1] = n_local  # bad local
+    assert fused_assemble(*args, np.zeros(n_local, np.int64), *got) == -1 - 2
+
+
+@pytest.mark.parametrize("mode", ["round", "copy16", "copy32"])
+def test_fused_scatter_and_cflags_write_rows_event_words_then_flags(mode):
+    from comm.kernels import fused_cflags, fused_scatter_copy, fused_scatter_round
+
+    rng = np.random.default_rng(5)
+    dies, h, stride, base, cev, cfl, me = 3, 8, 12, 64, 90, 100, 1  # words past the rows
+    arrays, (_, m16, m32, m64) = _regions(dies, 2048)
+    rows32 = (rng.standard_normal((5, h)) * 100).astype(np.float32)
+    order = np.array([4, 1, 0, 3, 2], np.int64)
+    lin = np.array([3, 0, 1, 7, 2], np.int64)
+    starts = np.array([0, 2, 2, 5], np.int64)  # die 1 gets nothing
+    if mode == "round":
+        fused_scatter_round(rows32.view(np.uint32), order, lin, starts, m16, m64, base, stride,
+                            cev, me, 42)  # fmt: skip
+        want_rows, view = to_bf16_bits(rows32), np.uint16
+    elif mode == "copy16":
+        want_rows, view = to_bf16_bits(rows32), np.uint16
+        fused_scatter_copy(want_rows, order, lin, starts, m16, m64, base, stride, cev, me, 42)
+    else:
+        want_rows, view = rows32.view(np.int32), np.int32
+        fused_scatter_copy(want_rows, order, lin, starts, m32, m64, base, stride, cev, me, 42)
+    fused_cflags(m64, lin, starts, cfl, 9)
+    for d in range(dies):
+        buf = arrays[d].view(view)
+        words = arrays[d].view(np.int64)
+        sent = range(starts[d], starts[d + 1])
+        assert words[cev + me] == (42 if len(sent) else 0)
+        for j in sent:
+            at = base + lin[j] * stride
+            assert np.array_equal(buf[at : at + h], want_rows[order[j]])
+            assert words[cfl + lin[j]] == 9
+        assert int((words[cfl : cfl + 8] == 9).sum()) == len(sent)
+
+
+def to_bf16_bits(rows32: np.ndarray) -> np.ndarray:
+    from comm.kernels import to_bfloat16
+
+    return to_bfloat16(rows32).view(np.uint16)
