@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import comm
-from memory.errors import ConfigError
+from memory.errors import ConfigError, PodError
 from runtime.balancer import EPLBConfig, bank_bytes
 from runtime.config import PodConfig
 from runtime.executor import PHASES, Clock, build_model, forward
@@ -177,6 +177,7 @@ class DecodeOptions:
     temperature: float = 0.0
     seed: int = 0
     check: bool = False
+    repeat: int = 1  # pod runs (with check: each followed by the one-process baseline)
     trace: str | None = None
     json: str | None = None
     block_size: int = 16
@@ -280,24 +281,49 @@ def run_decode(opts: DecodeOptions) -> dict:
     if eplb is not None:
         eplb.check(model, opts.dies)
     per_die, ids = spread(prompts, opts.dies)
-    from runtime.decode_report import check, eplb_compare, eplb_stats, summarize
+    from runtime.decode_report import check, eplb_compare, eplb_stats, repeats, summarize
 
     if opts.eplb == "compare":
-        off = _run(opts, model, per_die, ids, None, keep_logits=True, trace=False)
-        on = _run(opts, model, per_die, ids, eplb, keep_logits=True, trace=bool(opts.trace))
+        off = _run(opts, model, per_die, ids, None, keep_logits=True, trace=False)[0][0]
+        on = _run(opts, model, per_die, ids, eplb, keep_logits=True, trace=bool(opts.trace))[0][0]
         return eplb_compare(off, on, per_die, opts, model)
-    res = _run(opts, model, per_die, ids, eplb, keep_logits=opts.check, trace=bool(opts.trace))
+    if opts.repeat < 1 or (opts.repeat > 1 and opts.eplb == "compare"):
+        raise ConfigError("repeat: >= 1, and 1 with --eplb compare (it runs its own pair of pods)")
+    between = None
+    if opts.check and opts.repeat > 1:
+        from runtime.decode_report import single_process
+
+        def between(_):  # after each pod run: the baseline, same prompts, same machine state
+            return single_process(per_die, opts, model)
+
+    runs = _run(opts, model, per_die, ids, eplb, keep_logits=opts.check, trace=bool(opts.trace),
+                between=between)  # fmt: skip
+    res = _median_run(runs, opts) if len(runs) > 1 else runs[0][0]
     summary = summarize(res, opts, model)
     if eplb is not None:
         summary["eplb"] = eplb_stats(res, model, summary["step_ms"])
     if opts.check:
-        summary.update(check(res, per_die, opts, model))
+        summary.update(check(res, per_die, opts, model, baseline=opts.repeat == 1))
+    if opts.repeat > 1:
+        summary.update(repeats(runs, opts, model))
     return summary
 
 
+def _median_run(runs: list, opts: DecodeOptions) -> list[dict]:
+    """The pod run whose decode time is the median of the repeats (its tokens must equal every
+    other run's: a run that decodes differently is an error, not noise)."""
+    first = [r["tokens"] for r in runs[0][0]]
+    for i, (res, _) in enumerate(runs[1:], 2):
+        if [r["tokens"] for r in res] != first:
+            raise PodError(f"decode run {i} of {opts.repeat} produced other tokens than run 1")
+    order = sorted(range(len(runs)), key=lambda i: max(r["decode_ns"] for r in runs[i][0]))
+    return runs[order[len(runs) // 2]][0]
+
+
 def _run(opts: DecodeOptions, model: ModelConfig, per_die, ids, eplb, keep_logits: bool,
-         trace: bool) -> list[dict]:  # fmt: skip
-    """One pod: launch, decode, return every die's result."""
+         trace: bool, between=None) -> list[tuple[list[dict], object]]:  # fmt: skip
+    """One pod: launch, decode `opts.repeat` times (calling `between(i)` after run i, in the
+    launcher while the dies wait); [(every die's result, between's result or None)] per run."""
     spec = DecodeSpec(
         model, per_die, ids, opts.steps, opts.protocol, opts.quant, opts.temperature, opts.seed,
         opts.block_size, keep_logits=keep_logits, eplb=eplb,
@@ -318,8 +344,13 @@ def _run(opts: DecodeOptions, model: ModelConfig, per_die, ids, eplb, keep_logit
     t0 = time.monotonic()
     with Pod.launch(cfg if trace else cfg.replace(trace=False)) as pod:
         progress(f"  pod {pod.pod_id} up in {time.monotonic() - t0:.1f} s; decoding ...")
-        res = pod.run(decode_main, spec)
+        runs = []
+        for i in range(opts.repeat):
+            if i:
+                progress(f"  run {i + 1} of {opts.repeat} ...")
+            res = pod.run(decode_main, spec)
+            runs.append((res, between(i) if between is not None else None))
         if trace:
             n = pod.write_trace(opts.trace)
             progress(f"  wrote {n} trace events to {opts.trace}")
-    return res
+    return runs

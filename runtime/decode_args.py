@@ -80,6 +80,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=nonneg_float, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=nonneg_int, default=0, help="prompts, weights and sampling seed")
     p.add_argument("--check", action="store_true", help="compare with the reference, same run")
+    p.add_argument(
+        "--repeat",
+        type=positive_int,
+        default=1,
+        help="decode R times in one pod; with --check each pod run is followed by the whole"
+        " batch in one process, alternating, and the medians and per-pair ratios are reported",
+    )
     p.add_argument("--trace", type=output_file, default=None, help="write a Perfetto trace to FILE")
     p.add_argument(
         "--json", type=output_file, default=None, help="append the summary as one JSON line to FILE"
@@ -133,6 +140,7 @@ def options(args: argparse.Namespace) -> DecodeOptions:
         temperature=args.temperature,
         seed=args.seed,
         check=args.check,
+        repeat=args.repeat,
         trace=args.trace,
         json=args.json,
         block_size=args.block_size,
@@ -174,6 +182,8 @@ def _check_options(opts: DecodeOptions) -> None:
         model.validate(opts.dies)
     except ConfigError as e:
         raise flag_error(e, _MODEL_FLAGS) from None
+    if opts.repeat > 1 and opts.eplb == "compare":
+        raise ConfigError("argument --repeat: --eplb compare runs its own pair of pods; drop one")
     if opts.prompt_len + opts.steps > model.max_seq_len:
         raise ConfigError(
             f"argument --prompt-len/--steps: prompt_len + steps = {opts.prompt_len + opts.steps}"

@@ -58,8 +58,10 @@ def summarize(res: list[dict], opts: DecodeOptions, model: ModelConfig) -> dict:
     }
 
 
-def check(res: list[dict], per_die, opts: DecodeOptions, model: ModelConfig) -> dict:
-    """Run the single-process reference on the same prompts; compare tokens and logits."""
+def check(res: list[dict], per_die, opts: DecodeOptions, model: ModelConfig,
+          baseline: bool = True) -> dict:  # fmt: skip
+    """Run the single-process reference on the same prompts; compare tokens and logits; with
+    `baseline`, also time the whole batch as one model in one process (`single_process`)."""
     from runtime.reference_model import ReferencePod
 
     limit_blas_threads(1)  # the reference is one process on one core (the pod's dies: the same)
@@ -71,7 +73,8 @@ def check(res: list[dict], per_die, opts: DecodeOptions, model: ModelConfig) -> 
     ).generate(per_die, opts.steps, opts.temperature, opts.seed)
     out = {"ref_tokens_per_s": ref.decode_tokens_per_s, "ref_prefill_ms": ref.prefill_s * 1e3}
     out.update(compare(res, ref, exact=opts.quant is None))
-    out.update(single_process(per_die, opts, model))
+    if baseline:
+        out.update(single_process(per_die, opts, model))
     if opts.quant == "int8":
         progress("  --check: single-process reference with INT8 dispatch ...")
         ref8 = ReferencePod(
@@ -104,6 +107,26 @@ def single_process(per_die, opts: DecodeOptions, model: ModelConfig) -> dict:
     finally:
         limit_blas_threads(1)
     out["single_process_blas_threads"] = cores
+    return out
+
+
+def repeats(runs: list, opts: DecodeOptions, model: ModelConfig) -> dict:
+    """`--repeat R`: every pod run's tokens/s (the summary above is the median run's) and,
+    with --check, the one-process baseline run after each, the per-pair ratios and medians
+    (`tokens_per_s` and `single_process_tokens_per_s` become the medians)."""
+    pod = [opts.batch * opts.steps / (max(r["decode_ns"] for r in res) / 1e9) for res, _ in runs]
+    out: dict = {"repeat": len(runs), "tokens_per_s_runs": pod,
+                 "tokens_per_s": float(np.median(pod))}  # fmt: skip
+    base = [b for _, b in runs if b]
+    if base:
+        for key in ("single_process_tokens_per_s", "single_process_1thread_tokens_per_s"):
+            vals = [b[key] for b in base]
+            out[f"{key}_runs"] = vals
+            out[key] = float(np.median(vals))
+        out["single_process_blas_threads"] = base[0]["single_process_blas_threads"]
+        pairs = [p / b["single_process_tokens_per_s"] for p, b in zip(pod, base, strict=True)]
+        out["pod_over_single_process_runs"] = pairs
+        out["pod_over_single_process"] = float(np.median(pairs))
     return out
 
 
@@ -417,6 +440,20 @@ def print_summary(s: dict) -> None:
                 f"  the whole batch as one model in one process (what a user would run instead):"
                 f" {one:.1f} tokens/s with {s['single_process_blas_threads']} BLAS threads,"
                 f" {one1:.1f} with 1 -> pod / it = {s['tokens_per_s'] / one:.2f}x"
+            )
+        if "pod_over_single_process_runs" in s:
+            pairs = ", ".join(
+                f"{p:.0f} / {b:.0f} = {r:.2f}x"
+                for p, b, r in zip(
+                    s["tokens_per_s_runs"],
+                    s["single_process_tokens_per_s_runs"],
+                    s["pod_over_single_process_runs"],
+                    strict=True,
+                )  # fmt: skip
+            )
+            print(
+                f"  {s['repeat']} alternating pairs, pod / one process (tokens/s): {pairs};"
+                f" median pair {s['pod_over_single_process']:.2f}x (medians above)"
             )
         fm = s["first_mismatch"]
         print(

@@ -170,6 +170,28 @@ def test_cli_decode_check_json_and_trace(tmp_path):
     assert {e["pid"] for e in events if e.get("cat") == "model"} == {0, 1}
 
 
+@pytest.mark.timeout(180)
+def test_cli_decode_repeat_alternates_pod_and_one_process_runs(tmp_path):
+    """--check --repeat 3: three pod runs in one pod, each followed by the whole batch in one
+    process; per-run figures, per-pair ratios, medians; every run decodes the same tokens."""
+    out = tmp_path / "d.jsonl"
+    cmd = [sys.executable, "-m", "runtime.cli", "decode", "--dies", "2", "--batch", "4",
+           "--prompt-len", "8", "--steps", "3", "--model", "tiny", "--check", "--repeat", "3",
+           "--json", str(out)]  # fmt: skip
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stderr
+    assert "3 alternating pairs" in p.stdout and "bit-equal: True" in p.stdout
+    row = json.loads(out.read_text().splitlines()[-1])
+    assert row["repeat"] == 3 and len(row["tokens_per_s_runs"]) == 3
+    assert len(row["single_process_tokens_per_s_runs"]) == 3
+    runs = zip(row["tokens_per_s_runs"], row["single_process_tokens_per_s_runs"], strict=True)
+    pairs = [a / b for a, b in runs]
+    assert np.allclose(pairs, row["pod_over_single_process_runs"])
+    assert row["pod_over_single_process"] == float(np.median(pairs))
+    assert row["tokens_per_s"] == float(np.median(row["tokens_per_s_runs"]))
+    assert row["mismatched_tokens"] == 0 and row["logits_bit_equal"]
+
+
 def test_presets_validate_for_the_documented_pods():
     for name, dies in (("tiny", 2), ("tiny", 8), ("tiny", 16), ("small", 4), ("small", 16),
                        ("v3", 4), ("v3", 8)):  # fmt: skip

@@ -62,6 +62,8 @@ BAD = [
     (["decode", "--eplb", "on", "--redundant", "40"], "--eplb"),
     (["decode", "--eplb", "on", "--eplb-every", "0"], "--eplb-every"),
     (["decode", "--eplb", "compare", "--steps", "5"], "--steps"),
+    (["decode", "--repeat", "0"], "--repeat"),
+    (["decode", "--eplb", "compare", "--repeat", "3"], "--repeat"),
     (["decode", "--eplb", "on", "--dies-per-node", "3"], "--eplb"),
     (["decode", "--eplb-policy", "random"], "--eplb-policy"),
     (["decode", "--quant", "int4"], "--quant"),
