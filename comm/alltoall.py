@@ -313,6 +313,21 @@ def _layout(topk_idx: np.ndarray, placement: Placement) -> DispatchLayout:
     return DispatchLayout(*got)
 
 
+def _dedup_layout(topk_idx, topk_weights, placement: Placement) -> DedupLayout:
+    """`comm.routing.get_dedup_layout` in one compiled pass (`comm.kernels.dedup_layout`, equal
+    to it); input the kernel cannot take or refuses goes the numpy way, which raises the error
+    naming the problem (in `dispatch`, `_check_inputs` and `_layout` have refused it before)."""
+    t, w = np.asarray(topk_idx), np.asarray(topk_weights)
+    ok = isinstance(placement, Placement) and t.dtype.kind in "iu" and t.ndim == 2
+    if not ok or w.shape != t.shape or w.dtype.kind not in "fiu":
+        return get_dedup_layout(topk_idx, topk_weights, placement)
+    t, w = np.ascontiguousarray(t, np.int64), np.ascontiguousarray(w, np.float32)
+    got = kernels().dedup_layout(t, w, placement.pos_of, placement.local_of, len(placement.dies))
+    if isinstance(got, int):  # an id out of range or repeated: the numpy path names it
+        return get_dedup_layout(t, w, placement)
+    return DedupLayout(*got)
+
+
 def _payload(x: np.ndarray, quant: str | None) -> tuple[np.ndarray, np.ndarray]:
     """(rows to send, per-row scales): INT8 + scales, or x itself with scales of 1."""
     if quant == "int8":
@@ -475,7 +490,7 @@ def dispatch(
         dedup = bool(dedup)
         lay = _layout(topk_idx, placement)
         _check_capacity(ep, lay, placement)
-        dl = get_dedup_layout(topk_idx, topk_weights, placement) if dedup else None
+        dl = _dedup_layout(topk_idx, topk_weights, placement) if dedup else None
         # steps 1-2, load and quantize, before the operation starts: a row INT8 cannot take
         # (not finite) is this die's bad input too
         payload, scale = _payload(x, quant)

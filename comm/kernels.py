@@ -37,6 +37,7 @@ __all__ = [
     "assemble_count",
     "assemble_place",
     "dedup_count",
+    "dedup_layout",
     "dispatch_layout",
     "group_by_dest",
     "scatter_rows_raw",
@@ -744,6 +745,129 @@ def dispatch_layout(topk: np.ndarray, pos_of: np.ndarray, local_of: np.ndarray,
             out[at + n_exp + n_pos : at + n_exp + 2 * n_pos + 1])  # fmt: skip
 
 
+_DEDUP_LAYOUT_SIG = numba.types.int64(
+    numba.types.Array(numba.types.int64, 2, "C", readonly=True),
+    numba.types.Array(numba.types.float32, 2, "C", readonly=True), _RO_I64, _RO_I64,
+    numba.types.int64, _I64, _I64, _I64, _I64, _I64, _I64, numba.types.float32[::1],
+    numba.types.int64[:, ::1], _I64,
+)  # fmt: skip
+
+
+@numba.njit(_DEDUP_LAYOUT_SIG, cache=True, nogil=True, boundscheck=False)
+def _dedup_layout(
+    topk,
+    w,
+    pos_of,
+    local_of,
+    n_pos,
+    row_slot,
+    row_kfirst,
+    offsets,
+    ent_start,
+    ent_k,
+    ent_local,
+    ent_w,
+    idx_first,
+    scratch,
+):  # pragma: no cover - compiled
+    """Counting sort of the routed (slot, k) into rows by (destination position, slot), a row's
+    entries in ascending k. Returns the row count, or -1 for an id outside [-1, E), -2 for an
+    expert named twice in one row (nothing usable is written then). scratch: >= 3 x n_pos."""
+    b, k_n = topk.shape
+    n_exp = pos_of.shape[0]
+    last = scratch[:n_pos]  # the slot that opened the latest row of each position
+    rows = scratch[n_pos : 2 * n_pos]  # rows, then the next row, of each position
+    ents = scratch[2 * n_pos : 3 * n_pos]  # entries, then the next entry, of each position
+    for p in range(n_pos):
+        last[p] = -1
+        rows[p] = 0
+        ents[p] = 0
+    for i in range(b):
+        for j in range(k_n):
+            e = topk[i, j]
+            idx_first[i, j] = -1
+            if e < -1 or e >= n_exp:
+                return -1
+            if e >= 0:
+                for jj in range(j):
+                    if topk[i, jj] == e:
+                        return -2
+                p = pos_of[e]
+                if last[p] != i:
+                    last[p] = i
+                    rows[p] += 1
+                ents[p] += 1
+    offsets[0] = 0
+    n_ent = 0
+    for p in range(n_pos):  # counts -> first row / first entry of each position
+        offsets[p + 1] = offsets[p] + rows[p]
+        rows[p] = offsets[p]
+        c = ents[p]
+        ents[p] = n_ent
+        n_ent += c
+        last[p] = -1
+    for i in range(b):  # slots ascending, so each position's rows come out in slot order
+        for j in range(k_n):
+            e = topk[i, j]
+            if e < 0:
+                continue
+            p = pos_of[e]
+            q = ents[p]
+            ents[p] = q + 1
+            if last[p] != i:  # the token's first expert on this die opens its row
+                last[p] = i
+                r = rows[p]
+                rows[p] = r + 1
+                row_slot[r] = i
+                row_kfirst[r] = j
+                ent_start[r] = q
+                idx_first[i, j] = e
+            ent_k[q] = j
+            ent_local[q] = local_of[e]
+            ent_w[q] = w[i, j]
+    n_rows = offsets[n_pos]
+    ent_start[n_rows] = n_ent
+    return n_rows
+
+
+def dedup_layout(topk: np.ndarray, w: np.ndarray, pos_of: np.ndarray, local_of: np.ndarray,
+                 n_pos: int) -> tuple | int:  # fmt: skip
+    """`comm.routing.get_dedup_layout`'s arrays in one compiled pass, a counting sort:
+    (row_slot, row_kfirst, dest_offsets, ent_start, ent_k, ent_local, ent_w, idx_first), in
+    `DedupLayout`'s field order, read-only, equal to the numpy version's (int64, ent_w
+    float32); or -1 / -2 for an id out of range / named twice in a row (the caller raises
+    `comm.routing.check_topk_idx`'s error).
+
+    Why equal: the numpy version sorts the routed (slot, k) by (position, slot, k) and opens a
+    row where (slot, position) changes. Here pass 1 counts each position's rows (a token's
+    first expert there) and entries; their prefix sums place each position's block; pass 2
+    walks slots ascending, k ascending, so within a position rows come in slot order and a
+    row's entries in k order: the same sort, without comparisons. A row's entries are
+    contiguous because every entry of (slot, position) is placed while that slot is walked.
+
+    topk: int64 [batch, k] C-contiguous; w: float32 [batch, k] C-contiguous (the caller
+    converts); pos_of, local_of: a Placement's int64 tables; n_pos: len(placement.dies)."""
+    b, k_n = topk.shape
+    cap = b * k_n
+    out = np.empty(5 * cap + n_pos + 2 + 3 * n_pos, np.int64)
+    row_slot, row_kfirst, ent_k, ent_local = (out[i * cap : (i + 1) * cap] for i in range(4))
+    ent_start = out[4 * cap : 5 * cap + 1]
+    offsets = out[5 * cap + 1 : 5 * cap + n_pos + 2]
+    scratch = out[5 * cap + n_pos + 2 :]
+    ent_w = np.empty(cap, np.float32)
+    idx_first = np.empty((b, k_n), np.int64)
+    n = _dedup_layout(topk, w, pos_of, local_of, n_pos, row_slot, row_kfirst, offsets,
+                      ent_start, ent_k, ent_local, ent_w, idx_first, scratch)  # fmt: skip
+    if n < 0:
+        return int(n)
+    m = int(ent_start[n])
+    for a in (out, ent_w, idx_first):
+        a.flags.writeable = False  # views taken from here on are read-only too
+    return (out[:n], out[cap : cap + n], out[5 * cap + 1 : 5 * cap + n_pos + 2],
+            out[4 * cap : 4 * cap + n + 1], out[2 * cap : 2 * cap + m],
+            out[3 * cap : 3 * cap + m], ent_w[:m], idx_first)  # fmt: skip
+
+
 @numba.njit(numba.types.int64(_RO_I32, numba.types.int64, numba.types.int64, _I64), cache=True,
             nogil=True, boundscheck=False)  # fmt: skip
 def assemble_count(flat32, n, stride, counts):  # pragma: no cover - compiled
@@ -847,6 +971,7 @@ def warm() -> None:
     group_by_dest(*tables, 1, 1, 2, np.zeros(2, np.int64), np.zeros(2, np.int64),
                   np.zeros(2, np.int64))  # fmt: skip
     dispatch_layout(np.zeros((1, 2), np.int64) - 1, *tables, 1)
+    dedup_layout(np.zeros((1, 2), np.int64) - 1, np.ones((1, 2), np.float32), *tables[:2], 1)
     assemble_count(packed.reshape(-1).view(np.int32), 1, 64, counts)
     assemble_place(flat, flat.view(np.int32), 0, 64, 8, 0, np.zeros(1, np.int64),
                    np.zeros((1, 8), np.uint8), np.zeros(1, np.int32), *i64[:4])  # fmt: skip

@@ -331,3 +331,92 @@ def test_group_by_dest_is_a_stable_plan_and_refuses_out_of_range():
         d, s, k = dest.copy(), slots.copy(), ks.copy()
         d[5], s[5], k[5] = d2, s2, k2
         assert group_by_dest(d, s, k, topk, dies, batch * topk, order, lin, starts) == -1
+
+
+# -- the dedup bookkeeping: layout and the combine's send plan -------------------------------------
+
+_DEDUP_FIELDS = ("row_slot", "row_kfirst", "dest_offsets", "ent_start", "ent_k", "ent_local",
+                 "ent_w", "idx_first")  # fmt: skip
+
+
+def _assert_dedup_layout_equal(got, want) -> None:
+    for name, arr in zip(_DEDUP_FIELDS, got, strict=True):
+        ref = getattr(want, name)
+        assert arr.dtype == ref.dtype and arr.shape == ref.shape, name
+        assert np.array_equal(arr, ref), name
+        assert not arr.flags.writeable, name
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 2**31), batch=st.integers(0, 9), k=st.integers(1, 6),
+       dies=st.integers(1, 6), per=st.integers(1, 4), unrouted=st.sampled_from([0.0, 0.3, 1.0]),
+       table=st.booleans())  # fmt: skip
+def test_dedup_layout_equals_the_routing_module(seed, batch, k, dies, per, unrouted, table):
+    """The compiled dedup layout is get_dedup_layout, array for array and dtype for dtype
+    (default and uneven placements, dies without experts, one die, unrouted entries, an empty
+    batch), and read-only."""
+    from comm.kernels import dedup_layout
+    from comm.routing import Placement, get_dedup_layout
+
+    experts = dies * per
+    k = min(k, experts)
+    rng = np.random.default_rng(seed + 1)
+    if table:  # any die may host any number of experts, including none
+        place = Placement.from_table(rng.integers(0, dies, experts), tuple(range(dies)))
+    else:
+        place = Placement.default(experts, tuple(range(dies))[::-1])
+    idx = _routing(seed, batch, k, experts, unrouted)
+    w = (rng.standard_normal(idx.shape) * 10.0 ** rng.integers(-40, 38)).astype(np.float32)
+    want = get_dedup_layout(idx, w, place)
+    got = dedup_layout(idx, w, place.pos_of, place.local_of, len(place.dies))
+    _assert_dedup_layout_equal(got, want)
+
+
+def test_dedup_layout_edges_by_hand():
+    """A token with every expert on one die is one row of all its entries; an unrouted token
+    no row; an empty batch no rows; a single die takes every row."""
+    from comm.kernels import dedup_layout
+    from comm.routing import Placement, get_dedup_layout
+
+    w = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
+    cases = [
+        (Placement.default(8, (0, 1)), np.array([[3, 0, 2, 1], [-1, -1, -1, -1], [4, 1, -1, 7]])),
+        (Placement.default(4, (5,)), np.array([[2, 0, 3, 1], [1, -1, 0, -1], [-1, 3, -1, -1]])),
+        (Placement.default(8, (0, 1)), np.zeros((0, 4), np.int64)),
+    ]
+    for place, idx in cases:
+        wi = w[: len(idx)]
+        got = dedup_layout(idx, wi, place.pos_of, place.local_of, len(place.dies))
+        _assert_dedup_layout_equal(got, get_dedup_layout(idx, wi, place))
+    got = dedup_layout(cases[0][1], w, cases[0][0].pos_of, cases[0][0].local_of, 2)
+    assert got[0].tolist() == [0, 2, 2] and got[3].tolist() == [0, 4, 5, 7]  # rows, entries
+    assert got[4][:4].tolist() == [0, 1, 2, 3]  # token 0's four entries, ascending k
+
+
+def test_dedup_layout_refuses_bad_ids_and_repeats_with_the_numpy_message():
+    """The kernel's refusals (-1 an id out of range, -2 a repeat); through comm.alltoall, the
+    same error (type and message) as the numpy get_dedup_layout, for every bad input."""
+    from comm.alltoall import _dedup_layout
+    from comm.kernels import dedup_layout
+    from comm.routing import Placement, get_dedup_layout
+
+    p = Placement.default(8, (0, 1))
+    tables = (p.pos_of, p.local_of, 2)
+    one = np.ones((1, 3), np.float32)
+    assert dedup_layout(np.array([[0, 8, 1]]), one, *tables) == -1
+    assert dedup_layout(np.array([[-2, 1, 2]]), one, *tables) == -1
+    assert dedup_layout(np.array([[3, -1, 3]]), one, *tables) == -2
+    assert dedup_layout(np.array([[-1, -1, 3]]), one, *tables) != -2  # -1 may repeat
+    bad = [
+        (np.array([[0, 8, 1]]), one),  # out of range
+        (np.array([[1, 2], [5, 5]]), np.ones((2, 2))),  # a repeat
+        (np.array([[0, 1.5]]), np.ones((1, 2))),  # not integers
+        (np.array([[0, 1]]), np.ones((1, 3))),  # weights of another shape
+        (np.array([0, 1]), np.ones(2)),  # not [batch, k]
+    ]
+    for idx, w, place in [(i, w, p) for i, w in bad] + [(bad[1][0], bad[1][1], "p")]:
+        with pytest.raises((ValueError, TypeError)) as want:
+            get_dedup_layout(idx, w, place)
+        with pytest.raises(want.type) as got:
+            _dedup_layout(idx, w, place)
+        assert str(got.value) == str(want.value)
