@@ -516,7 +516,9 @@ def dispatch(
     if dl is None:
         kernels().pack_rows(payload, scale, lay.msg_slot, lay.msg_k, lay.msg_local_expert, rows)
     else:
-        _pack_dedup(payload, scale, dl, 0, n, rows, pb)
+        flat8 = rows.reshape(-1)
+        pack = _dedup_packer(*_payload_bits(payload, pb, scale), dl, stride)
+        pack(0, n, flat8, flat8.view(np.int32))
     offs = (lay if dl is None else dl).dest_offsets.tolist()
     t2 = now_ns()
     # step 4: tell every destination where its block is
@@ -604,19 +606,33 @@ def _result(proto, quant, placement, lay, topk_idx, topk_weights, op, rows, dl=N
     return DispatchResult(x, scales, src_rank, slot, k_index, local, counts, handle)
 
 
-def _pack_dedup(payload, scale, dl: DedupLayout, a: int, b: int, rows, pb: int) -> None:
-    """Dedup rows a:b of `dl` (one per token and destination die) into `rows`, one pass."""
-    kernels().pack_dedup_rows(
-        payload,
-        scale,
-        dl.row_slot[a:b],
-        dl.ent_start[a : b + 1],
-        dl.ent_k,
-        dl.ent_local,
-        dl.ent_w,
-        rows,
-        L.dedup_entries_off(pb),
-    )
+def _payload_bits(payload: np.ndarray, pb: int, scale: np.ndarray) -> tuple:
+    """(payload as uint8 [batch, pb], scales as int32 bits): what the raw pack kernels take."""
+    src8 = np.ascontiguousarray(payload).view(np.uint8).reshape(len(payload), pb)
+    return src8, np.ascontiguousarray(scale, np.float32).view(np.int32)
+
+
+def _dedup_packer(src8, scale_bits, dl: DedupLayout, stride: int):
+    """`pack(a, b, flat8, flat32)`: dedup rows a:b of `dl` (one per token and destination die)
+    into the rows of flat8 / flat32 (a send area or a peer's block, `stride` bytes apart),
+    from src8 (the payload as uint8 [batch, bytes]) and scale_bits (the scales' int32 bits).
+    One compiled pass without the wrapper's per-call checks (`kernels.pack_dedup_rows_raw`):
+    the layout is this die's own, each row's entries at most min(topk, its die's experts),
+    which the stride holds (memory.layout sizes it; `_placement` caps the experts per die)."""
+    raw = kernels().pack_dedup_rows_raw
+    eoff = L.dedup_entries_off(src8.shape[1])
+    most = (stride - L.PULL_ROW_META - eoff) // L.DEDUP_ENTRY
+    slots, start, ks, locs, w = dl.row_slot, dl.ent_start, dl.ent_k, dl.ent_local, dl.ent_w
+
+    def pack(a: int, b: int, flat8: np.ndarray, flat32: np.ndarray) -> None:
+        if raw(src8, scale_bits, slots[a:b], start[a : b + 1], ks, locs, w, flat8, flat32, stride,
+               eoff, most):  # fmt: skip
+            raise ProtocolError(
+                f"dedup rows [{a}, {b}): a slot, an entry range or more than {most} entries a"
+                f" row (stride {stride}) outside what the layout allows; nothing written"
+            )
+
+    return pack
 
 
 def _assemble_dedup(ep, parts, pb, quant, placement, lay, topk_idx, topk_weights, op, proto,
@@ -993,16 +1009,17 @@ def _fused_dispatch(ep, payload, scale, topk_idx, topk_weights, quant, event_id,
     pb = payload.shape[1] * payload.dtype.itemsize
     info = _place_info(ep, placement)
     offs = (lay if dl is None else dl).dest_offsets.tolist()
-    if dl is None:  # each packet written once, straight into d's block (one compiled pass)
-        k = kernels()
-        src8 = np.ascontiguousarray(payload).view(np.uint8).reshape(len(payload), pb)
-        scale_bits = np.ascontiguousarray(scale, np.float32).view(np.int32)
+    # each packet written once, straight into d's block (one compiled pass)
+    k = kernels()
+    src8, scale_bits = _payload_bits(payload, pb, scale)
+    pack = None if dl is None else _dedup_packer(src8, scale_bits, dl, lo.pull_disp_stride)
     for p, d in enumerate(placement.dies):
         a, b = offs[p], offs[p + 1]
         if a == b:
             continue
-        if dl is None:  # remote: d's block for this source (rows checked by _check_capacity)
-            flat8, flat32 = _fused_block(ep, d, half, b - a)
+        # remote: d's block for this source (rows checked by _check_capacity)
+        flat8, flat32 = _fused_block(ep, d, half, b - a)
+        if dl is None:
             k.pack_rows_raw(
                 src8,
                 scale_bits,
@@ -1013,21 +1030,17 @@ def _fused_dispatch(ep, payload, scale, topk_idx, topk_weights, quant, event_id,
                 flat32,
                 lo.pull_disp_stride,
             )
-        else:
-            _pack_dedup(payload, scale, dl, a, b, _fused_rows(ep, d, half, ep.die_id, b - a),
-                        pb)  # fmt: skip
+        else:  # a dedup row per token, fewer than its messages
+            pack(a, b, flat8, flat32)
     t1 = now_ns()
     code = QUANT_CODE[quant] + (DEDUP_CODE if dl is not None else 0)
+    # with dedup too: the counts are of (token, expert) entries, those of the layout (§6.3)
     per_expert = lay.num_tokens_per_expert
     for d in range(ep.num_dies):  # step 2: counts, then the completion flag LAST
         p, n_local = info.pos[d], info.num_local[d]
         a, b = (offs[p], offs[p + 1]) if p >= 0 else (0, 0)
         if n_local:
-            if dl is None:
-                counts = per_expert[info.experts[d]]
-            else:
-                locals_ = dl.ent_local[dl.ent_start[a] : dl.ent_start[b]]
-                counts = np.bincount(locals_, minlength=n_local)
+            counts = per_expert[info.experts[d]]
             _words(ep, d, lo.fused_counts_off_of(half, ep.die_id), n_local)[:] = counts
         _flag(ep, d, lo.fused_flag_word(half, ep.die_id), event_id, b - a, op, code)
     t2 = now_ns()

@@ -43,6 +43,7 @@ __all__ = [
     "scatter_rows_raw",
     "dedup_place",
     "pack_dedup_rows",
+    "pack_dedup_rows_raw",
     "pack_rows",
     "pack_rows_raw",
     "quantize_int8",
@@ -453,6 +454,13 @@ def pack_dedup_rows(payload: np.ndarray, scale: np.ndarray, slots: np.ndarray,
             f" given, or a row of more entries than a stride of {stride} holds ({most});"
             " nothing written"
         )
+
+
+pack_dedup_rows_raw = _pack_dedup
+"""`pack_dedup_rows` without the wrapper's checks and conversions (the compiled pass, which
+still proves every index in range and returns -1, nothing written, otherwise): for callers
+that pass payload as uint8 [batch, bytes], scales as int32 bits, a DedupLayout's arrays, the
+destination rows as flat uint8 and int32 views, and `most` = entries a row has room for."""
 
 
 _SIG_GROUPS = (
