@@ -737,9 +737,7 @@ def combine(
             dst[:] = expert_out[order]
     else:  # dedup: a pre-reduced row per received group, groups already in receive order
         dest = g.src
-        rows = _rows(ep, ep.die_id, COMBINE, half, 0, len(dest))
-        kernels().reduce_groups(expert_out, g.pos, g.start, g.w, 0, rows.view(cdt),
-                                np.arange(len(dest), dtype=np.int64))  # fmt: skip
+        _pull_reduce_groups(ep, expert_out, g, _rows(ep, ep.die_id, COMBINE, half, 0, len(dest)))
     t1 = now_ns()
     counts = np.bincount(dest, minlength=ep.num_dies)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
@@ -755,6 +753,28 @@ def combine(
         for step, a, b in ((3, t0, t1), (4, t1, t2), (5, t2, t3), (6, t3, t4)):
             ep.trace.rec(a, b - a, "pull_combine", step, -1, 0, event_id, 0)
     return out
+
+
+def _pull_reduce_groups(ep: Endpoint, expert_out, g: DedupGroups, rows: np.ndarray) -> None:
+    """Step 3 of a pull combine after a dedup dispatch: group i's pre-reduced row into row i
+    of `rows` (this die's own combine rows), one compiled pass (`reduce_groups_raw`)."""
+    n = len(g.src)
+    if not n:
+        return
+    bf16 = _comb_dtype(ep) == BF16
+    flat = rows.reshape(-1)
+    d16, d32 = (flat.view(np.uint16), _NO_F32) if bf16 else (_NO_U16, flat.view(np.float32))
+    views = ep.a2a.views
+    lin = views.get("arange")
+    if lin is None:
+        lin = views["arange"] = np.arange(ep.layout.pull_comb_rows, dtype=np.int64)
+    stride = ep.layout.pull_comb_stride // ep.layout.a2a_combine_bytes
+    if kernels().reduce_groups_raw(np.ascontiguousarray(expert_out), g.pos, g.start, g.w, 0,
+                                   d16, d32, bf16, lin[:n], stride, n):  # fmt: skip
+        raise ProtocolError(
+            f"die {ep.die_id}: dedup combine: an entry range or row index outside this die's"
+            f" {len(expert_out)} expert rows; nothing written"
+        )
 
 
 def _ones(shape) -> np.ndarray:
@@ -1243,21 +1263,67 @@ def _write_groups_by_src(ep, rows, g: DedupGroups, op, event_id) -> None:
     """The fused combine after a dedup dispatch: per source die (groups are in source order),
     this die's event id word, then each group's pre-reduced row (rounded in the same pass)
     straight into the source's combine buffer at (slot, first k of this die), then those
-    completion words LAST: `comm.kernels.reduce_groups`, one compiled pass per destination."""
+    completion words LAST. The send plan is one compiled pass (`comm.kernels.dedup_plan`,
+    which proves every row inside its buffer), then one compiled reduce per destination
+    (`reduce_groups_raw`)."""
     n = len(g.src)
     if not n:
         return
     lo = ep.layout
-    topk = lo.a2a_topk
-    reduce = kernels().reduce_groups
-    cuts = (np.flatnonzero(g.src[1:] != g.src[:-1]) + 1).tolist()
-    for a, b in zip([0, *cuts], [*cuts, n], strict=True):
-        d = int(g.src[a])
-        lin = g.slot[a:b] * topk + g.kfirst[a:b]
-        _lin_check(ep, d, lin)
+    k = kernels()
+    cap = lo.a2a_max_batch * lo.a2a_topk
+    lin = np.empty(n, np.int64)
+    starts = np.empty(ep.num_dies + 1, np.int64)
+    if k.dedup_plan(g.src, g.slot, g.kfirst, lo.a2a_topk, ep.num_dies, cap, lin, starts):
+        _bad_dedup_plan(ep, g, cap)
+    rows = np.ascontiguousarray(rows)
+    bf16 = _comb_dtype(ep) == BF16
+    stride = lo.pull_comb_stride // lo.a2a_combine_bytes
+    starts = starts.tolist()
+    for d in range(ep.num_dies):
+        a, b = starts[d], starts[d + 1]
+        if a == b:
+            continue
         _words(ep, d, lo.fused_cevent_off, ep.num_dies)[ep.die_id] = event_id
-        reduce(rows, g.pos, g.start, g.w, a, _comb_buf(ep, d), lin)  # remote writes
-        _words(ep, d, lo.fused_cflag_off, lo.a2a_max_batch * topk)[lin] = op  # LAST
+        d16, d32 = _comb_flat_as(ep, d, bf16)
+        if k.reduce_groups_raw(rows, g.pos, g.start, g.w, a, d16, d32, bf16, lin[a:b], stride,
+                               cap):  # fmt: skip  # remote writes
+            raise ProtocolError(
+                f"die {ep.die_id}: dedup combine groups [{a}, {b}) for die {d}: an entry"
+                f" range or row index outside this die's {len(rows)} expert rows; nothing"
+                " written"
+            )
+        _words(ep, d, lo.fused_cflag_off, cap)[lin[a:b]] = op  # LAST
+
+
+def _bad_dedup_plan(ep: Endpoint, g: DedupGroups, cap: int) -> None:
+    """Raise the ProtocolError of a dedup send plan `dedup_plan` refused; nothing sent."""
+    topk = ep.layout.a2a_topk
+    lin = g.slot * topk + g.kfirst
+    bad = (g.src < 0) | (g.src >= ep.num_dies) | (g.kfirst < 0) | (g.kfirst >= topk)
+    bad |= (lin < 0) | (lin >= cap)
+    bad[1:] |= g.src[1:] < g.src[:-1]
+    i = int(np.flatnonzero(bad)[0])
+    raise ProtocolError(
+        f"die {ep.die_id}: dedup combine row for die {int(g.src[i])} at (slot"
+        f" {int(g.slot[i])}, k {int(g.kfirst[i])}): outside the pod's {ep.num_dies} dies, out"
+        f" of source order, or outside the combine area of {cap} rows; nothing written"
+    )
+
+
+def _comb_flat_as(ep: Endpoint, die: int, bf16: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(uint16, float32) flat views of die's fused combine buffer for `reduce_groups_raw`:
+    the one of the combine dtype, the other empty (made once)."""
+    views = ep.a2a.views
+    v = views.get(("comb_as", die))
+    if v is None:
+        flat = _comb_flat(ep, die)
+        pair = (flat.view(np.uint16), _NO_F32) if bf16 else (_NO_U16, flat.view(np.float32))
+        v = views["comb_as", die] = pair
+    return v
+
+
+_NO_U16, _NO_F32 = np.zeros(0, np.uint16), np.zeros(0, np.float32)  # the unused target
 
 
 # ------------------------------------------------------------------------------------------------

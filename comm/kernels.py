@@ -38,6 +38,7 @@ __all__ = [
     "assemble_place",
     "dedup_count",
     "dedup_layout",
+    "dedup_plan",
     "dispatch_layout",
     "group_by_dest",
     "scatter_rows_raw",
@@ -48,6 +49,7 @@ __all__ = [
     "pack_rows_raw",
     "quantize_int8",
     "reduce_groups",
+    "reduce_groups_raw",
     "scatter_rows",
     "to_bfloat16",
     "warm",
@@ -574,6 +576,13 @@ def reduce_groups(rows: np.ndarray, pos: np.ndarray, start: np.ndarray, w: np.nd
         )
 
 
+reduce_groups_raw = _reduce_groups
+"""`reduce_groups` without the wrapper's conversions (the compiled pass, which proves every
+index in range and returns -1, nothing written, otherwise): rows float32 C-contiguous, the
+target buffer as flat uint16 (bfloat16 bits) or float32 view with the unused one empty,
+stride and row count in elements and rows."""
+
+
 @numba.njit(cache=True, nogil=True, boundscheck=False)
 def dedup_count(flat, n, stride, eoff, most, topk, counts):  # pragma: no cover - compiled
     """Check n dedup dispatch rows (uint8 `flat`, rows `stride` bytes apart: meta scale | slot
@@ -945,6 +954,32 @@ def group_by_dest(dest, slots, ks, topk, n_dies, cap, order, lin, starts):  # pr
     return 0
 
 
+@numba.njit(numba.types.int64(*[_RO_I64] * 3, *[numba.types.int64] * 3, *[_I64] * 2),
+            cache=True, nogil=True, boundscheck=False)  # fmt: skip
+def dedup_plan(src, slots, kfirst, topk, n_dies, cap, lin, starts):  # pragma: no cover
+    """The dedup combine's send plan: lin[g] = slots[g] * topk + kfirst[g], the combine row of
+    group g in its source's buffer, and the groups of die d at starts[d]:starts[d + 1]. Groups
+    come in source order (`dedup_place` is called per source, ascending), so no reordering:
+    the plan is their order. Returns 0, or -1 if a source is out of range or out of order, or
+    a (slot, k) outside the combine buffer of `cap` rows (nothing is sent then). The numpy it
+    replaces: `lin = slot * topk + kfirst` with `_lin_check`, and np.flatnonzero cuts of src."""
+    n = src.shape[0]
+    for d in range(n_dies + 1):
+        starts[d] = 0
+    prev = 0
+    for i in range(n):
+        d, k = src[i], kfirst[i]
+        q = slots[i] * topk + k
+        if d < prev or d >= n_dies or k < 0 or k >= topk or q < 0 or q >= cap:
+            return -1
+        prev = d
+        starts[d + 1] += 1
+        lin[i] = q
+    for d in range(n_dies):
+        starts[d + 1] += starts[d]
+    return 0
+
+
 def warm() -> None:
     """Load every kernel (compiled at import from the on-disk cache, or compiled there once)
     and run it once, so that a die forked afterwards starts with it ready."""
@@ -978,6 +1013,7 @@ def warm() -> None:
     tables = np.zeros(2, np.int64), np.zeros(2, np.int64), np.zeros(2, np.int64)
     group_by_dest(*tables, 1, 1, 2, np.zeros(2, np.int64), np.zeros(2, np.int64),
                   np.zeros(2, np.int64))  # fmt: skip
+    dedup_plan(*tables, 1, 1, 2, np.zeros(2, np.int64), np.zeros(2, np.int64))
     dispatch_layout(np.zeros((1, 2), np.int64) - 1, *tables, 1)
     dedup_layout(np.zeros((1, 2), np.int64) - 1, np.ones((1, 2), np.float32), *tables[:2], 1)
     assemble_count(packed.reshape(-1).view(np.int32), 1, 64, counts)

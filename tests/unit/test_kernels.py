@@ -420,3 +420,29 @@ def test_dedup_layout_refuses_bad_ids_and_repeats_with_the_numpy_message():
         with pytest.raises(want.type) as got:
             _dedup_layout(idx, w, place)
         assert str(got.value) == str(want.value)
+
+
+def test_dedup_plan_is_the_numpy_plan_and_refuses_out_of_range():
+    from comm.kernels import dedup_plan
+
+    rng = np.random.default_rng(4)
+    n, dies, topk, batch = 50, 6, 8, 16
+    src = np.sort(rng.integers(0, dies, n))
+    slots, kfirst = rng.integers(0, batch, n), rng.integers(0, topk, n)
+    lin, starts = np.zeros(n, np.int64), np.zeros(dies + 1, np.int64)
+    assert dedup_plan(src, slots, kfirst, topk, dies, batch * topk, lin, starts) == 0
+    assert np.array_equal(lin, slots * topk + kfirst)
+    cuts = np.flatnonzero(src[1:] != src[:-1]) + 1  # the numpy cuts it replaces
+    assert np.array_equal(np.diff(starts), np.bincount(src, minlength=dies))
+    assert set(cuts.tolist()) <= set(starts.tolist())
+    for d in range(dies):
+        assert (src[starts[d] : starts[d + 1]] == d).all()
+    empty = np.zeros(0, np.int64)
+    assert dedup_plan(empty, empty, empty, topk, dies, batch * topk, empty, starts) == 0
+    assert not starts.any()
+    for d2, s2, k2 in ((dies, 0, 0), (-1, 0, 0), (0, batch, 0), (0, 0, topk), (0, -1, 0)):
+        d, s, k = src.copy(), slots.copy(), kfirst.copy()
+        d[-1], s[-1], k[-1] = d2, s2, k2
+        assert dedup_plan(d, s, k, topk, dies, batch * topk, lin, starts) == -1
+    shuffled = src[::-1].copy()  # groups out of source order
+    assert dedup_plan(shuffled, slots, kfirst, topk, dies, batch * topk, lin, starts) == -1
