@@ -761,16 +761,14 @@ def _pull_reduce_groups(ep: Endpoint, expert_out, g: DedupGroups, rows: np.ndarr
     n = len(g.src)
     if not n:
         return
-    bf16 = _comb_dtype(ep) == BF16
-    flat = rows.reshape(-1)
-    d16, d32 = (flat.view(np.uint16), _NO_F32) if bf16 else (_NO_U16, flat.view(np.float32))
     views = ep.a2a.views
     lin = views.get("arange")
     if lin is None:
         lin = views["arange"] = np.arange(ep.layout.pull_comb_rows, dtype=np.int64)
     stride = ep.layout.pull_comb_stride // ep.layout.a2a_combine_bytes
-    if kernels().reduce_groups_raw(np.ascontiguousarray(expert_out), g.pos, g.start, g.w, 0,
-                                   d16, d32, bf16, lin[:n], stride, n):  # fmt: skip
+    dst = _flat_elems(ep, rows.reshape(-1))
+    if kernels().reduce_groups_raw(np.ascontiguousarray(expert_out), g.pos, g.start, g.w, 0, dst,
+                                   lin[:n], stride, n):  # fmt: skip
         raise ProtocolError(
             f"die {ep.die_id}: dedup combine: an entry range or row index outside this die's"
             f" {len(expert_out)} expert rows; nothing written"
@@ -1277,7 +1275,6 @@ def _write_groups_by_src(ep, rows, g: DedupGroups, op, event_id) -> None:
     if k.dedup_plan(g.src, g.slot, g.kfirst, lo.a2a_topk, ep.num_dies, cap, lin, starts):
         _bad_dedup_plan(ep, g, cap)
     rows = np.ascontiguousarray(rows)
-    bf16 = _comb_dtype(ep) == BF16
     stride = lo.pull_comb_stride // lo.a2a_combine_bytes
     starts = starts.tolist()
     for d in range(ep.num_dies):
@@ -1285,9 +1282,8 @@ def _write_groups_by_src(ep, rows, g: DedupGroups, op, event_id) -> None:
         if a == b:
             continue
         _words(ep, d, lo.fused_cevent_off, ep.num_dies)[ep.die_id] = event_id
-        d16, d32 = _comb_flat_as(ep, d, bf16)
-        if k.reduce_groups_raw(rows, g.pos, g.start, g.w, a, d16, d32, bf16, lin[a:b], stride,
-                               cap):  # fmt: skip  # remote writes
+        dst = _comb_flat_elems(ep, d)
+        if k.reduce_groups_raw(rows, g.pos, g.start, g.w, a, dst, lin[a:b], stride, cap):  # remote
             raise ProtocolError(
                 f"die {ep.die_id}: dedup combine groups [{a}, {b}) for die {d}: an entry"
                 f" range or row index outside this die's {len(rows)} expert rows; nothing"
@@ -1311,19 +1307,19 @@ def _bad_dedup_plan(ep: Endpoint, g: DedupGroups, cap: int) -> None:
     )
 
 
-def _comb_flat_as(ep: Endpoint, die: int, bf16: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(uint16, float32) flat views of die's fused combine buffer for `reduce_groups_raw`:
-    the one of the combine dtype, the other empty (made once)."""
+def _comb_flat_elems(ep: Endpoint, die: int) -> np.ndarray:
+    """Flat view of die's fused combine buffer in elements, as `reduce_groups_raw` takes it:
+    uint16 (bfloat16 bits) or float32 (made once)."""
     views = ep.a2a.views
-    v = views.get(("comb_as", die))
+    v = views.get(("comb_elems", die))
     if v is None:
-        flat = _comb_flat(ep, die)
-        pair = (flat.view(np.uint16), _NO_F32) if bf16 else (_NO_U16, flat.view(np.float32))
-        v = views["comb_as", die] = pair
+        v = views["comb_elems", die] = _flat_elems(ep, _comb_flat(ep, die))
     return v
 
 
-_NO_U16, _NO_F32 = np.zeros(0, np.uint16), np.zeros(0, np.float32)  # the unused target
+def _flat_elems(ep: Endpoint, flat8: np.ndarray) -> np.ndarray:
+    """A flat uint8 view of combine rows as uint16 (bfloat16 bits) or float32 elements."""
+    return flat8.view(np.uint16 if ep.layout.a2a_combine_bytes == 2 else np.float32)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -446,3 +446,38 @@ def test_dedup_plan_is_the_numpy_plan_and_refuses_out_of_range():
         assert dedup_plan(d, s, k, topk, dies, batch * topk, lin, starts) == -1
     shuffled = src[::-1].copy()  # groups out of source order
     assert dedup_plan(shuffled, slots, kfirst, topk, dies, batch * topk, lin, starts) == -1
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+@pytest.mark.parametrize("dtype", [BF16, np.float32])
+@pytest.mark.parametrize("hidden", [1, 33, 512, 1100])
+def test_reduce_groups_every_group_size_equals_the_plain_loop(dtype, hidden):
+    """Groups of 0..6 entries (the kernel has a path for up to two and a chunked one past
+    them, chunks of 512 columns) equal the loop over j in float32 from +0.0, rounded once;
+    -0.0 products come out +0.0 as from the loop."""
+    from comm.kernels import reduce_groups
+    from comm.quant import round_combine
+
+    rng = np.random.default_rng(hidden)
+    sizes = [0, 1, 2, 3, 4, 5, 6, 2, 1, 3]
+    n = sum(sizes)
+    rows = (rng.standard_normal((n, hidden)) * 10.0 ** rng.integers(-30, 30, (n, 1))).astype(
+        np.float32
+    )
+    rows[rng.random(rows.shape) < 0.05] = -0.0
+    rows[0, 0] = np.nan
+    pos = rng.permutation(n).astype(np.int64)
+    start = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    w = rng.standard_normal(n).astype(np.float32)
+    w[::7] = 0.0
+    buf = np.full((len(sizes) + 2, hidden + 8), 5, dtype)
+    lin = rng.permutation(len(sizes) + 2)[: len(sizes)].astype(np.int64)
+    reduce_groups(rows, pos, start, w, 0, buf, lin)
+    for g in range(len(sizes)):
+        acc = np.zeros(hidden, np.float32)
+        for j in range(start[g], start[g + 1]):
+            acc = acc + w[j] * rows[pos[j]]
+        want = round_combine(acc[None], np.dtype(dtype))[0]
+        got = buf[lin[g], :hidden]
+        assert np.array_equal(got.view(np.uint8), np.asarray(want, dtype).view(np.uint8)), g
+    assert (buf[:, hidden:].astype(np.float32) == 5).all()
