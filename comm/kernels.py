@@ -372,10 +372,10 @@ int32 bits, and the destination block as flat uint8 and int32 views."""
 _RO_I32 = numba.types.Array(numba.types.int32, 1, "C", readonly=True)
 _RO_F32 = numba.types.Array(numba.types.float32, 1, "C", readonly=True)
 _PACK_DEDUP_SIG = numba.types.int64(
-    numba.types.uint8[:, ::1], numba.types.int32[::1], _RO_I64, _RO_I64, _RO_I64, _RO_I64,
-    _RO_F32, numba.types.uint8[::1], numba.types.int32[::1], numba.types.int64,
-    numba.types.int64, numba.types.int64,
-)  # fmt: skip
+    numba.types.Array(numba.types.uint8, 2, "C", readonly=True), _RO_I32, _RO_I64, _RO_I64,
+    _RO_I64, _RO_I64, _RO_F32, numba.types.uint8[::1], numba.types.int32[::1],
+    numba.types.int64, numba.types.int64, numba.types.int64,
+)  # read-only inputs: a caller's read-only x (quant None) is the payload  # fmt: skip
 
 
 def _readonly(a, dtype) -> np.ndarray:
@@ -467,11 +467,13 @@ that pass payload as uint8 [batch, bytes], scales as int32 bits, a DedupLayout's
 destination rows as flat uint8 and int32 views, and `most` = entries a row has room for."""
 
 
-_SIG_GROUPS = [
-    f"int64(float32[:, ::1], int64[::1], int64[::1], float32[::1], int64, {dst}[::1], int64[::1],"
-    " int64, int64)"
-    for dst in ("uint16", "float32")
-]
+_SIG_GROUPS = [  # read-only inputs (a caller's expert_out may be read-only), two target dtypes
+    numba.types.int64(
+        numba.types.Array(numba.types.float32, 2, "C", readonly=True), _RO_I64, _RO_I64,
+        _RO_F32, numba.types.int64, dst[::1], _RO_I64, numba.types.int64, numba.types.int64,
+    )
+    for dst in (numba.types.uint16, numba.types.float32)
+]  # fmt: skip
 
 
 @numba.extending.intrinsic

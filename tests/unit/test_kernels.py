@@ -158,6 +158,8 @@ def test_pack_dedup_rows_writes_payload_entries_and_meta(dtype):
     eoff = dedup_entries_off(pb)
     rows = np.full((4, eoff + 12 * 3 + 16 + 4), 0xAB, np.uint8)
     rows_before = rows.copy()
+    for a in (payload, scale):
+        a.flags.writeable = False  # x itself is the payload without quantization
     pack_dedup_rows(payload, scale, slots, start, ks, locs, w, rows, eoff)
     assert not np.array_equal(rows, rows_before)
     for i, slot in enumerate(slots):
@@ -472,6 +474,8 @@ def test_reduce_groups_every_group_size_equals_the_plain_loop(dtype, hidden):
     w[::7] = 0.0
     buf = np.full((len(sizes) + 2, hidden + 8), 5, dtype)
     lin = rng.permutation(len(sizes) + 2)[: len(sizes)].astype(np.int64)
+    for a in (rows, pos, start, w, lin):
+        a.flags.writeable = False  # a caller's expert_out may be read-only
     reduce_groups(rows, pos, start, w, 0, buf, lin)
     for g in range(len(sizes)):
         acc = np.zeros(hidden, np.float32)
