@@ -649,7 +649,7 @@ def _assemble_dedup(ep, parts, pb, quant, placement, lay, topk_idx, topk_weights
     eoff = L.dedup_entries_off(pb)
     n_local = _place_info(ep, placement).num_local[ep.die_id]
     counts = np.zeros(n_local, np.int64)
-    flats = [(src, rows.reshape(-1), len(rows)) for src, rows in parts]
+    flats = [(src, rows.reshape(-1), len(rows)) for src, rows in parts if len(rows)]
     m = 0
     for src, flat, n in flats:
         got = k.dedup_count(flat, n, stride, eoff, most, topk, counts)
@@ -665,18 +665,18 @@ def _assemble_dedup(ep, parts, pb, quant, placement, lay, topk_idx, topk_weights
     np.cumsum(counts[:-1], out=cursor[1:])
     dt = np.int8 if quant == "int8" else np.float32
     x = np.empty((m, hidden), dt)
-    scale_bits = np.empty(m, np.int32)
-    src_rank, slot, k_index, local = (np.empty(m, np.int64) for _ in range(4))
-    g_src, g_slot, g_kfirst = (np.empty(total, np.int64) for _ in range(3))
+    bits = np.empty((2, m), np.int32)  # per output row its scale, per entry its weight
+    meta = np.empty((5, m), np.int64)  # per output row its origin; per entry its output row
+    grp = np.empty((3, total), np.int64)  # per group its source, slot and first k
+    src_rank, slot, k_index, local, pos = meta
     start = np.zeros(total + 1, np.int64)
-    pos = np.empty(m, np.int64)
-    w_bits = np.empty(m, np.int32)
     x8 = x.view(np.uint8).reshape(m, pb)
     g0 = 0
     for src, flat, n in flats:
-        k.dedup_place(flat, n, stride, eoff, src, cursor, g0, x8, scale_bits, src_rank, slot,
-                      k_index, local, g_src, g_slot, g_kfirst, start, pos, w_bits)  # fmt: skip
+        k.dedup_place(flat, n, stride, eoff, src, cursor, g0, x8, bits, meta, grp, start)
         g0 += n
+    scale_bits, w_bits = bits
+    g_src, g_slot, g_kfirst = grp
     scales = scale_bits.view(np.float32) if quant == "int8" else None
     groups = DedupGroups(src=g_src, slot=g_slot, kfirst=g_kfirst, start=start, pos=pos,
                          w=w_bits.view(np.float32))  # fmt: skip

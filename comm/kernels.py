@@ -648,13 +648,15 @@ def dedup_count(flat, n, stride, eoff, most, topk, counts):  # pragma: no cover 
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def dedup_place(flat, n, stride, eoff, src, cursor, g0, x8, scale_bits, out_src, out_slot,
-                out_k, out_local, g_src, g_slot, g_kfirst, start, pos, w_bits):  # fmt: skip
+def dedup_place(flat, n, stride, eoff, src, cursor, g0, x8, bits, meta, groups,
+                start):  # fmt: skip  # pragma: no cover - compiled
     """Expand n dedup rows checked by `dedup_count` (source die `src`, groups g0..g0+n-1): each
-    entry's payload straight to output row cursor[local] (then cursor[local] += 1), with its
-    scale, source, slot, k and local expert; per group its source, slot, first k and entry
-    range (start[g + 1] = start[g] + entries); per entry its output row and weight bits. Rows
-    are walked in order, so each expert's rows stay in (src, slot, k) order."""  # noqa: D401
+    entry's payload straight to output row p = cursor[local] (then cursor[local] += 1), with
+    bits[0, p] its scale bits and meta[0:4, p] its source, slot, k and local expert; per group
+    groups[0:3, g] its source, slot and first k, and its entry range (start[g + 1] = start[g]
+    + entries); per entry q, meta[4, q] its output row and bits[1, q] its weight bits. Rows are
+    walked in order, so each expert's rows stay in (src, slot, k) order. (The outputs are rows
+    of three 2-D arrays, not twelve 1-D ones: a numba call costs ~60 ns per argument.)"""
     w32 = flat.view(np.int32)
     pb = x8.shape[1]
     for r in range(n):
@@ -662,10 +664,10 @@ def dedup_place(flat, n, stride, eoff, src, cursor, g0, x8, scale_bits, out_src,
         base = r * stride
         m = (base + stride - 16) // 4
         ne, slot = w32[m + 2], w32[m + 1]
-        g_src[g] = src
-        g_slot[g] = slot
+        groups[0, g] = src
+        groups[1, g] = slot
         e = (base + eoff) // 4
-        g_kfirst[g] = w32[e]
+        groups[2, g] = w32[e]
         a = start[g]
         start[g + 1] = a + ne
         row = flat[base : base + pb]
@@ -673,16 +675,16 @@ def dedup_place(flat, n, stride, eoff, src, cursor, g0, x8, scale_bits, out_src,
             loc = w32[e + 3 * j + 1]
             p = cursor[loc]
             cursor[loc] = p + 1
-            pos[a + j] = p
-            w_bits[a + j] = w32[e + 3 * j + 2]
+            meta[4, a + j] = p
+            bits[1, a + j] = w32[e + 3 * j + 2]
             d = x8[p]
             for c in range(pb):
                 d[c] = row[c]
-            scale_bits[p] = w32[m]
-            out_src[p] = src
-            out_slot[p] = slot
-            out_k[p] = w32[e + 3 * j]
-            out_local[p] = loc
+            bits[0, p] = w32[m]
+            meta[0, p] = src
+            meta[1, p] = slot
+            meta[2, p] = w32[e + 3 * j]
+            meta[3, p] = loc
 
 
 # -- the bookkeeping of a dispatch: layout and grouping, one compiled pass each --------------------
@@ -1044,8 +1046,8 @@ def warm() -> None:
     dedup_count(flat, 1, 64, 8, 3, 1, counts)
     i64 = [np.zeros(1, np.int64) for _ in range(8)]
     dedup_place(flat, 1, 64, 8, 0, np.zeros(1, np.int64), 0, np.zeros((1, 8), np.uint8),
-                np.zeros(1, np.int32), *i64[:7], np.zeros(2, np.int64), i64[7],
-                np.zeros(1, np.int32))  # fmt: skip
+                np.zeros((2, 1), np.int32), np.zeros((5, 1), np.int64), np.zeros((3, 1), np.int64),
+                np.zeros(2, np.int64))  # fmt: skip
     tables = np.zeros(2, np.int64), np.zeros(2, np.int64), np.zeros(2, np.int64)
     group_by_dest(*tables, 1, 1, 2, np.zeros(2, np.int64), np.zeros(2, np.int64),
                   np.zeros(2, np.int64))  # fmt: skip

@@ -485,3 +485,76 @@ def test_reduce_groups_every_group_size_equals_the_plain_loop(dtype, hidden):
         got = buf[lin[g], :hidden]
         assert np.array_equal(got.view(np.uint8), np.asarray(want, dtype).view(np.uint8)), g
     assert (buf[:, hidden:].astype(np.float32) == 5).all()
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.float32])
+def test_dedup_expansion_groups_entries_stably_by_local_expert(dtype):
+    """dedup_count / dedup_place over dedup rows from 3 sources (packed by pack_dedup_rows):
+    one output row per entry, equal to the numpy stable sort by local expert of the entries
+    in (source, row, k) order, with the groups' source, slot, first k, entry ranges, the
+    entries' output rows and weights; dedup_count refuses malformed rows."""
+    from comm.kernels import dedup_count, dedup_place, pack_dedup_rows
+    from memory.layout import dedup_entries_off
+
+    rng = np.random.default_rng(11)
+    hidden, n_local, topk = 10, 5, 4
+    pb = hidden * np.dtype(dtype).itemsize
+    eoff = dedup_entries_off(pb)
+    stride = eoff + 12 * topk + 16
+    parts, entries, groups = [], [], []
+    for src in range(3):
+        n = int(rng.integers(0, 6))
+        payload = (rng.integers(-100, 100, (8, hidden)) * (src + 1)).astype(dtype)
+        scale = rng.random(8).astype(np.float32)
+        slots = np.sort(rng.choice(8, n, replace=False))
+        sizes = rng.integers(1, topk + 1, n)
+        start = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        ks = np.concatenate([np.sort(rng.choice(topk, s, replace=False)) for s in sizes] or [[]])
+        locs = np.concatenate([rng.choice(n_local, s, replace=False) for s in sizes] or [[]])
+        w = rng.standard_normal(len(ks)).astype(np.float32)
+        rows = np.zeros((n, stride), np.uint8)
+        pack_dedup_rows(payload, scale, slots, start, ks.astype(np.int64),
+                        locs.astype(np.int64), w, rows, eoff)  # fmt: skip
+        parts.append((src, rows))
+        for i in range(n):
+            groups.append((src, slots[i], ks[start[i]], sizes[i]))
+            for j in range(start[i], start[i + 1]):
+                entries.append((locs[j], src, slots[i], ks[j], payload[slots[i]],
+                                scale[slots[i]], w[j]))  # fmt: skip
+    counts = np.zeros(n_local, np.int64)
+    m = 0
+    for _, rows in parts:
+        m += dedup_count(rows.reshape(-1), len(rows), stride, eoff, topk, topk, counts)
+    assert m == len(entries)
+    assert np.array_equal(counts, np.bincount([e[0] for e in entries], minlength=n_local))
+    cursor = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    x8 = np.zeros((m, pb), np.uint8)
+    bits = np.zeros((2, m), np.int32)
+    meta = np.zeros((5, m), np.int64)
+    grp = np.zeros((3, len(groups)), np.int64)
+    start = np.zeros(len(groups) + 1, np.int64)
+    g0 = 0
+    for src, rows in parts:
+        dedup_place(rows.reshape(-1), len(rows), stride, eoff, src, cursor, g0, x8, bits, meta,
+                    grp, start)  # fmt: skip
+        g0 += len(rows)
+    order = sorted(range(m), key=lambda q: (entries[q][0], q))  # stable by local expert
+    for p, q in enumerate(order):
+        loc, src, slot, k, row, scale, _ = entries[q]
+        assert meta[:4, p].tolist() == [src, slot, k, loc]
+        assert np.array_equal(x8[p].view(dtype), row) and bits[0, p] == scale.view(np.int32)
+        assert meta[4, q] == p  # entry q's output row
+    assert bits[1].tolist() == [e[6].view(np.int32) for e in entries]
+    assert grp.T.tolist() == [list(g[:3]) for g in groups]
+    assert np.array_equal(np.diff(start), [g[3] for g in groups])
+    some = next(rows for _, rows in parts if len(rows))
+    # malformed rows are refused before anything is counted: entry count 0 or past most,
+    # meta word 3 not -1, a k or a local expert out of range
+    for word, value in ((-2, 0), (-2, topk + 1), (-1, 0), (eoff // 4, topk),
+                        (eoff // 4 + 1, n_local)):  # fmt: skip
+        bad = some[:1].copy()
+        w32 = bad.reshape(-1).view(np.int32)
+        w32[word if word >= 0 else stride // 4 + word] = value
+        c = np.zeros(n_local, np.int64)
+        assert dedup_count(bad.reshape(-1), 1, stride, eoff, topk, topk, c) == -1
+        assert not c.any()
