@@ -106,7 +106,8 @@ class DispatchHandle:
     Attributes:
         protocol, quant: as dispatched.
         placement: the expert placement used.
-        layout: this die's DispatchLayout (its messages in canonical send order).
+        layout: this die's DispatchLayout (its messages in canonical send order); None after
+            a dedup dispatch, whose rows are `dedup`'s.
         topk_idx: int64 [batch, k]; topk_weights: float32 [batch, k] (this die's tokens).
         recv_src_rank: int64 [n_rows], the source die of each dispatched row this die received.
         op: the dispatch operation number.
@@ -118,7 +119,7 @@ class DispatchHandle:
     protocol: str
     quant: str | None
     placement: Placement
-    layout: DispatchLayout
+    layout: DispatchLayout | None
     topk_idx: np.ndarray
     topk_weights: np.ndarray
     recv_src_rank: np.ndarray
@@ -315,8 +316,8 @@ def _layout(topk_idx: np.ndarray, placement: Placement) -> DispatchLayout:
 
 def _dedup_layout(topk_idx, topk_weights, placement: Placement) -> DedupLayout:
     """`comm.routing.get_dedup_layout` in one compiled pass (`comm.kernels.dedup_layout`, equal
-    to it); input the kernel cannot take or refuses goes the numpy way, which raises the error
-    naming the problem (in `dispatch`, `_check_inputs` and `_layout` have refused it before)."""
+    to it); input the kernel cannot take or refuses (an id out of range or repeated) goes the
+    numpy way, which raises the error naming the problem, as `_layout` does."""
     t, w = np.asarray(topk_idx), np.asarray(topk_weights)
     ok = isinstance(placement, Placement) and t.dtype.kind in "iu" and t.ndim == 2
     if not ok or w.shape != t.shape or w.dtype.kind not in "fiu":
@@ -488,9 +489,11 @@ def dispatch(
         if not isinstance(dedup, bool | np.bool_):
             raise TypeError(f"dedup must be a bool, got {_describe(dedup)}")
         dedup = bool(dedup)
-        lay = _layout(topk_idx, placement)
-        _check_capacity(ep, lay, placement)
-        dl = _dedup_layout(topk_idx, topk_weights, placement) if dedup else None
+        if dedup:  # its own layout only; at most batch rows a die, which a block always holds
+            lay, dl = None, _dedup_layout(topk_idx, topk_weights, placement)
+        else:
+            lay, dl = _layout(topk_idx, placement), None
+            _check_capacity(ep, lay, placement)
         # steps 1-2, load and quantize, before the operation starts: a row INT8 cannot take
         # (not finite) is this die's bad input too
         payload, scale = _payload(x, quant)
@@ -1053,7 +1056,7 @@ def _fused_dispatch(ep, payload, scale, topk_idx, topk_weights, quant, event_id,
     t1 = now_ns()
     code = QUANT_CODE[quant] + (DEDUP_CODE if dl is not None else 0)
     # with dedup too: the counts are of (token, expert) entries, those of the layout (§6.3)
-    per_expert = lay.num_tokens_per_expert
+    per_expert = (lay if dl is None else dl).num_tokens_per_expert
     for d in range(ep.num_dies):  # step 2: counts, then the completion flag LAST
         p, n_local = info.pos[d], info.num_local[d]
         a, b = (offs[p], offs[p + 1]) if p >= 0 else (0, 0)

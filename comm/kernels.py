@@ -804,7 +804,7 @@ _DEDUP_LAYOUT_SIG = numba.types.int64(
     numba.types.Array(numba.types.int64, 2, "C", readonly=True),
     numba.types.Array(numba.types.float32, 2, "C", readonly=True), _RO_I64, _RO_I64,
     numba.types.int64, _I64, _I64, _I64, _I64, _I64, _I64, numba.types.float32[::1],
-    numba.types.int64[:, ::1], _I64,
+    numba.types.int64[:, ::1], _I64, _I64,
 )  # fmt: skip
 
 
@@ -823,13 +823,17 @@ def _dedup_layout(
     ent_local,
     ent_w,
     idx_first,
+    per_expert,
     scratch,
 ):  # pragma: no cover - compiled
     """Counting sort of the routed (slot, k) into rows by (destination position, slot), a row's
-    entries in ascending k. Returns the row count, or -1 for an id outside [-1, E), -2 for an
-    expert named twice in one row (nothing usable is written then). scratch: >= 3 x n_pos."""
+    entries in ascending k; per_expert: entries per expert. Returns the row count, or -1 for an
+    id outside [-1, E), -2 for an expert named twice in one row (nothing usable is written
+    then). scratch: >= 3 x n_pos."""
     b, k_n = topk.shape
     n_exp = pos_of.shape[0]
+    for e in range(n_exp):
+        per_expert[e] = 0
     last = scratch[:n_pos]  # the slot that opened the latest row of each position
     rows = scratch[n_pos : 2 * n_pos]  # rows, then the next row, of each position
     ents = scratch[2 * n_pos : 3 * n_pos]  # entries, then the next entry, of each position
@@ -852,6 +856,7 @@ def _dedup_layout(
                     last[p] = i
                     rows[p] += 1
                 ents[p] += 1
+                per_expert[e] += 1
     offsets[0] = 0
     n_ent = 0
     for p in range(n_pos):  # counts -> first row / first entry of each position
@@ -888,10 +893,10 @@ def _dedup_layout(
 def dedup_layout(topk: np.ndarray, w: np.ndarray, pos_of: np.ndarray, local_of: np.ndarray,
                  n_pos: int) -> tuple | int:  # fmt: skip
     """`comm.routing.get_dedup_layout`'s arrays in one compiled pass, a counting sort:
-    (row_slot, row_kfirst, dest_offsets, ent_start, ent_k, ent_local, ent_w, idx_first), in
-    `DedupLayout`'s field order, read-only, equal to the numpy version's (int64, ent_w
-    float32); or -1 / -2 for an id out of range / named twice in a row (the caller raises
-    `comm.routing.check_topk_idx`'s error).
+    (row_slot, row_kfirst, dest_offsets, ent_start, ent_k, ent_local, ent_w, idx_first,
+    num_tokens_per_expert), in `DedupLayout`'s field order, read-only, equal to the numpy
+    version's (int64, ent_w float32); or -1 / -2 for an id out of range / named twice in a row
+    (the caller raises `comm.routing.check_topk_idx`'s error).
 
     Why equal: the numpy version sorts the routed (slot, k) by (position, slot, k) and opens a
     row where (slot, position) changes. Here pass 1 counts each position's rows (a token's
@@ -903,24 +908,26 @@ def dedup_layout(topk: np.ndarray, w: np.ndarray, pos_of: np.ndarray, local_of: 
     topk: int64 [batch, k] C-contiguous; w: float32 [batch, k] C-contiguous (the caller
     converts); pos_of, local_of: a Placement's int64 tables; n_pos: len(placement.dies)."""
     b, k_n = topk.shape
-    cap = b * k_n
-    out = np.empty(5 * cap + n_pos + 2 + 3 * n_pos, np.int64)
+    cap, n_exp = b * k_n, len(pos_of)
+    at = 5 * cap + n_pos + 2  # then per_expert, then scratch
+    out = np.empty(at + n_exp + 3 * n_pos, np.int64)
     row_slot, row_kfirst, ent_k, ent_local = (out[i * cap : (i + 1) * cap] for i in range(4))
     ent_start = out[4 * cap : 5 * cap + 1]
-    offsets = out[5 * cap + 1 : 5 * cap + n_pos + 2]
-    scratch = out[5 * cap + n_pos + 2 :]
+    offsets = out[5 * cap + 1 : at]
+    per_expert = out[at : at + n_exp]
     ent_w = np.empty(cap, np.float32)
     idx_first = np.empty((b, k_n), np.int64)
     n = _dedup_layout(topk, w, pos_of, local_of, n_pos, row_slot, row_kfirst, offsets,
-                      ent_start, ent_k, ent_local, ent_w, idx_first, scratch)  # fmt: skip
+                      ent_start, ent_k, ent_local, ent_w, idx_first, per_expert,
+                      out[at + n_exp :])  # fmt: skip
     if n < 0:
         return int(n)
     m = int(ent_start[n])
     for a in (out, ent_w, idx_first):
         a.flags.writeable = False  # views taken from here on are read-only too
-    return (out[:n], out[cap : cap + n], out[5 * cap + 1 : 5 * cap + n_pos + 2],
-            out[4 * cap : 4 * cap + n + 1], out[2 * cap : 2 * cap + m],
-            out[3 * cap : 3 * cap + m], ent_w[:m], idx_first)  # fmt: skip
+    return (out[:n], out[cap : cap + n], out[5 * cap + 1 : at], out[4 * cap : 4 * cap + n + 1],
+            out[2 * cap : 2 * cap + m], out[3 * cap : 3 * cap + m], ent_w[:m], idx_first,
+            out[at : at + n_exp])  # fmt: skip
 
 
 @numba.njit(numba.types.int64(_RO_I32, numba.types.int64, numba.types.int64, _I64), cache=True,

@@ -338,7 +338,7 @@ def test_group_by_dest_is_a_stable_plan_and_refuses_out_of_range():
 # -- the dedup bookkeeping: layout and the combine's send plan -------------------------------------
 
 _DEDUP_FIELDS = ("row_slot", "row_kfirst", "dest_offsets", "ent_start", "ent_k", "ent_local",
-                 "ent_w", "idx_first")  # fmt: skip
+                 "ent_w", "idx_first", "num_tokens_per_expert")  # fmt: skip
 
 
 def _assert_dedup_layout_equal(got, want) -> None:
