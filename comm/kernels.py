@@ -692,7 +692,8 @@ def dedup_place(flat, n, stride, eoff, src, cursor, g0, x8, bits, meta, groups,
 # At decode sizes (a few tokens per die) a dispatch moves a few KB and its cost is the numpy calls
 # around the bytes (~40 per collective, 1-5 us each): the routing's sort, the grouping by expert.
 # These kernels do each in one call; their results are equal to the numpy they replace
-# (`comm.routing.get_dispatch_layout`, `_assemble`'s stable argsort), tests/unit/test_kernels.py.
+# (`comm.routing.get_dispatch_layout` and `get_dedup_layout`, `_assemble`'s stable argsort, the
+# dedup combine's cuts by source), tests/unit/test_kernels.py.
 
 
 _I64 = numba.types.int64[::1]
