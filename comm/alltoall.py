@@ -1038,7 +1038,8 @@ def _fused_dispatch(ep, payload, scale, topk_idx, topk_weights, quant, event_id,
         a, b = offs[p], offs[p + 1]
         if a == b:
             continue
-        # remote: d's block for this source (rows checked by _check_capacity)
+        # remote: d's block for this source (rows checked by _check_capacity; with dedup at
+        # most batch, which a block holds; _fused_block checks again)
         flat8, flat32 = _fused_block(ep, d, half, b - a)
         if dl is None:
             k.pack_rows_raw(
