@@ -106,7 +106,8 @@ class DispatchHandle:
     Attributes:
         protocol, quant: as dispatched.
         placement: the expert placement used.
-        layout: this die's DispatchLayout (its messages in canonical send order).
+        layout: this die's DispatchLayout (its messages in canonical send order); None after
+            a dedup dispatch, whose rows are `dedup`'s.
         topk_idx: int64 [batch, k]; topk_weights: float32 [batch, k] (this die's tokens).
         recv_src_rank: int64 [n_rows], the source die of each dispatched row this die received.
         op: the dispatch operation number.
@@ -118,7 +119,7 @@ class DispatchHandle:
     protocol: str
     quant: str | None
     placement: Placement
-    layout: DispatchLayout
+    layout: DispatchLayout | None
     topk_idx: np.ndarray
     topk_weights: np.ndarray
     recv_src_rank: np.ndarray
@@ -313,6 +314,21 @@ def _layout(topk_idx: np.ndarray, placement: Placement) -> DispatchLayout:
     return DispatchLayout(*got)
 
 
+def _dedup_layout(topk_idx, topk_weights, placement: Placement) -> DedupLayout:
+    """`comm.routing.get_dedup_layout` in one compiled pass (`comm.kernels.dedup_layout`, equal
+    to it); input the kernel cannot take or refuses (an id out of range or repeated) goes the
+    numpy way, which raises the error naming the problem, as `_layout` does."""
+    t, w = np.asarray(topk_idx), np.asarray(topk_weights)
+    ok = isinstance(placement, Placement) and t.dtype.kind in "iu" and t.ndim == 2
+    if not ok or w.shape != t.shape or w.dtype.kind not in "fiu":
+        return get_dedup_layout(topk_idx, topk_weights, placement)
+    t, w = np.ascontiguousarray(t, np.int64), np.ascontiguousarray(w, np.float32)
+    got = kernels().dedup_layout(t, w, placement.pos_of, placement.local_of, len(placement.dies))
+    if isinstance(got, int):  # an id out of range or repeated: the numpy path names it
+        return get_dedup_layout(t, w, placement)
+    return DedupLayout(*got)
+
+
 def _payload(x: np.ndarray, quant: str | None) -> tuple[np.ndarray, np.ndarray]:
     """(rows to send, per-row scales): INT8 + scales, or x itself with scales of 1."""
     if quant == "int8":
@@ -473,9 +489,11 @@ def dispatch(
         if not isinstance(dedup, bool | np.bool_):
             raise TypeError(f"dedup must be a bool, got {_describe(dedup)}")
         dedup = bool(dedup)
-        lay = _layout(topk_idx, placement)
-        _check_capacity(ep, lay, placement)
-        dl = get_dedup_layout(topk_idx, topk_weights, placement) if dedup else None
+        if dedup:  # its own layout only; at most batch rows a die, which a block always holds
+            lay, dl = None, _dedup_layout(topk_idx, topk_weights, placement)
+        else:
+            lay, dl = _layout(topk_idx, placement), None
+            _check_capacity(ep, lay, placement)
         # steps 1-2, load and quantize, before the operation starts: a row INT8 cannot take
         # (not finite) is this die's bad input too
         payload, scale = _payload(x, quant)
@@ -501,7 +519,9 @@ def dispatch(
     if dl is None:
         kernels().pack_rows(payload, scale, lay.msg_slot, lay.msg_k, lay.msg_local_expert, rows)
     else:
-        _pack_dedup(payload, scale, dl, 0, n, rows, pb)
+        flat8 = rows.reshape(-1)
+        pack = _dedup_packer(*_payload_bits(payload, pb, scale), dl, stride)
+        pack(0, n, flat8, flat8.view(np.int32))
     offs = (lay if dl is None else dl).dest_offsets.tolist()
     t2 = now_ns()
     # step 4: tell every destination where its block is
@@ -589,19 +609,33 @@ def _result(proto, quant, placement, lay, topk_idx, topk_weights, op, rows, dl=N
     return DispatchResult(x, scales, src_rank, slot, k_index, local, counts, handle)
 
 
-def _pack_dedup(payload, scale, dl: DedupLayout, a: int, b: int, rows, pb: int) -> None:
-    """Dedup rows a:b of `dl` (one per token and destination die) into `rows`, one pass."""
-    kernels().pack_dedup_rows(
-        payload,
-        scale,
-        dl.row_slot[a:b],
-        dl.ent_start[a : b + 1],
-        dl.ent_k,
-        dl.ent_local,
-        dl.ent_w,
-        rows,
-        L.dedup_entries_off(pb),
-    )
+def _payload_bits(payload: np.ndarray, pb: int, scale: np.ndarray) -> tuple:
+    """(payload as uint8 [batch, pb], scales as int32 bits): what the raw pack kernels take."""
+    src8 = np.ascontiguousarray(payload).view(np.uint8).reshape(len(payload), pb)
+    return src8, np.ascontiguousarray(scale, np.float32).view(np.int32)
+
+
+def _dedup_packer(src8, scale_bits, dl: DedupLayout, stride: int):
+    """`pack(a, b, flat8, flat32)`: dedup rows a:b of `dl` (one per token and destination die)
+    into the rows of flat8 / flat32 (a send area or a peer's block, `stride` bytes apart),
+    from src8 (the payload as uint8 [batch, bytes]) and scale_bits (the scales' int32 bits).
+    One compiled pass without the wrapper's per-call checks (`kernels.pack_dedup_rows_raw`):
+    the layout is this die's own, each row's entries at most min(topk, its die's experts),
+    which the stride holds (memory.layout sizes it; `_placement` caps the experts per die)."""
+    raw = kernels().pack_dedup_rows_raw
+    eoff = L.dedup_entries_off(src8.shape[1])
+    most = (stride - L.PULL_ROW_META - eoff) // L.DEDUP_ENTRY
+    slots, start, ks, locs, w = dl.row_slot, dl.ent_start, dl.ent_k, dl.ent_local, dl.ent_w
+
+    def pack(a: int, b: int, flat8: np.ndarray, flat32: np.ndarray) -> None:
+        if raw(src8, scale_bits, slots[a:b], start[a : b + 1], ks, locs, w, flat8, flat32, stride,
+               eoff, most):  # fmt: skip
+            raise ProtocolError(
+                f"dedup rows [{a}, {b}): a slot, an entry range or more than {most} entries a"
+                f" row (stride {stride}) outside what the layout allows; nothing written"
+            )
+
+    return pack
 
 
 def _assemble_dedup(ep, parts, pb, quant, placement, lay, topk_idx, topk_weights, op, proto,
@@ -618,7 +652,7 @@ def _assemble_dedup(ep, parts, pb, quant, placement, lay, topk_idx, topk_weights
     eoff = L.dedup_entries_off(pb)
     n_local = _place_info(ep, placement).num_local[ep.die_id]
     counts = np.zeros(n_local, np.int64)
-    flats = [(src, rows.reshape(-1), len(rows)) for src, rows in parts]
+    flats = [(src, rows.reshape(-1), len(rows)) for src, rows in parts if len(rows)]
     m = 0
     for src, flat, n in flats:
         got = k.dedup_count(flat, n, stride, eoff, most, topk, counts)
@@ -634,18 +668,18 @@ def _assemble_dedup(ep, parts, pb, quant, placement, lay, topk_idx, topk_weights
     np.cumsum(counts[:-1], out=cursor[1:])
     dt = np.int8 if quant == "int8" else np.float32
     x = np.empty((m, hidden), dt)
-    scale_bits = np.empty(m, np.int32)
-    src_rank, slot, k_index, local = (np.empty(m, np.int64) for _ in range(4))
-    g_src, g_slot, g_kfirst = (np.empty(total, np.int64) for _ in range(3))
+    bits = np.empty((2, m), np.int32)  # per output row its scale, per entry its weight
+    meta = np.empty((5, m), np.int64)  # per output row its origin; per entry its output row
+    grp = np.empty((3, total), np.int64)  # per group its source, slot and first k
+    src_rank, slot, k_index, local, pos = meta
     start = np.zeros(total + 1, np.int64)
-    pos = np.empty(m, np.int64)
-    w_bits = np.empty(m, np.int32)
     x8 = x.view(np.uint8).reshape(m, pb)
     g0 = 0
     for src, flat, n in flats:
-        k.dedup_place(flat, n, stride, eoff, src, cursor, g0, x8, scale_bits, src_rank, slot,
-                      k_index, local, g_src, g_slot, g_kfirst, start, pos, w_bits)  # fmt: skip
+        k.dedup_place(flat, n, stride, eoff, src, cursor, g0, x8, bits, meta, grp, start)
         g0 += n
+    scale_bits, w_bits = bits
+    g_src, g_slot, g_kfirst = grp
     scales = scale_bits.view(np.float32) if quant == "int8" else None
     groups = DedupGroups(src=g_src, slot=g_slot, kfirst=g_kfirst, start=start, pos=pos,
                          w=w_bits.view(np.float32))  # fmt: skip
@@ -706,9 +740,7 @@ def combine(
             dst[:] = expert_out[order]
     else:  # dedup: a pre-reduced row per received group, groups already in receive order
         dest = g.src
-        rows = _rows(ep, ep.die_id, COMBINE, half, 0, len(dest))
-        kernels().reduce_groups(expert_out, g.pos, g.start, g.w, 0, rows.view(cdt),
-                                np.arange(len(dest), dtype=np.int64))  # fmt: skip
+        _pull_reduce_groups(ep, expert_out, g, _rows(ep, ep.die_id, COMBINE, half, 0, len(dest)))
     t1 = now_ns()
     counts = np.bincount(dest, minlength=ep.num_dies)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
@@ -724,6 +756,26 @@ def combine(
         for step, a, b in ((3, t0, t1), (4, t1, t2), (5, t2, t3), (6, t3, t4)):
             ep.trace.rec(a, b - a, "pull_combine", step, -1, 0, event_id, 0)
     return out
+
+
+def _pull_reduce_groups(ep: Endpoint, expert_out, g: DedupGroups, rows: np.ndarray) -> None:
+    """Step 3 of a pull combine after a dedup dispatch: group i's pre-reduced row into row i
+    of `rows` (this die's own combine rows), one compiled pass (`reduce_groups_raw`)."""
+    n = len(g.src)
+    if not n:
+        return
+    views = ep.a2a.views
+    lin = views.get("arange")
+    if lin is None:
+        lin = views["arange"] = np.arange(ep.layout.pull_comb_rows, dtype=np.int64)
+    stride = ep.layout.pull_comb_stride // ep.layout.a2a_combine_bytes
+    dst = _flat_elems(ep, rows.reshape(-1))
+    if kernels().reduce_groups_raw(np.ascontiguousarray(expert_out), g.pos, g.start, g.w, 0, dst,
+                                   lin[:n], stride, n):  # fmt: skip
+        raise ProtocolError(
+            f"die {ep.die_id}: dedup combine: an entry range or row index outside this die's"
+            f" {len(expert_out)} expert rows; nothing written"
+        )
 
 
 def _ones(shape) -> np.ndarray:
@@ -924,6 +976,21 @@ def _block_off(ep: Endpoint, half: int, src: int) -> int:
     return lo.fused_disp_off + (half * ep.num_dies + src) * lo.fused_disp_rows * lo.pull_disp_stride
 
 
+def _fused_block(ep: Endpoint, die: int, half: int, count: int) -> tuple:
+    """(uint8, int32) flat views of die's whole dispatch block for this source (made once);
+    `count` rows are checked to fit, as `_fused_rows` does."""
+    lo = ep.layout
+    _area_check(ep, f"fused dispatch block of die {die} for source {ep.die_id}", 0, count,
+                lo.fused_disp_rows)  # fmt: skip
+    views = ep.a2a.views
+    v = views.get(("block", die, half))
+    if v is None:
+        base = _block_off(ep, half, ep.die_id)
+        flat = ep.regions[die].array[base : base + lo.fused_disp_rows * lo.pull_disp_stride]
+        v = views["block", die, half] = (flat, flat.view(np.int32))
+    return v
+
+
 @dataclass(frozen=True)
 class _PlaceInfo:
     """Per-die facts of a placement, computed once per placement object (hot-path lookups)."""
@@ -999,22 +1066,16 @@ def _fused_dispatch(ep, payload, scale, topk_idx, topk_weights, quant, event_id,
     code = QUANT_CODE[quant] + (DEDUP_CODE if dl is not None else 0)
     if dl is None:  # steps 1-2 for every destination in three compiled calls (`_fused_send`)
         t1 = _fused_send(ep, payload, scale, lay, info, half, op, event_id, code, pb)
-    else:
+    else:  # a dedup row per token and destination, fewer than its messages
+        pack = _dedup_packer(*_payload_bits(payload, pb, scale), dl, lo.pull_disp_stride)
         offs = dl.dest_offsets.tolist()
         for p, d in enumerate(placement.dies):
             a, b = offs[p], offs[p + 1]
-            if a < b:
-                _pack_dedup(payload, scale, dl, a, b, _fused_rows(ep, d, half, ep.die_id, b - a),
-                            pb)  # fmt: skip
+            if a < b:  # d's block for this source: at most batch rows, which a block holds
+                pack(a, b, *_fused_block(ep, d, half, b - a))
         t1 = now_ns()
-        for d in range(ep.num_dies):  # step 2: counts, then the completion flag LAST
-            p, n_local = info.pos[d], info.num_local[d]
-            a, b = (offs[p], offs[p + 1]) if p >= 0 else (0, 0)
-            if n_local:
-                locals_ = dl.ent_local[dl.ent_start[a] : dl.ent_start[b]]
-                counts = np.bincount(locals_, minlength=n_local)
-                _words(ep, d, lo.fused_counts_off_of(half, ep.die_id), n_local)[:] = counts
-            _flag(ep, d, lo.fused_flag_word(half, ep.die_id), event_id, b - a, op, code)
+        # the counts are of (token, expert) entries, those of the dedup layout (§6.3)
+        _fused_flags(ep, dl, info, half, op, event_id, code)
     t2 = now_ns()
     # step 3: every source's flag, then the packets in per-expert order
     if dl is None:
@@ -1075,18 +1136,26 @@ def _fused_send(ep, payload, scale, lay, info, half, op, event_id, code, pb) -> 
     k, mem = kernels(), _mem(ep)
     if not payload.flags.writeable:  # the kernels are compiled for writeable arrays only
         payload = payload.copy()
-    src8 = np.ascontiguousarray(payload).view(np.uint8).reshape(len(payload), pb)
-    scale_bits = np.ascontiguousarray(scale, np.float32).view(np.int32)
+    src8, scale_bits = _payload_bits(payload, pb, scale)
     k.fused_pack(mem.u8, mem.i32, info.dies_arr, lay.dest_offsets, _block_off(ep, half, ep.die_id),
                  src8, scale_bits, lay.msg_slot, lay.msg_k, lay.msg_local_expert,
                  lo.pull_disp_stride)  # fmt: skip
     t1 = now_ns()
+    _fused_flags(ep, lay, info, half, op, event_id, code)
+    return t1
+
+
+def _fused_flags(ep, lay, info, half, op, event_id, code) -> None:
+    """FusedDispatch step 2 for every die: its counts per local expert (`lay`'s, a
+    DispatchLayout or DedupLayout), event id, rows sent to it and quant code
+    (`fused_counts`), then the operation number LAST, in a later call (`fused_seq`)."""
+    lo = ep.layout
+    k, mem = kernels(), _mem(ep)
     flag = lo.fused_flag_word(half, ep.die_id)
     k.fused_counts(mem.i64, info.pos_arr, lay.dest_offsets, lay.num_tokens_per_expert,
                    info.exp_flat, info.exp_start, lo.fused_counts_off_of(half, ep.die_id) // 8,
                    flag, event_id, code)  # fmt: skip
     k.fused_seq(mem.i64, ep.num_dies, flag + G_SEQ, op)
-    return t1
 
 
 def _fused_receive(ep, half, op, event_id, placement, quant, lay, topk_idx, topk_weights, pb):
@@ -1326,21 +1395,65 @@ def _write_groups_by_src(ep, rows, g: DedupGroups, op, event_id) -> None:
     """The fused combine after a dedup dispatch: per source die (groups are in source order),
     this die's event id word, then each group's pre-reduced row (rounded in the same pass)
     straight into the source's combine buffer at (slot, first k of this die), then those
-    completion words LAST: `comm.kernels.reduce_groups`, one compiled pass per destination."""
+    completion words LAST. The send plan is one compiled pass (`comm.kernels.dedup_plan`,
+    which proves every row inside its buffer), then one compiled reduce per destination
+    (`reduce_groups_raw`)."""
     n = len(g.src)
     if not n:
         return
     lo = ep.layout
-    topk = lo.a2a_topk
-    reduce = kernels().reduce_groups
-    cuts = (np.flatnonzero(g.src[1:] != g.src[:-1]) + 1).tolist()
-    for a, b in zip([0, *cuts], [*cuts, n], strict=True):
-        d = int(g.src[a])
-        lin = g.slot[a:b] * topk + g.kfirst[a:b]
-        _lin_check(ep, d, lin)
+    k = kernels()
+    cap = lo.a2a_max_batch * lo.a2a_topk
+    lin = np.empty(n, np.int64)
+    starts = np.empty(ep.num_dies + 1, np.int64)
+    if k.dedup_plan(g.src, g.slot, g.kfirst, lo.a2a_topk, ep.num_dies, cap, lin, starts):
+        _bad_dedup_plan(ep, g, cap)
+    rows = np.ascontiguousarray(rows)
+    stride = lo.pull_comb_stride // lo.a2a_combine_bytes
+    starts = starts.tolist()
+    for d in range(ep.num_dies):
+        a, b = starts[d], starts[d + 1]
+        if a == b:
+            continue
         _words(ep, d, lo.fused_cevent_off, ep.num_dies)[ep.die_id] = event_id
-        reduce(rows, g.pos, g.start, g.w, a, _comb_buf(ep, d), lin)  # remote writes
-        _words(ep, d, lo.fused_cflag_off, lo.a2a_max_batch * topk)[lin] = op  # LAST
+        dst = _comb_flat_elems(ep, d)
+        if k.reduce_groups_raw(rows, g.pos, g.start, g.w, a, dst, lin[a:b], stride, cap):  # remote
+            raise ProtocolError(
+                f"die {ep.die_id}: dedup combine groups [{a}, {b}) for die {d}: an entry"
+                f" range or row index outside this die's {len(rows)} expert rows; nothing"
+                " written"
+            )
+        _words(ep, d, lo.fused_cflag_off, cap)[lin[a:b]] = op  # LAST
+
+
+def _bad_dedup_plan(ep: Endpoint, g: DedupGroups, cap: int) -> None:
+    """Raise the ProtocolError of a dedup send plan `dedup_plan` refused; nothing sent."""
+    topk = ep.layout.a2a_topk
+    lin = g.slot * topk + g.kfirst
+    bad = (g.src < 0) | (g.src >= ep.num_dies) | (g.kfirst < 0) | (g.kfirst >= topk)
+    bad |= (lin < 0) | (lin >= cap)
+    bad[1:] |= g.src[1:] < g.src[:-1]
+    i = int(np.flatnonzero(bad)[0])
+    raise ProtocolError(
+        f"die {ep.die_id}: dedup combine row for die {int(g.src[i])} at (slot"
+        f" {int(g.slot[i])}, k {int(g.kfirst[i])}): outside the pod's {ep.num_dies} dies, out"
+        f" of source order, or outside the combine area of {cap} rows; nothing written"
+    )
+
+
+def _comb_flat_elems(ep: Endpoint, die: int) -> np.ndarray:
+    """Flat view of die's fused combine buffer in elements, as `reduce_groups_raw` takes it:
+    uint16 (bfloat16 bits) or float32 (made once)."""
+    views = ep.a2a.views
+    v = views.get(("comb_elems", die))
+    if v is None:
+        v = views["comb_elems", die] = _flat_elems(ep, _comb_flat(ep, die))
+    return v
+
+
+def _flat_elems(ep: Endpoint, flat8: np.ndarray) -> np.ndarray:
+    """A flat uint8 view of combine rows as uint16 (bfloat16 bits) or float32 elements."""
+    return flat8.view(np.uint16 if ep.layout.a2a_combine_bytes == 2 else np.float32)
 
 
 # ------------------------------------------------------------------------------------------------

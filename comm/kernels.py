@@ -28,7 +28,9 @@ reference's side, ml_dtypes) is bit-equal to it (tests/unit/test_bf16.py).
 
 from __future__ import annotations
 
+import llvmlite.ir
 import numba
+import numba.extending
 import numpy as np
 
 from comm.quant import BF16
@@ -37,6 +39,8 @@ __all__ = [
     "assemble_count",
     "assemble_place",
     "dedup_count",
+    "dedup_layout",
+    "dedup_plan",
     "dispatch_layout",
     "first_bad_source",
     "fused_assemble",
@@ -50,9 +54,11 @@ __all__ = [
     "group_by_dest",
     "dedup_place",
     "pack_dedup_rows",
+    "pack_dedup_rows_raw",
     "pack_rows",
     "quantize_int8",
     "reduce_groups",
+    "reduce_groups_raw",
     "scatter_rows",
     "to_bfloat16",
     "warm",
@@ -375,10 +381,10 @@ def pack_rows(payload: np.ndarray, scale: np.ndarray, slots: np.ndarray, ks: np.
 _RO_I32 = numba.types.Array(numba.types.int32, 1, "C", readonly=True)
 _RO_F32 = numba.types.Array(numba.types.float32, 1, "C", readonly=True)
 _PACK_DEDUP_SIG = numba.types.int64(
-    numba.types.uint8[:, ::1], numba.types.int32[::1], _RO_I64, _RO_I64, _RO_I64, _RO_I64,
-    _RO_F32, numba.types.uint8[::1], numba.types.int32[::1], numba.types.int64,
-    numba.types.int64, numba.types.int64,
-)  # fmt: skip
+    numba.types.Array(numba.types.uint8, 2, "C", readonly=True), _RO_I32, _RO_I64, _RO_I64,
+    _RO_I64, _RO_I64, _RO_F32, numba.types.uint8[::1], numba.types.int32[::1],
+    numba.types.int64, numba.types.int64, numba.types.int64,
+)  # read-only inputs: a caller's read-only x (quant None) is the payload  # fmt: skip
 
 
 def _readonly(a, dtype) -> np.ndarray:
@@ -463,20 +469,73 @@ def pack_dedup_rows(payload: np.ndarray, scale: np.ndarray, slots: np.ndarray,
         )
 
 
-_SIG_GROUPS = (
-    "int64(float32[:, ::1], int64[::1], int64[::1], float32[::1], int64, uint16[::1],"
-    " float32[::1], boolean, int64[::1], int64, int64)"
-)
+pack_dedup_rows_raw = _pack_dedup
+"""`pack_dedup_rows` without the wrapper's checks and conversions (the compiled pass, which
+still proves every index in range and returns -1, nothing written, otherwise): for callers
+that pass payload as uint8 [batch, bytes], scales as int32 bits, a DedupLayout's arrays, the
+destination rows as flat uint8 and int32 views, and `most` = entries a row has room for."""
+
+
+_SIG_GROUPS = [  # read-only inputs (a caller's expert_out may be read-only), two target dtypes
+    numba.types.int64(
+        numba.types.Array(numba.types.float32, 2, "C", readonly=True), _RO_I64, _RO_I64,
+        _RO_F32, numba.types.int64, dst[::1], _RO_I64, numba.types.int64, numba.types.int64,
+    )
+    for dst in (numba.types.uint16, numba.types.float32)
+]  # fmt: skip
+
+
+@numba.extending.intrinsic
+def _f32_bits(typingctx, x):  # pragma: no cover - compiled into its callers
+    """The bits of float32 `x` as uint32: an LLVM bitcast, no memory round trip. Taking a
+    computed value's bits through a one-element array instead (a store and a load per element)
+    kept the dedup reduce from vectorizing: 76 against 45 us for 64 rows of two entries at
+    hidden 7168."""
+    if x != numba.types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], llvmlite.ir.IntType(32))
+
+    return numba.types.uint32(numba.types.float32), codegen
+
+
+def _store(d, c, v):  # pragma: no cover - only its compiled overload runs
+    """d[c] = float32 v, rounded to bfloat16 (as `_scatter_round`) if d holds bfloat16 bits."""
+
+
+@numba.extending.overload(_store)
+def _store_overload(d, c, v):  # pragma: no cover - compiled into its callers
+    """The store chosen by d's dtype at compile time: one kernel source, a loop without a
+    branch for each target dtype (a runtime `bf16` flag tested in the loops kept LLVM from
+    vectorizing them once a kernel had several: 8.5 ms against 30 us for 64 rows)."""
+    if d.dtype == numba.types.uint16:
+
+        def impl(d, c, v):
+            d[c] = _bf16(_f32_bits(v))
+
+    else:
+
+        def impl(d, c, v):
+            d[c] = v
+
+    return impl
 
 
 @numba.njit(_SIG_GROUPS, cache=True, nogil=True, boundscheck=False)
-def _reduce_groups(src, pos, start, w, g0, dst16, dst32, bf16, lin, stride,
+def _reduce_groups(src, pos, start, w, g0, dst, lin, stride,
                    n_dst):  # fmt: skip  # pragma: no cover - compiled
     """For each group g = g0 + i: acc = sum over j in [start[g], start[g+1]), in that order, of
     w[j] * src[pos[j]] in float32 (from +0.0, no fused multiply-add), written to dst's row
     lin[i] (rows `stride` elements apart, n_dst rows), rounded to bfloat16 as `_scatter_round`
-    when `bf16`: the dedup combine's pre-reduced row, one pass. Returns 0, or -1 (nothing
-    written) if an index is out of range."""
+    when dst holds bfloat16 bits (uint16): the dedup combine's pre-reduced row, one pass.
+    Returns 0, or -1 (nothing written) if an index is out of range.
+
+    A group of up to two entries (most of them: a token's top-8 over 8 dies) is one loop from
+    its rows to the target, rounding on the way; a longer one sums all but its last entry in
+    a chunk of `ch` columns that stays in L1, and adds the last on the way out. Every path does
+    the same operations in the same order, ((0 + w0 r0) + w1 r1) + ..., each rounded to
+    float32, so the result is that of the plain loop over j (and of comm.reference)."""
     h, n_src, n_pos = src.shape[1], src.shape[0], pos.shape[0]
     cnt = lin.shape[0]
     if g0 < 0 or g0 + cnt >= start.shape[0] or w.shape[0] != n_pos:
@@ -488,54 +547,44 @@ def _reduce_groups(src, pos, start, w, g0, dst16, dst32, bf16, lin, stride,
         for j in range(a, b):
             if pos[j] < 0 or pos[j] >= n_src:
                 return -1
-    one = np.empty(1, np.float32)  # a scalar's bits: LLVM turns the store / load into a cast
-    one_bits = one.view(np.uint32)
     ch = 512  # columns per chunk: acc (2 KiB) stays in L1 while the entries are added
     acc = np.empty(ch, np.float32)
-    bits = acc.view(np.uint32)
     zero = np.float32(0.0)
     for i in range(cnt):
         g = g0 + i
         a, b = start[g], start[g + 1]
         base = lin[i] * stride
-        if b - a == 1:  # one expert of this die: 0 + w r rounded, one pass, no staging
-            wj = w[a]
-            r = src[pos[a]]
-            if bf16:
-                d = dst16[base : base + h]
-                for c in range(h):
-                    one[0] = zero + wj * r[c]
-                    u = one_bits[0]
-                    d[c] = _bf16(u)
-            else:
-                d32 = dst32[base : base + h]
-                for c in range(h):
-                    d32[c] = zero + wj * r[c]
+        # the target row as a slice: an index base + c in the loop is 6x slower (it may be
+        # negative for all numba knows, so it is wrapped)
+        d = dst[base : base + h]
+        if b - a == 0:  # no entry: the sum from +0.0 is +0.0
+            for c in range(h):
+                _store(d, c, zero)
             continue
+        w0, r0 = w[a], src[pos[a]]
+        if b - a == 1:
+            for c in range(h):
+                _store(d, c, zero + w0 * r0[c])
+            continue
+        w1, r1 = w[a + 1], src[pos[a + 1]]
+        if b - a == 2:
+            for c in range(h):
+                _store(d, c, (zero + w0 * r0[c]) + w1 * r1[c])
+            continue
+        wl, rl = w[b - 1], src[pos[b - 1]]
         for c0 in range(0, h, ch):
             m = min(ch, h - c0)
-            if b > a:  # the first term straight into acc: 0 + w r, the rounding from +0.0
-                wj = w[a]
-                r = src[pos[a], c0 : c0 + m]
-                for c in range(m):
-                    acc[c] = zero + wj * r[c]
-            else:
-                for c in range(m):
-                    acc[c] = zero
-            for j in range(a + 1, b):
+            q0, q1, ql = r0[c0 : c0 + m], r1[c0 : c0 + m], rl[c0 : c0 + m]
+            for c in range(m):
+                acc[c] = (zero + w0 * q0[c]) + w1 * q1[c]
+            for j in range(a + 2, b - 1):
                 wj = w[j]
                 r = src[pos[j], c0 : c0 + m]
                 for c in range(m):
                     acc[c] = acc[c] + wj * r[c]
-            if bf16:
-                d = dst16[base + c0 : base + c0 + m]
-                for c in range(m):
-                    u = bits[c]
-                    d[c] = _bf16(u)
-            else:
-                d32 = dst32[base + c0 : base + c0 + m]
-                for c in range(m):
-                    d32[c] = acc[c]
+            e = d[c0 : c0 + m]
+            for c in range(m):
+                _store(e, c, acc[c] + wl * ql[c])
     return 0
 
 
@@ -560,18 +609,23 @@ def reduce_groups(rows: np.ndarray, pos: np.ndarray, start: np.ndarray, w: np.nd
     lin = np.ascontiguousarray(lin, np.int64)
     if not len(lin):
         return
-    bf16 = buf.dtype == BF16
-    flat = buf.reshape(-1).view(np.uint16 if bf16 else np.float32)
-    d16, d32 = (flat, _NO_F32) if bf16 else (_NO_U16, flat)
+    flat = buf.reshape(-1).view(np.uint16 if buf.dtype == BF16 else np.float32)
     got = _reduce_groups(rows, np.ascontiguousarray(pos, np.int64),
                          np.ascontiguousarray(start, np.int64), np.ascontiguousarray(w, np.float32),
-                         int(g0), d16, d32, bf16, lin, buf.shape[1], buf.shape[0])  # fmt: skip
+                         int(g0), flat, lin, buf.shape[1], buf.shape[0])  # fmt: skip
     if got:
         raise ValueError(
             f"reduce_groups: groups [{g0}, {g0 + len(lin)}) of {len(start) - 1}, row indices of"
             f" {len(rows)} rows or target rows of {buf.shape[0]}: something out of range;"
             " nothing written"
         )
+
+
+reduce_groups_raw = _reduce_groups
+"""`reduce_groups` without the wrapper's conversions (the compiled pass, which proves every
+index in range and returns -1, nothing written, otherwise): rows float32 C-contiguous, the
+target buffer as a flat uint16 (bfloat16 bits) or float32 view, its stride in elements and
+its row count."""
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
@@ -603,13 +657,15 @@ def dedup_count(flat, n, stride, eoff, most, topk, counts):  # pragma: no cover 
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def dedup_place(flat, n, stride, eoff, src, cursor, g0, x8, scale_bits, out_src, out_slot,
-                out_k, out_local, g_src, g_slot, g_kfirst, start, pos, w_bits):  # fmt: skip
+def dedup_place(flat, n, stride, eoff, src, cursor, g0, x8, bits, meta, groups,
+                start):  # fmt: skip  # pragma: no cover - compiled
     """Expand n dedup rows checked by `dedup_count` (source die `src`, groups g0..g0+n-1): each
-    entry's payload straight to output row cursor[local] (then cursor[local] += 1), with its
-    scale, source, slot, k and local expert; per group its source, slot, first k and entry
-    range (start[g + 1] = start[g] + entries); per entry its output row and weight bits. Rows
-    are walked in order, so each expert's rows stay in (src, slot, k) order."""  # noqa: D401
+    entry's payload straight to output row p = cursor[local] (then cursor[local] += 1), with
+    bits[0, p] its scale bits and meta[0:4, p] its source, slot, k and local expert; per group
+    groups[0:3, g] its source, slot and first k, and its entry range (start[g + 1] = start[g]
+    + entries); per entry q, meta[4, q] its output row and bits[1, q] its weight bits. Rows are
+    walked in order, so each expert's rows stay in (src, slot, k) order. (The outputs are rows
+    of three 2-D arrays, not twelve 1-D ones: a numba call costs ~60 ns per argument.)"""
     w32 = flat.view(np.int32)
     pb = x8.shape[1]
     for r in range(n):
@@ -617,10 +673,10 @@ def dedup_place(flat, n, stride, eoff, src, cursor, g0, x8, scale_bits, out_src,
         base = r * stride
         m = (base + stride - 16) // 4
         ne, slot = w32[m + 2], w32[m + 1]
-        g_src[g] = src
-        g_slot[g] = slot
+        groups[0, g] = src
+        groups[1, g] = slot
         e = (base + eoff) // 4
-        g_kfirst[g] = w32[e]
+        groups[2, g] = w32[e]
         a = start[g]
         start[g + 1] = a + ne
         row = flat[base : base + pb]
@@ -628,16 +684,16 @@ def dedup_place(flat, n, stride, eoff, src, cursor, g0, x8, scale_bits, out_src,
             loc = w32[e + 3 * j + 1]
             p = cursor[loc]
             cursor[loc] = p + 1
-            pos[a + j] = p
-            w_bits[a + j] = w32[e + 3 * j + 2]
+            meta[4, a + j] = p
+            bits[1, a + j] = w32[e + 3 * j + 2]
             d = x8[p]
             for c in range(pb):
                 d[c] = row[c]
-            scale_bits[p] = w32[m]
-            out_src[p] = src
-            out_slot[p] = slot
-            out_k[p] = w32[e + 3 * j]
-            out_local[p] = loc
+            bits[0, p] = w32[m]
+            meta[0, p] = src
+            meta[1, p] = slot
+            meta[2, p] = w32[e + 3 * j]
+            meta[3, p] = loc
 
 
 # -- the bookkeeping of a dispatch: layout and grouping, one compiled pass each --------------------
@@ -645,7 +701,8 @@ def dedup_place(flat, n, stride, eoff, src, cursor, g0, x8, scale_bits, out_src,
 # At decode sizes (a few tokens per die) a dispatch moves a few KB and its cost is the numpy calls
 # around the bytes (~40 per collective, 1-5 us each): the routing's sort, the grouping by expert.
 # These kernels do each in one call; their results are equal to the numpy they replace
-# (`comm.routing.get_dispatch_layout`, `_assemble`'s stable argsort), tests/unit/test_kernels.py.
+# (`comm.routing.get_dispatch_layout` and `get_dedup_layout`, `_assemble`'s stable argsort, the
+# dedup combine's cuts by source), tests/unit/test_kernels.py.
 
 
 _I64 = numba.types.int64[::1]
@@ -753,6 +810,136 @@ def dispatch_layout(topk: np.ndarray, pos_of: np.ndarray, local_of: np.ndarray,
             out[at + n_exp + n_pos : at + n_exp + 2 * n_pos + 1])  # fmt: skip
 
 
+_DEDUP_LAYOUT_SIG = numba.types.int64(
+    numba.types.Array(numba.types.int64, 2, "C", readonly=True),
+    numba.types.Array(numba.types.float32, 2, "C", readonly=True), _RO_I64, _RO_I64,
+    numba.types.int64, _I64, _I64, _I64, _I64, _I64, _I64, numba.types.float32[::1],
+    numba.types.int64[:, ::1], _I64, _I64,
+)  # fmt: skip
+
+
+@numba.njit(_DEDUP_LAYOUT_SIG, cache=True, nogil=True, boundscheck=False)
+def _dedup_layout(
+    topk,
+    w,
+    pos_of,
+    local_of,
+    n_pos,
+    row_slot,
+    row_kfirst,
+    offsets,
+    ent_start,
+    ent_k,
+    ent_local,
+    ent_w,
+    idx_first,
+    per_expert,
+    scratch,
+):  # pragma: no cover - compiled
+    """Counting sort of the routed (slot, k) into rows by (destination position, slot), a row's
+    entries in ascending k; per_expert: entries per expert. Returns the row count, or -1 for an
+    id outside [-1, E), -2 for an expert named twice in one row (nothing usable is written
+    then). scratch: >= 3 x n_pos."""
+    b, k_n = topk.shape
+    n_exp = pos_of.shape[0]
+    for e in range(n_exp):
+        per_expert[e] = 0
+    last = scratch[:n_pos]  # the slot that opened the latest row of each position
+    rows = scratch[n_pos : 2 * n_pos]  # rows, then the next row, of each position
+    ents = scratch[2 * n_pos : 3 * n_pos]  # entries, then the next entry, of each position
+    for p in range(n_pos):
+        last[p] = -1
+        rows[p] = 0
+        ents[p] = 0
+    for i in range(b):
+        for j in range(k_n):
+            e = topk[i, j]
+            idx_first[i, j] = -1
+            if e < -1 or e >= n_exp:
+                return -1
+            if e >= 0:
+                for jj in range(j):
+                    if topk[i, jj] == e:
+                        return -2
+                p = pos_of[e]
+                if last[p] != i:
+                    last[p] = i
+                    rows[p] += 1
+                ents[p] += 1
+                per_expert[e] += 1
+    offsets[0] = 0
+    n_ent = 0
+    for p in range(n_pos):  # counts -> first row / first entry of each position
+        offsets[p + 1] = offsets[p] + rows[p]
+        rows[p] = offsets[p]
+        c = ents[p]
+        ents[p] = n_ent
+        n_ent += c
+        last[p] = -1
+    for i in range(b):  # slots ascending, so each position's rows come out in slot order
+        for j in range(k_n):
+            e = topk[i, j]
+            if e < 0:
+                continue
+            p = pos_of[e]
+            q = ents[p]
+            ents[p] = q + 1
+            if last[p] != i:  # the token's first expert on this die opens its row
+                last[p] = i
+                r = rows[p]
+                rows[p] = r + 1
+                row_slot[r] = i
+                row_kfirst[r] = j
+                ent_start[r] = q
+                idx_first[i, j] = e
+            ent_k[q] = j
+            ent_local[q] = local_of[e]
+            ent_w[q] = w[i, j]
+    n_rows = offsets[n_pos]
+    ent_start[n_rows] = n_ent
+    return n_rows
+
+
+def dedup_layout(topk: np.ndarray, w: np.ndarray, pos_of: np.ndarray, local_of: np.ndarray,
+                 n_pos: int) -> tuple | int:  # fmt: skip
+    """`comm.routing.get_dedup_layout`'s arrays in one compiled pass, a counting sort:
+    (row_slot, row_kfirst, dest_offsets, ent_start, ent_k, ent_local, ent_w, idx_first,
+    num_tokens_per_expert), in `DedupLayout`'s field order, read-only, equal to the numpy
+    version's (int64, ent_w float32); or -1 / -2 for an id out of range / named twice in a row
+    (the caller raises `comm.routing.check_topk_idx`'s error).
+
+    Why equal: the numpy version sorts the routed (slot, k) by (position, slot, k) and opens a
+    row where (slot, position) changes. Here pass 1 counts each position's rows (a token's
+    first expert there) and entries; their prefix sums place each position's block; pass 2
+    walks slots ascending, k ascending, so within a position rows come in slot order and a
+    row's entries in k order: the same sort, without comparisons. A row's entries are
+    contiguous because every entry of (slot, position) is placed while that slot is walked.
+
+    topk: int64 [batch, k] C-contiguous; w: float32 [batch, k] C-contiguous (the caller
+    converts); pos_of, local_of: a Placement's int64 tables; n_pos: len(placement.dies)."""
+    b, k_n = topk.shape
+    cap, n_exp = b * k_n, len(pos_of)
+    at = 5 * cap + n_pos + 2  # then per_expert, then scratch
+    out = np.empty(at + n_exp + 3 * n_pos, np.int64)
+    row_slot, row_kfirst, ent_k, ent_local = (out[i * cap : (i + 1) * cap] for i in range(4))
+    ent_start = out[4 * cap : 5 * cap + 1]
+    offsets = out[5 * cap + 1 : at]
+    per_expert = out[at : at + n_exp]
+    ent_w = np.empty(cap, np.float32)
+    idx_first = np.empty((b, k_n), np.int64)
+    n = _dedup_layout(topk, w, pos_of, local_of, n_pos, row_slot, row_kfirst, offsets,
+                      ent_start, ent_k, ent_local, ent_w, idx_first, per_expert,
+                      out[at + n_exp :])  # fmt: skip
+    if n < 0:
+        return int(n)
+    m = int(ent_start[n])
+    for a in (out, ent_w, idx_first):
+        a.flags.writeable = False  # views taken from here on are read-only too
+    return (out[:n], out[cap : cap + n], out[5 * cap + 1 : at], out[4 * cap : 4 * cap + n + 1],
+            out[2 * cap : 2 * cap + m], out[3 * cap : 3 * cap + m], ent_w[:m], idx_first,
+            out[at : at + n_exp])  # fmt: skip
+
+
 @numba.njit(numba.types.int64(_RO_I32, numba.types.int64, numba.types.int64, _I64), cache=True,
             nogil=True, boundscheck=False)  # fmt: skip
 def assemble_count(flat32, n, stride, counts):  # pragma: no cover - compiled
@@ -819,6 +1006,32 @@ def group_by_dest(dest, slots, ks, topk, n_dies, cap, order, lin, starts):  # pr
         cursor[d] = j + 1
         order[j] = i
         lin[j] = slots[i] * topk + ks[i]
+    return 0
+
+
+@numba.njit(numba.types.int64(*[_RO_I64] * 3, *[numba.types.int64] * 3, *[_I64] * 2),
+            cache=True, nogil=True, boundscheck=False)  # fmt: skip
+def dedup_plan(src, slots, kfirst, topk, n_dies, cap, lin, starts):  # pragma: no cover
+    """The dedup combine's send plan: lin[g] = slots[g] * topk + kfirst[g], the combine row of
+    group g in its source's buffer, and the groups of die d at starts[d]:starts[d + 1]. Groups
+    come in source order (`dedup_place` is called per source, ascending), so no reordering:
+    the plan is their order. Returns 0, or -1 if a source is out of range or out of order, or
+    a (slot, k) outside the combine buffer of `cap` rows (nothing is sent then). The numpy it
+    replaces: `lin = slot * topk + kfirst` with `_lin_check`, and np.flatnonzero cuts of src."""
+    n = src.shape[0]
+    for d in range(n_dies + 1):
+        starts[d] = 0
+    prev = 0
+    for i in range(n):
+        d, k = src[i], kfirst[i]
+        q = slots[i] * topk + k
+        if d < prev or d >= n_dies or k < 0 or k >= topk or q < 0 or q >= cap:
+            return -1
+        prev = d
+        starts[d + 1] += 1
+        lin[i] = q
+    for d in range(n_dies):
+        starts[d + 1] += starts[d]
     return 0
 
 
@@ -1045,12 +1258,14 @@ def warm() -> None:
     dedup_count(flat, 1, 64, 8, 3, 1, counts)
     i64 = [np.zeros(1, np.int64) for _ in range(8)]
     dedup_place(flat, 1, 64, 8, 0, np.zeros(1, np.int64), 0, np.zeros((1, 8), np.uint8),
-                np.zeros(1, np.int32), *i64[:7], np.zeros(2, np.int64), i64[7],
-                np.zeros(1, np.int32))  # fmt: skip
+                np.zeros((2, 1), np.int32), np.zeros((5, 1), np.int64), np.zeros((3, 1), np.int64),
+                np.zeros(2, np.int64))  # fmt: skip
     tables = np.zeros(2, np.int64), np.zeros(2, np.int64), np.zeros(2, np.int64)
     group_by_dest(*tables, 1, 1, 2, np.zeros(2, np.int64), np.zeros(2, np.int64),
                   np.zeros(2, np.int64))  # fmt: skip
+    dedup_plan(*tables, 1, 1, 2, np.zeros(2, np.int64), np.zeros(2, np.int64))
     dispatch_layout(np.zeros((1, 2), np.int64) - 1, *tables, 1)
+    dedup_layout(np.zeros((1, 2), np.int64) - 1, np.ones((1, 2), np.float32), *tables[:2], 1)
     assemble_count(packed.reshape(-1).view(np.int32), 1, 64, counts)
     assemble_place(flat, flat.view(np.int32), 0, 64, 8, 0, np.zeros(1, np.int64),
                    np.zeros((1, 8), np.uint8), np.zeros(1, np.int32), *i64[:4])  # fmt: skip

@@ -320,6 +320,9 @@ class DedupLayout:
         ent_w: float32 `[n_entries]` each entry's weight, `topk_weights[slot, k]`.
         idx_first: `[batch, k]` `topk_idx` where k is the first k of its die for that token,
             -1 elsewhere: the (slot, k) entries a dedup combine returns rows for.
+        num_tokens_per_expert: `[num_experts]` entries, i.e. routed (token, k) pairs, per
+            logical expert: `DispatchLayout.num_tokens_per_expert`, what a fused flag's
+            per-expert counts carry with dedup too.
     """
 
     row_slot: np.ndarray
@@ -330,6 +333,7 @@ class DedupLayout:
     ent_local: np.ndarray
     ent_w: np.ndarray
     idx_first: np.ndarray
+    num_tokens_per_expert: np.ndarray
 
     @property
     def num_rows(self) -> int:
@@ -372,6 +376,7 @@ def get_dedup_layout(topk_idx, topk_weights, placement: Placement) -> DedupLayou
         ent_local=placement.local_of[expert],
         ent_w=w[slot, k],
         idx_first=idx_first,
+        num_tokens_per_expert=np.bincount(expert, minlength=placement.num_experts),
     )
     for name, arr in fields.items():
         dt = np.float32 if name == "ent_w" else np.int64

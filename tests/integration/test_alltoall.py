@@ -212,6 +212,30 @@ def test_dedup_must_be_a_bool(ep_pod):
     assert all("dedup must be a bool" in m for m in got), got
 
 
+def readonly_dedup_step(die, seed, protocol):
+    """A dedup step whose inputs and expert outputs are all read-only (the compiled dedup pack
+    and reduce take read-only arrays: without quantization x itself is the payload)."""
+    x, idx, w = make_inputs(seed, die.die_id, 2 * die.num_dies, "random")
+    for a in (x, idx, w):
+        a.flags.writeable = False
+    d = comm.dispatch(die, x, idx, w, protocol=protocol, event_id=seed, dedup=True)
+    expert_out = expert_fn(die.die_id, d.x)
+    expert_out.flags.writeable = False
+    out = comm.combine(die, expert_out, d.handle, event_id=seed)
+    return {"x": d.x, "scales": d.scales, "src_rank": d.src_rank, "batch_slot": d.batch_slot,
+            "k_index": d.k_index, "local_expert": d.local_expert,
+            "expert_counts": d.expert_counts, "out": out}  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("protocol", ["pull", "fused"])
+def test_dedup_takes_read_only_inputs(ep_pod, protocol):
+    n, e = ep_pod.config.num_dies, ep_pod.config.num_experts
+    res = ep_pod.run(readonly_dedup_step, 53, protocol)
+    check_against_reference(res, 53, None, "random", n, e, placement_for("random", n, e),
+                            cdt(ep_pod), dedup=True)  # fmt: skip
+
+
 def over_max(die):
     x = np.zeros((B + 1, H), np.float32)
     idx = np.zeros((B + 1, K), np.int64)

@@ -111,19 +111,21 @@ def dispatch_args(die, seed: int, protocol: str, case: str | None, dedup: bool =
     return args
 
 
-def bad_dispatch_then_good(die, protocol: str, case: str, seed: int):
+def bad_dispatch_then_good(die, protocol: str, case: str, seed: int, dedup: bool = False):
     """Every die dispatches (BAD with bad input) and reports; then a whole good MoE step."""
-    first = outcome(comm.dispatch, die, **dispatch_args(die, seed, protocol, case))
-    good = moe_step(die, seed + 1, None, "random", EXPERTS, None, protocol=protocol)
+    first = outcome(comm.dispatch, die, **dispatch_args(die, seed, protocol, case, dedup))
+    good = moe_step(die, seed + 1, None, "random", EXPERTS, None, protocol=protocol, dedup=dedup)
     return first, good
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("dedup", [False, True], ids=["plain", "dedup"])
 @pytest.mark.parametrize("case", sorted(DISPATCH_CASES))
 @pytest.mark.parametrize("protocol", ["pull", "fused"])
-def test_bad_dispatch_input_on_one_die_refused_and_the_pod_stays_in_step(pod, protocol, case):
+def test_bad_dispatch_input_on_one_die_refused_and_the_pod_stays_in_step(pod, protocol, case,
+                                                                         dedup):  # fmt: skip
     seed = 100 + sorted(DISPATCH_CASES).index(case)
-    res = pod.run(bad_dispatch_then_good, protocol, case, seed)
+    res = pod.run(bad_dispatch_then_good, protocol, case, seed, dedup)
     _, exc, words = DISPATCH_CASES[case]
     kind, msg = res[BAD][0]
     assert kind == exc and words in msg, res[BAD][0]
@@ -131,7 +133,7 @@ def test_bad_dispatch_input_on_one_die_refused_and_the_pod_stays_in_step(pod, pr
         if r != BAD:  # every die waits for every source in a dispatch
             assert res[r][0][0] == "PeerRefused" and f"die {BAD} refused" in res[r][0][1], res[r]
     check_against_reference([g for _, g in res], seed + 1, None, "random", DIES, EXPERTS,
-                            default_placement())  # fmt: skip
+                            default_placement(), dedup=dedup)  # fmt: skip
 
 
 COMBINE_CASES = {

@@ -158,6 +158,8 @@ def test_pack_dedup_rows_writes_payload_entries_and_meta(dtype):
     eoff = dedup_entries_off(pb)
     rows = np.full((4, eoff + 12 * 3 + 16 + 4), 0xAB, np.uint8)
     rows_before = rows.copy()
+    for a in (payload, scale):
+        a.flags.writeable = False  # x itself is the payload without quantization
     pack_dedup_rows(payload, scale, slots, start, ks, locs, w, rows, eoff)
     assert not np.array_equal(rows, rows_before)
     for i, slot in enumerate(slots):
@@ -516,3 +518,228 @@ def to_bf16_bits(rows32: np.ndarray) -> np.ndarray:
     from comm.kernels import to_bfloat16
 
     return to_bfloat16(rows32).view(np.uint16)
+
+
+# -- the dedup bookkeeping: layout and the combine's send plan -------------------------------------
+
+_DEDUP_FIELDS = ("row_slot", "row_kfirst", "dest_offsets", "ent_start", "ent_k", "ent_local",
+                 "ent_w", "idx_first", "num_tokens_per_expert")  # fmt: skip
+
+
+def _assert_dedup_layout_equal(got, want) -> None:
+    for name, arr in zip(_DEDUP_FIELDS, got, strict=True):
+        ref = getattr(want, name)
+        assert arr.dtype == ref.dtype and arr.shape == ref.shape, name
+        assert np.array_equal(arr, ref), name
+        assert not arr.flags.writeable, name
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 2**31), batch=st.integers(0, 9), k=st.integers(1, 6),
+       dies=st.integers(1, 6), per=st.integers(1, 4), unrouted=st.sampled_from([0.0, 0.3, 1.0]),
+       table=st.booleans())  # fmt: skip
+def test_dedup_layout_equals_the_routing_module(seed, batch, k, dies, per, unrouted, table):
+    """The compiled dedup layout is get_dedup_layout, array for array and dtype for dtype
+    (default and uneven placements, dies without experts, one die, unrouted entries, an empty
+    batch), and read-only."""
+    from comm.kernels import dedup_layout
+    from comm.routing import Placement, get_dedup_layout
+
+    experts = dies * per
+    k = min(k, experts)
+    rng = np.random.default_rng(seed + 1)
+    if table:  # any die may host any number of experts, including none
+        place = Placement.from_table(rng.integers(0, dies, experts), tuple(range(dies)))
+    else:
+        place = Placement.default(experts, tuple(range(dies))[::-1])
+    idx = _routing(seed, batch, k, experts, unrouted)
+    w = (rng.standard_normal(idx.shape) * 10.0 ** rng.integers(-40, 38)).astype(np.float32)
+    want = get_dedup_layout(idx, w, place)
+    got = dedup_layout(idx, w, place.pos_of, place.local_of, len(place.dies))
+    _assert_dedup_layout_equal(got, want)
+
+
+def test_dedup_layout_edges_by_hand():
+    """A token with every expert on one die is one row of all its entries; an unrouted token
+    no row; an empty batch no rows; a single die takes every row."""
+    from comm.kernels import dedup_layout
+    from comm.routing import Placement, get_dedup_layout
+
+    w = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
+    cases = [
+        (Placement.default(8, (0, 1)), np.array([[3, 0, 2, 1], [-1, -1, -1, -1], [4, 1, -1, 7]])),
+        (Placement.default(4, (5,)), np.array([[2, 0, 3, 1], [1, -1, 0, -1], [-1, 3, -1, -1]])),
+        (Placement.default(8, (0, 1)), np.zeros((0, 4), np.int64)),
+    ]
+    for place, idx in cases:
+        wi = w[: len(idx)]
+        got = dedup_layout(idx, wi, place.pos_of, place.local_of, len(place.dies))
+        _assert_dedup_layout_equal(got, get_dedup_layout(idx, wi, place))
+    got = dedup_layout(cases[0][1], w, cases[0][0].pos_of, cases[0][0].local_of, 2)
+    assert got[0].tolist() == [0, 2, 2] and got[3].tolist() == [0, 4, 5, 7]  # rows, entries
+    assert got[4][:4].tolist() == [0, 1, 2, 3]  # token 0's four entries, ascending k
+
+
+def test_dedup_layout_refuses_bad_ids_and_repeats_with_the_numpy_message():
+    """The kernel's refusals (-1 an id out of range, -2 a repeat); through comm.alltoall, the
+    same error (type and message) as the numpy get_dedup_layout, for every bad input."""
+    from comm.alltoall import _dedup_layout
+    from comm.kernels import dedup_layout
+    from comm.routing import Placement, get_dedup_layout
+
+    p = Placement.default(8, (0, 1))
+    tables = (p.pos_of, p.local_of, 2)
+    one = np.ones((1, 3), np.float32)
+    assert dedup_layout(np.array([[0, 8, 1]]), one, *tables) == -1
+    assert dedup_layout(np.array([[-2, 1, 2]]), one, *tables) == -1
+    assert dedup_layout(np.array([[3, -1, 3]]), one, *tables) == -2
+    assert dedup_layout(np.array([[-1, -1, 3]]), one, *tables) != -2  # -1 may repeat
+    bad = [
+        (np.array([[0, 8, 1]]), one),  # out of range
+        (np.array([[1, 2], [5, 5]]), np.ones((2, 2))),  # a repeat
+        (np.array([[0, 1.5]]), np.ones((1, 2))),  # not integers
+        (np.array([[0, 1]]), np.ones((1, 3))),  # weights of another shape
+        (np.array([0, 1]), np.ones(2)),  # not [batch, k]
+    ]
+    for idx, w, place in [(i, w, p) for i, w in bad] + [(bad[1][0], bad[1][1], "p")]:
+        with pytest.raises((ValueError, TypeError)) as want:
+            get_dedup_layout(idx, w, place)
+        with pytest.raises(want.type) as got:
+            _dedup_layout(idx, w, place)
+        assert str(got.value) == str(want.value)
+
+
+def test_dedup_plan_is_the_numpy_plan_and_refuses_out_of_range():
+    from comm.kernels import dedup_plan
+
+    rng = np.random.default_rng(4)
+    n, dies, topk, batch = 50, 6, 8, 16
+    src = np.sort(rng.integers(0, dies, n))
+    slots, kfirst = rng.integers(0, batch, n), rng.integers(0, topk, n)
+    lin, starts = np.zeros(n, np.int64), np.zeros(dies + 1, np.int64)
+    assert dedup_plan(src, slots, kfirst, topk, dies, batch * topk, lin, starts) == 0
+    assert np.array_equal(lin, slots * topk + kfirst)
+    cuts = np.flatnonzero(src[1:] != src[:-1]) + 1  # the numpy cuts it replaces
+    assert np.array_equal(np.diff(starts), np.bincount(src, minlength=dies))
+    assert set(cuts.tolist()) <= set(starts.tolist())
+    for d in range(dies):
+        assert (src[starts[d] : starts[d + 1]] == d).all()
+    empty = np.zeros(0, np.int64)
+    assert dedup_plan(empty, empty, empty, topk, dies, batch * topk, empty, starts) == 0
+    assert not starts.any()
+    for d2, s2, k2 in ((dies, 0, 0), (-1, 0, 0), (0, batch, 0), (0, 0, topk), (0, -1, 0)):
+        d, s, k = src.copy(), slots.copy(), kfirst.copy()
+        d[-1], s[-1], k[-1] = d2, s2, k2
+        assert dedup_plan(d, s, k, topk, dies, batch * topk, lin, starts) == -1
+    shuffled = src[::-1].copy()  # groups out of source order
+    assert dedup_plan(shuffled, slots, kfirst, topk, dies, batch * topk, lin, starts) == -1
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+@pytest.mark.parametrize("dtype", [BF16, np.float32])
+@pytest.mark.parametrize("hidden", [1, 33, 512, 1100])
+def test_reduce_groups_every_group_size_equals_the_plain_loop(dtype, hidden):
+    """Groups of 0..6 entries (the kernel has a path for up to two and a chunked one past
+    them, chunks of 512 columns) equal the loop over j in float32 from +0.0, rounded once;
+    -0.0 products come out +0.0 as from the loop."""
+    from comm.kernels import reduce_groups
+    from comm.quant import round_combine
+
+    rng = np.random.default_rng(hidden)
+    sizes = [0, 1, 2, 3, 4, 5, 6, 2, 1, 3]
+    n = sum(sizes)
+    rows = (rng.standard_normal((n, hidden)) * 10.0 ** rng.integers(-30, 30, (n, 1))).astype(
+        np.float32
+    )
+    rows[rng.random(rows.shape) < 0.05] = -0.0
+    rows[0, 0] = np.nan
+    pos = rng.permutation(n).astype(np.int64)
+    start = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    w = rng.standard_normal(n).astype(np.float32)
+    w[::7] = 0.0
+    buf = np.full((len(sizes) + 2, hidden + 8), 5, dtype)
+    lin = rng.permutation(len(sizes) + 2)[: len(sizes)].astype(np.int64)
+    for a in (rows, pos, start, w, lin):
+        a.flags.writeable = False  # a caller's expert_out may be read-only
+    reduce_groups(rows, pos, start, w, 0, buf, lin)
+    for g in range(len(sizes)):
+        acc = np.zeros(hidden, np.float32)
+        for j in range(start[g], start[g + 1]):
+            acc = acc + w[j] * rows[pos[j]]
+        want = round_combine(acc[None], np.dtype(dtype))[0]
+        got = buf[lin[g], :hidden]
+        assert np.array_equal(got.view(np.uint8), np.asarray(want, dtype).view(np.uint8)), g
+    assert (buf[:, hidden:].astype(np.float32) == 5).all()
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.float32])
+def test_dedup_expansion_groups_entries_stably_by_local_expert(dtype):
+    """dedup_count / dedup_place over dedup rows from 3 sources (packed by pack_dedup_rows):
+    one output row per entry, equal to the numpy stable sort by local expert of the entries
+    in (source, row, k) order, with the groups' source, slot, first k, entry ranges, the
+    entries' output rows and weights; dedup_count refuses malformed rows."""
+    from comm.kernels import dedup_count, dedup_place, pack_dedup_rows
+    from memory.layout import dedup_entries_off
+
+    rng = np.random.default_rng(11)
+    hidden, n_local, topk = 10, 5, 4
+    pb = hidden * np.dtype(dtype).itemsize
+    eoff = dedup_entries_off(pb)
+    stride = eoff + 12 * topk + 16
+    parts, entries, groups = [], [], []
+    for src in range(3):
+        n = int(rng.integers(0, 6))
+        payload = (rng.integers(-100, 100, (8, hidden)) * (src + 1)).astype(dtype)
+        scale = rng.random(8).astype(np.float32)
+        slots = np.sort(rng.choice(8, n, replace=False))
+        sizes = rng.integers(1, topk + 1, n)
+        start = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        ks = np.concatenate([np.sort(rng.choice(topk, s, replace=False)) for s in sizes] or [[]])
+        locs = np.concatenate([rng.choice(n_local, s, replace=False) for s in sizes] or [[]])
+        w = rng.standard_normal(len(ks)).astype(np.float32)
+        rows = np.zeros((n, stride), np.uint8)
+        pack_dedup_rows(payload, scale, slots, start, ks.astype(np.int64),
+                        locs.astype(np.int64), w, rows, eoff)  # fmt: skip
+        parts.append((src, rows))
+        for i in range(n):
+            groups.append((src, slots[i], ks[start[i]], sizes[i]))
+            for j in range(start[i], start[i + 1]):
+                entries.append((locs[j], src, slots[i], ks[j], payload[slots[i]],
+                                scale[slots[i]], w[j]))  # fmt: skip
+    counts = np.zeros(n_local, np.int64)
+    m = 0
+    for _, rows in parts:
+        m += dedup_count(rows.reshape(-1), len(rows), stride, eoff, topk, topk, counts)
+    assert m == len(entries)
+    assert np.array_equal(counts, np.bincount([e[0] for e in entries], minlength=n_local))
+    cursor = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    x8 = np.zeros((m, pb), np.uint8)
+    bits = np.zeros((2, m), np.int32)
+    meta = np.zeros((5, m), np.int64)
+    grp = np.zeros((3, len(groups)), np.int64)
+    start = np.zeros(len(groups) + 1, np.int64)
+    g0 = 0
+    for src, rows in parts:
+        dedup_place(rows.reshape(-1), len(rows), stride, eoff, src, cursor, g0, x8, bits, meta,
+                    grp, start)  # fmt: skip
+        g0 += len(rows)
+    order = sorted(range(m), key=lambda q: (entries[q][0], q))  # stable by local expert
+    for p, q in enumerate(order):
+        loc, src, slot, k, row, scale, _ = entries[q]
+        assert meta[:4, p].tolist() == [src, slot, k, loc]
+        assert np.array_equal(x8[p].view(dtype), row) and bits[0, p] == scale.view(np.int32)
+        assert meta[4, q] == p  # entry q's output row
+    assert bits[1].tolist() == [e[6].view(np.int32) for e in entries]
+    assert grp.T.tolist() == [list(g[:3]) for g in groups]
+    assert np.array_equal(np.diff(start), [g[3] for g in groups])
+    some = next(rows for _, rows in parts if len(rows))
+    # malformed rows are refused before anything is counted: entry count 0 or past most,
+    # meta word 3 not -1, a k or a local expert out of range
+    for word, value in ((-2, 0), (-2, topk + 1), (-1, 0), (eoff // 4, topk),
+                        (eoff // 4 + 1, n_local)):  # fmt: skip
+        bad = some[:1].copy()
+        w32 = bad.reshape(-1).view(np.int32)
+        w32[word if word >= 0 else stride // 4 + word] = value
+        c = np.zeros(n_local, np.int64)
+        assert dedup_count(bad.reshape(-1), 1, stride, eoff, topk, topk, c) == -1
+        assert not c.any()

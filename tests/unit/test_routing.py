@@ -286,8 +286,9 @@ def test_dedup_layout_by_hand():
     assert dl.ent_local.tolist() == [1, 0, 1, 0, 1]
     assert dl.ent_w.tolist() == [0.5, 1, -1, 0.25, 2]
     assert dl.idx_first.tolist() == [[1, 2], [3, -1], [0, -1]]
+    assert dl.num_tokens_per_expert.tolist() == [1, 2, 1, 1]
     assert dl.num_rows == 4
-    for arr in (dl.row_slot, dl.ent_w, dl.idx_first):
+    for arr in (dl.row_slot, dl.ent_w, dl.idx_first, dl.num_tokens_per_expert):
         assert not arr.flags.writeable
 
 
@@ -306,6 +307,7 @@ def test_dedup_layout_covers_every_routed_pair_once(seed, batch, k, dies):
     pairs = {(s, int(placement.die_of[topk[s, j]])) for s, j in routed}
     assert dl.num_rows == len(pairs)
     assert len(dl.ent_k) == lay.num_msgs
+    assert np.array_equal(dl.num_tokens_per_expert, lay.num_tokens_per_expert)
     row_of = np.repeat(np.arange(dl.num_rows), np.diff(dl.ent_start))
     got = sorted(zip(dl.row_slot[row_of].tolist(), dl.ent_k.tolist(), strict=True))
     assert got == sorted(zip(lay.msg_slot.tolist(), lay.msg_k.tolist(), strict=True))
