@@ -35,6 +35,17 @@ import numpy as np
 
 from comm.quant import BF16
 
+
+def _ro(dtype, ndim: int):
+    """A read-only C-contiguous array type: kernel inputs are declared so, which takes
+    writeable arrays too (numba converts), while a writeable-only signature refuses a caller's
+    read-only array (valid input) with a TypeError."""
+    return numba.types.Array(dtype, ndim, "C", readonly=True)
+
+
+_t = numba.types
+
+
 __all__ = [
     "assemble_count",
     "assemble_place",
@@ -78,7 +89,9 @@ def _bf16(u):  # pragma: no cover - compiled into its callers
     )
 
 
-_SIG_SCATTER = "void(uint32[:, ::1], int64[::1], uint16[::1], int64[::1], int64)"
+_SIG_SCATTER = _t.void(
+    _ro(_t.uint32, 2), _ro(_t.int64, 1), _t.uint16[::1], _ro(_t.int64, 1), _t.int64
+)
 
 
 @numba.njit(_SIG_SCATTER, cache=True, nogil=True, boundscheck=False)
@@ -135,9 +148,14 @@ def _describe(a) -> str:
     return type(a).__name__
 
 
-_SIG_REDUCE = (
-    "void(uint16[::1], float32[::1], boolean, int64, int64[:, ::1], float32[:, ::1],"
-    " float32[:, ::1])"
+_SIG_REDUCE = _t.void(
+    _ro(_t.uint16, 1),
+    _ro(_t.float32, 1),
+    _t.boolean,
+    _t.int64,
+    _ro(_t.int64, 2),
+    _ro(_t.float32, 2),
+    _t.float32[:, ::1],
 )
 
 
@@ -199,8 +217,6 @@ def weighted_sum(contrib: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.ndar
     base = contrib.view(np.uint16 if bf16 else np.float32)
     flat = np.lib.stride_tricks.as_strided(base, (span,), (item,))
     idx = np.ascontiguousarray(idx, np.int64)
-    if not idx.flags.writeable:  # the signature's idx is writeable (a routing table usually is)
-        idx = idx.copy()
     w = np.ascontiguousarray(w, np.float32)
     rows16, rows32 = (flat, _NO_F32) if bf16 else (_NO_U16, flat)
     _reduce(rows16, rows32, bf16, stride, idx, w, out)
@@ -219,16 +235,15 @@ def weighted_sum_flat(flat: np.ndarray, stride: int, bf16: bool, idx: np.ndarray
     out = np.empty((nb, hidden), np.float32)
     if not nb:
         return out
-    if idx.dtype != np.int64 or not idx.flags.c_contiguous or not idx.flags.writeable:
-        idx = np.array(idx, np.int64)  # the signature's idx: int64, C order, writeable
-    if w.dtype != np.float32 or not w.flags.c_contiguous:
-        w = np.ascontiguousarray(w, np.float32)
+    idx = np.ascontiguousarray(idx, np.int64)
+    w = np.ascontiguousarray(w, np.float32)
     rows16, rows32 = (flat, _NO_F32) if bf16 else (_NO_U16, flat)
     _reduce(rows16, rows32, bf16, stride, idx, w, out)
     return out
 
 
-@numba.njit("void(uint32[:, ::1], uint32[::1])", cache=True, nogil=True, boundscheck=False)
+@numba.njit(_t.void(_ro(_t.uint32, 2), _t.uint32[::1]), cache=True, nogil=True,
+            boundscheck=False)  # fmt: skip
 def _row_amax(bits, amax):  # pragma: no cover - compiled
     """amax[r] = the float32 bits of max |x[r]| (0 for an empty row), from x's bits: with the
     sign cleared, float order is integer order, and an integer max vectorizes (a float max
@@ -243,8 +258,8 @@ def _row_amax(bits, amax):  # pragma: no cover - compiled
         amax[r] = m
 
 
-@numba.njit("void(float32[:, ::1], float32[::1], int8[:, ::1])", cache=True, nogil=True,
-            boundscheck=False)  # fmt: skip
+@numba.njit(_t.void(_ro(_t.float32, 2), _ro(_t.float32, 1), _t.int8[:, ::1]), cache=True,
+            nogil=True, boundscheck=False)  # fmt: skip
 def _quantize_rows(x, scale, q):  # pragma: no cover - compiled
     """q[r, c] = clip(rint(x[r, c] / scale[r]), -127, 127): float32 division, round half to
     even, as comm.quant.quantize_int8."""
@@ -277,7 +292,7 @@ def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, scale
 
 
-_SIG_COPY = "void(uint8[:, ::1], int64[::1], uint8[::1], int64[::1], int64)"
+_SIG_COPY = _t.void(_ro(_t.uint8, 2), _ro(_t.int64, 1), _t.uint8[::1], _ro(_t.int64, 1), _t.int64)
 
 
 @numba.njit(_SIG_COPY, cache=True, nogil=True, boundscheck=False)
@@ -333,7 +348,7 @@ def _packet_shape(payload, rows, n: int) -> tuple[np.ndarray, int, int]:
 
 _RO_I64 = numba.types.Array(numba.types.int64, 1, "C", readonly=True)
 _PACK_SIG = numba.types.void(
-    numba.types.uint8[:, ::1], numba.types.int32[::1], _RO_I64, _RO_I64, _RO_I64,
+    _ro(_t.uint8, 2), _ro(_t.int32, 1), _RO_I64, _RO_I64, _RO_I64,
     numba.types.uint8[::1], numba.types.int32[::1], numba.types.int64,
 )  # fmt: skip
 

@@ -212,14 +212,20 @@ def test_dedup_must_be_a_bool(ep_pod):
     assert all("dedup must be a bool" in m for m in got), got
 
 
-def readonly_dedup_step(die, seed, protocol):
-    """A dedup step whose inputs and expert outputs are all read-only (the compiled dedup pack
-    and reduce take read-only arrays: without quantization x itself is the payload)."""
+def readonly_step(die, seed, protocol, quant, dedup, strided):
+    """A step whose inputs and expert outputs are all read-only, or (strided) views that are
+    not C-contiguous: valid input, which every path must take (kernels compiled for writeable
+    C arrays refused it, on some paths after the operation had started)."""
     x, idx, w = make_inputs(seed, die.die_id, 2 * die.num_dies, "random")
+    if strided:
+        x, idx, w = (np.repeat(a, 2, axis=1)[:, ::2] for a in (x, idx, w))
     for a in (x, idx, w):
         a.flags.writeable = False
-    d = comm.dispatch(die, x, idx, w, protocol=protocol, event_id=seed, dedup=True)
-    expert_out = expert_fn(die.die_id, d.x)
+    d = comm.dispatch(die, x, idx, w, protocol=protocol, quant=quant, event_id=seed, dedup=dedup)
+    rows = d.x.astype(np.float32) * d.scales[:, None] if quant == "int8" else d.x
+    expert_out = expert_fn(die.die_id, rows)
+    if strided:
+        expert_out = np.repeat(expert_out, 2, axis=1)[:, ::2]
     expert_out.flags.writeable = False
     out = comm.combine(die, expert_out, d.handle, event_id=seed)
     return {"x": d.x, "scales": d.scales, "src_rank": d.src_rank, "batch_slot": d.batch_slot,
@@ -228,12 +234,15 @@ def readonly_dedup_step(die, seed, protocol):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("dedup", [False, True])
+@pytest.mark.parametrize("quant", [None, "int8"])
 @pytest.mark.parametrize("protocol", ["pull", "fused"])
-def test_dedup_takes_read_only_inputs(ep_pod, protocol):
+def test_read_only_and_strided_inputs_are_taken(ep_pod, protocol, quant, dedup, strided):
     n, e = ep_pod.config.num_dies, ep_pod.config.num_experts
-    res = ep_pod.run(readonly_dedup_step, 53, protocol)
-    check_against_reference(res, 53, None, "random", n, e, placement_for("random", n, e),
-                            cdt(ep_pod), dedup=True)  # fmt: skip
+    res = ep_pod.run(readonly_step, 53, protocol, quant, dedup, strided)
+    check_against_reference(res, 53, quant, "random", n, e, placement_for("random", n, e),
+                            cdt(ep_pod), dedup=dedup)  # fmt: skip
 
 
 def over_max(die):
@@ -359,15 +368,19 @@ def test_num_experts_must_divide_over_the_dies():
 # -- A2E / E2A with trampolines (docs/protocols.md §8) --------------------------------------------
 
 
-def a2e_step(die, seed, n_att, num_experts, quant):
+def a2e_step(die, seed, n_att, num_experts, quant, readonly=False):
     if die.die_id < n_att:
         x, idx, w = make_inputs(seed, die.die_id, num_experts, "random")
+        for a in (x, idx, w):
+            a.flags.writeable = not readonly
         res, h = comm.a2e(die, x, idx, w, n_att, quant=quant, event_id=seed)
         out = comm.e2a(die, None, h, event_id=seed)
         return {"out": out, "writes": h.metadata_writes}
     res, h = comm.a2e(die, None, None, None, n_att, quant=quant, event_id=seed)
     rows = res.x.astype(np.float32) * res.scales[:, None] if quant == "int8" else res.x
-    comm.e2a(die, expert_fn(die.die_id, rows), h, event_id=seed)
+    expert_out = expert_fn(die.die_id, rows)
+    expert_out.flags.writeable = not readonly
+    comm.e2a(die, expert_out, h, event_id=seed)
     return {f: getattr(res, f) for f in ("x", "scales", "src_rank", "batch_slot", "k_index",
                                          "local_expert", "expert_counts")}  # fmt: skip
 
@@ -386,7 +399,7 @@ def test_a2e_e2a_through_trampolines_match_reference(n_att, n_exp, quant, combin
     with Pod.launch(cfg) as pod:
         for seed in range(4):  # back to back, no barrier between operations
             print(f"seed {seed}, {n_att}+{n_exp}, {quant}")
-            res = pod.run(a2e_step, seed, n_att, e, quant)
+            res = pod.run(a2e_step, seed, n_att, e, quant, seed == 3)  # read-only inputs last
             ins = [make_inputs(seed, r, e, "random") for r in att]
             douts = ref.a2e_ref([i[0] for i in ins], [i[1] for i in ins], placement, att, quant)
             for d, o in douts.items():
