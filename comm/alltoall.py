@@ -1323,9 +1323,9 @@ def _own_weighted_sum(ep: Endpoint, idx: np.ndarray, w: np.ndarray) -> np.ndarra
         lo = ep.layout
         cdt = _comb_dtype(ep)
         flat = _comb_flat(ep, ep.die_id).view(np.uint16 if cdt == BF16 else np.float32)
-        v = views["own_comb"] = (flat, lo.pull_comb_stride // cdt.itemsize, cdt == BF16)
-    flat, stride, bf16 = v
-    return kernels().weighted_sum_flat(flat, stride, bf16, idx, w, ep.layout.a2a_hidden)
+        v = views["own_comb"] = (flat, lo.pull_comb_stride // cdt.itemsize)
+    flat, stride = v
+    return kernels().weighted_sum_flat(flat, stride, idx, w, ep.layout.a2a_hidden)
 
 
 def _write_slots_by_src(ep, rows, dest, slots, ks, op, event_id) -> None:

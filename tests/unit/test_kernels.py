@@ -351,9 +351,9 @@ def test_weighted_sum_flat_equals_weighted_sum(dtype):
     flat = buf.view(np.uint16 if dtype == BF16 else np.float32)
     ro = idx.copy()
     ro.flags.writeable = False
-    got = weighted_sum_flat(flat, stride, dtype == BF16, ro, w, hidden)
+    got = weighted_sum_flat(flat, stride, ro, w, hidden)
     assert np.array_equal(got, want, equal_nan=True)
-    assert weighted_sum_flat(flat, stride, dtype == BF16, idx[:0], w[:0], hidden).shape == (
+    assert weighted_sum_flat(flat, stride, idx[:0], w[:0], hidden).shape == (
         0,
         hidden,
     )
