@@ -3,9 +3,10 @@ alone in one process, against `np.copyto` of the same bytes (issue 11.2's table)
 
 The shape is `xpod bench alltoall`'s (the same tokens and routing of die 0, uniform routing over
 the pod's dies): per step a die quantizes its `batch` tokens, packs one row per (token, expert)
-message, groups the rows it receives by expert, rounds its expert outputs to bfloat16 on the way
-back (into its own area for pull, into the token's die for fused), and reduces its own tokens'
-rows in ascending k. A pass's GB/s counts
+message into every destination's block, groups the rows it receives by expert, rounds its expert
+outputs to bfloat16 on the way back (into its own area for pull, into the token's die for
+fused), and reduces its own tokens' rows in ascending k; the fused passes write into fake
+regions through the same typed lists the protocol uses. A pass's GB/s counts
 the bytes it reads and writes; `x copy` = its time over `np.copyto` of its output bytes (1.0: as
 fast as a copy). Every pass runs on the code the protocols run (comm.kernels) or on the same
 numpy statement.
@@ -73,49 +74,85 @@ def _time(fn: Callable[[], object], reps: int) -> float:
 
 def measure(pt: Point, reps: int) -> list[dict]:
     """One row per pass: name, bytes read + written, seconds, GB/s, time over np.copyto."""
-    from comm.kernels import pack_rows, scatter_rows, to_bfloat16
-    from comm.kernels import quantize_int8 as quantize  # numba: loaded only when it runs
+    from numba.typed import List  # numba: loaded only when it runs
+
+    from comm import kernels as k
 
     x = tokens(pt, 0)
     idx, w = routing(pt, 0)
     placement = Placement.default(pt.num_experts, tuple(range(pt.dies)))
     lay = get_dispatch_layout(idx, placement)
-    n_msgs, h = lay.num_msgs, pt.hidden
+    n_msgs, h, dies = lay.num_msgs, pt.hidden, pt.dies
     stride = -(-(h + PULL_ROW_META) // 64) * 64 * 4  # a float32 pod's dispatch row
     q, scale = quantize_int8(x)
-    send = np.zeros((n_msgs, stride), np.uint8)
-    # a die receives about as many rows as it sends (uniform routing): its own messages stand
-    # in for what its peers send it
-    recv = send.copy()
-    order = np.lexsort((lay.msg_k, lay.msg_slot, lay.msg_local_expert))
+    block = pt.batch * min(pt.topk, pt.num_experts // dies) * stride  # a source's receive block
+    comb_stride = -(-2 * h // 64) * 32  # bfloat16 elements of a combine row
+    comb_bytes = pt.batch * pt.topk * comb_stride * 2
+    # every die's region as the fused kernels take them: the blocks for die 0 as a source, the
+    # combine buffer, then die 0's own receive area (a block per source) and its counts words
+    regions = [np.zeros(block + comb_bytes + dies * block + 8 * dies * pt.num_experts, np.uint8)
+               for _ in range(dies)]  # fmt: skip
+    m8, m16, m32, m64 = (List([r.view(t) for r in regions])
+                         for t in (np.uint8, np.uint16, np.int32, np.int64))  # fmt: skip
+    dies_arr = np.arange(dies, dtype=np.int64)
+    payload8, scale_bits = q.view(np.uint8), scale.view(np.int32)
+    recv0 = block + comb_bytes
+    counts0 = (recv0 + dies * block) // 8
+    n_local = pt.num_experts // dies
+    # a die receives about as many rows as it sends (uniform routing): its own messages, by
+    # destination, stand in for what each source sends it
+    offs = lay.dest_offsets
+    for p in range(dies):
+        a, b = int(offs[p]), int(offs[p + 1])
+        rows = regions[0][recv0 + p * block : recv0 + p * block + (b - a) * stride]
+        k.pack_rows(q, scale, lay.msg_slot[a:b], lay.msg_k[a:b],
+                    lay.msg_local_expert[a:b] % n_local, rows.reshape(b - a, stride))  # fmt: skip
+        counts = np.bincount(lay.msg_local_expert[a:b] % n_local, minlength=n_local)
+        regions[0].view(np.int64)[counts0 + p * n_local : counts0 + (p + 1) * n_local] = counts
+    cnts = np.diff(offs).astype(np.int64)
+    out8 = np.empty((n_msgs, h), np.uint8)
+    outs = [np.empty(n_msgs, np.int32)] + [np.empty(n_msgs, np.int64) for _ in range(4)]
+
+    def pack():  # FusedDispatch step 1: every destination's packets in one call
+        k.fused_pack(m8, m32, dies_arr, offs, 0, payload8, scale_bits, lay.msg_slot, lay.msg_k,
+                     lay.msg_local_expert, stride)  # fmt: skip
+
+    def assemble():  # step 3: every source's packets of this die's area, grouped by expert
+        counts = np.zeros(n_local, np.int64)
+        got = k.fused_assemble(m8[0], m32[0], m64[0], dies_arr, cnts, recv0, block, counts0,
+                               n_local, stride, h, counts, out8, *outs)  # fmt: skip
+        assert got == 0, got
+
     eout = np.random.default_rng(1).standard_normal((n_msgs, h)).astype(np.float32)
-    ebf = to_bfloat16(eout)
-    comb = np.zeros((pt.batch * pt.topk, -(-2 * h // 64) * 32), BF16)  # the combine buffer
+    ebf = k.to_bfloat16(eout)
+    order = np.lexsort((lay.msg_k, lay.msg_slot, lay.msg_local_expert))
+    plan = np.empty((2, n_msgs), np.int64)
+    starts = np.empty(dies + 1, np.int64)
+    dest = np.arange(n_msgs, dtype=np.int64) % dies  # rows back to their tokens' dies
+    assert not k.group_by_dest(dest, lay.msg_slot, lay.msg_k, pt.topk, dies,
+                               pt.batch * pt.topk, plan[0], plan[1], starts)  # fmt: skip
+
+    def scatter():  # FusedCombine step 1: every row, rounded, into its token's die
+        k.fused_scatter_round(eout.view(np.uint32), plan[0], plan[1], starts, m16, m64,
+                              block // 2, comb_stride, counts0, 0, 1)  # fmt: skip
+
+    comb = np.zeros((pt.batch * pt.topk, comb_stride), BF16)  # this die's combine buffer
     lin = lay.msg_slot * pt.topk + lay.msg_k
-    contrib = comb[:, :h][: pt.batch * pt.topk].reshape(pt.batch, pt.topk, h)
     comb[lin, :h] = ebf
-
-    def pack():  # per destination, as the fused dispatch writes each peer's block
-        for p in range(pt.dies):
-            a, b = int(lay.dest_offsets[p]), int(lay.dest_offsets[p + 1])
-            pack_rows(q, scale, lay.msg_slot[a:b], lay.msg_k[a:b], lay.msg_local_expert[a:b],
-                      send[a:b])  # fmt: skip
-
-    def assemble():
-        return np.ascontiguousarray(recv[order, :h]).view(np.int8)
-
-    rows_idx = np.arange(n_msgs, dtype=np.int64)
-    own = np.zeros((n_msgs, comb.shape[1]), BF16)  # the pull combine's own send area
+    contrib = comb[:, :h].reshape(pt.batch, pt.topk, h)
+    own = np.zeros((n_msgs, comb_stride), BF16)  # the pull combine's own send area
 
     passes = [
-        ("quantize int8 (kernel)", lambda: quantize(x), x.nbytes, q.nbytes + 4 * len(q)),
-        ("pack rows per destination (kernel)", pack, n_msgs * (h + 16), n_msgs * (h + 16)),
-        ("group received rows by expert", assemble, n_msgs * h, n_msgs * h),
+        ("quantize int8 (kernel)", lambda: k.quantize_int8(x), x.nbytes, q.nbytes + 4 * len(q)),
+        ("fused: pack rows into every destination (kernel)", pack, n_msgs * (h + 16),
+         n_msgs * (h + 16)),
+        ("fused: group received rows by expert (kernel)", assemble, n_msgs * (h + 16),
+         n_msgs * (h + 36)),
         ("pull: round + gather rows into own area (kernel)",
-         lambda: to_bfloat16(eout, own[:, :h], order), eout.nbytes, ebf.nbytes),
-        ("fused: round + write rows into token's die (kernel)",
-         lambda: scatter_rows(eout, rows_idx, comb, lin), eout.nbytes, ebf.nbytes),
-        ("weighted reduce, ascending k", lambda: _weighted_sum(contrib, idx, w),
+         lambda: k.to_bfloat16(eout, own[:, :h], order), eout.nbytes, ebf.nbytes),
+        ("fused: round + write rows into token's die (kernel)", scatter, eout.nbytes,
+         ebf.nbytes),
+        ("weighted reduce, ascending k (kernel)", lambda: _weighted_sum(contrib, idx, w),
          contrib.nbytes, pt.batch * h * 4),
     ]  # fmt: skip
     rows = []
