@@ -918,32 +918,47 @@ def _weighted_sum(contrib: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.nda
 
 
 def _reduce(ep: Endpoint, handle: DispatchHandle, where: list[tuple], half: int) -> np.ndarray:
-    """Steps 6-7 of a pull combine: pull each expert die's rows of this die's tokens to their
-    (slot, k), then `_weighted_sum`. After a dedup dispatch the rows are pre-reduced, one per
-    (token, die), at (slot, first k of that die), added in ascending k with weight 1."""
+    """Steps 6-7 of a pull combine: each expert die's rows of this die's tokens, read where
+    they are (remote), summed per token in ascending k: `_weighted_sum`'s arithmetic in one
+    compiled pass over every source (`comm.kernels.pull_reduce`; gathering the rows into a
+    [batch, k, hidden] array first was one more trip over the combine bytes). After a dedup
+    dispatch the rows are pre-reduced, one per (token, die), at (slot, first k of that die),
+    added in ascending k with weight 1."""
     placement, dl = handle.placement, handle.dedup
     if dl is None:
         lay = handle.layout
-        offs, slots, ks = lay.dest_offsets.tolist(), lay.msg_slot, lay.msg_k
+        offs, slots, ks = lay.dest_offsets, lay.msg_slot, lay.msg_k
         idx, w = handle.topk_idx, handle.topk_weights
     else:
-        offs, slots, ks = dl.dest_offsets.tolist(), dl.row_slot, dl.row_kfirst
+        offs, slots, ks = dl.dest_offsets, dl.row_slot, dl.row_kfirst
         idx, w = dl.idx_first, _ones(dl.idx_first.shape)
-    batch, k_max = idx.shape
-    hidden = ep.layout.a2a_hidden
+    lo = ep.layout
     cdt = _comb_dtype(ep)
-    contrib = np.empty((batch, k_max, hidden), cdt)  # entries not in idx are never read
+    first = np.empty(len(placement.dies), np.int64)  # each source's first row of ours
+    bounds = offs.tolist()
     for p, d in enumerate(placement.dies):
-        a, b = offs[p], offs[p + 1]
+        a, b = bounds[p], bounds[p + 1]
         off, count = where[d]
         if count != b - a:
             raise ProtocolError(
                 f"die {ep.die_id}: combine from die {d} returns {count} rows, this die sent it"
                 f" {b - a} (expert_out rows out of step with the dispatch)"
             )
-        got = _rows(ep, d, COMBINE, half, off, count)[:, : cdt.itemsize * hidden]  # remote read
-        contrib[slots[a:b], ks[a:b]] = got.view(cdt)
-    return _weighted_sum(contrib, idx, w)
+        _area_check(ep, f"pull combine rows of die {d}", off, count, lo.pull_comb_rows)
+        first[p] = off
+    mem = _mem(ep)
+    item = cdt.itemsize
+    out = np.empty((idx.shape[0], lo.a2a_hidden), np.float32)
+    if kernels().pull_reduce(
+        mem.u16 if item == 2 else mem.f32, _place_info(ep, placement).dies_arr, offs, first,
+        lo.pull_block_off(COMBINE, half) // item, lo.pull_comb_stride // item, slots, ks,
+        np.ascontiguousarray(idx, np.int64), np.ascontiguousarray(w, np.float32), out,
+    ):  # fmt: skip
+        raise ProtocolError(
+            f"die {ep.die_id}: pull combine: a routed (slot, k) of this die has no row in the"
+            " layout (handle out of step with the dispatch); nothing read"
+        )
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1028,13 +1043,14 @@ def _place_info(ep: Endpoint, placement: Placement) -> _PlaceInfo:
 @dataclass(frozen=True)
 class _Mem:
     """Every region of the pod as numba typed lists of flat views (uint8, uint16, int32,
-    int64), made once per die: the fused protocol's kernels write into every destination in
+    int64, float32), made once per die: the fused protocol's kernels write into every destination in
     one call (`comm.kernels.fused_pack` and the rest)."""
 
     u8: object
     u16: object
     i32: object
     i64: object
+    f32: object
 
 
 def _mem(ep: Endpoint) -> _Mem:
@@ -1045,7 +1061,8 @@ def _mem(ep: Endpoint) -> _Mem:
 
         arrays = [r.array for r in ep.regions]
         m = views["mem"] = _Mem(*(List([a.view(t) for a in arrays])
-                                  for t in (np.uint8, np.uint16, np.int32, np.int64)))  # fmt: skip
+                                  for t in (np.uint8, np.uint16, np.int32, np.int64,
+                                            np.float32)))  # fmt: skip
     return m
 
 

@@ -67,6 +67,7 @@ __all__ = [
     "pack_dedup_rows",
     "pack_dedup_rows_raw",
     "pack_rows",
+    "pull_reduce",
     "quantize_int8",
     "reduce_groups",
     "reduce_groups_raw",
@@ -1255,6 +1256,42 @@ def fused_cflags(mem64, lin, starts, cflag_word, op):  # pragma: no cover - comp
             w[cflag_word + lin[j]] = op
 
 
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def pull_reduce(mem, dies, offs, first, base, stride, slots, ks, idx, w,
+                out):  # pragma: no cover - compiled  # fmt: skip
+    """The pull combine's reduce, reading every source's rows where they are: message m of
+    this die's layout (position p: offs[p] <= m < offs[p + 1]) came back as row
+    first[p] + m - offs[p] of die dies[p]'s combine rows (element `base` of its region, rows
+    `stride` elements apart, bfloat16 bits or float32), for (slots[m], ks[m]); out[b] is the
+    sum over routed k, ascending, of w[b, k] * that row: `_reduce`'s arithmetic, bit for bit.
+    Returns 0, or -1 (nothing read) if a routed (b, k) has no row: a layout out of step."""
+    nb, nk = idx.shape
+    h = out.shape[1]
+    src_die = np.full((nb, nk), -1, np.int64)
+    src_at = np.empty((nb, nk), np.int64)
+    for p in range(dies.shape[0]):
+        for m in range(offs[p], offs[p + 1]):
+            src_die[slots[m], ks[m]] = dies[p]
+            src_at[slots[m], ks[m]] = base + (first[p] + m - offs[p]) * stride
+    for b in range(nb):
+        for k in range(nk):
+            if idx[b, k] >= 0 and src_die[b, k] < 0:
+                return -1
+    for b in range(nb):
+        o = out[b]
+        for c in range(h):
+            o[c] = np.float32(0.0)
+        for k in range(nk):
+            if idx[b, k] < 0:
+                continue
+            wk = w[b, k]
+            at = src_at[b, k]
+            r = mem[src_die[b, k]][at : at + h]
+            for c in range(h):
+                o[c] = o[c] + wk * _load(r, c)
+    return 0
+
+
 def warm() -> None:
     """Load every kernel (compiled at import from the on-disk cache, or compiled there once)
     and run it once, so that a die forked afterwards starts with it ready."""
@@ -1326,3 +1363,11 @@ def _warm_fused() -> None:
         fused_scatter_copy(rows, one, one, starts, mem, mem64, 0, 8, 0, 0, 0)
     fused_scatter_round(np.zeros((1, 4), np.uint32), one, one, starts, mem16, mem64, 0, 8, 0, 0, 0)
     fused_cflags(mem64, one, starts, 0, 0)
+    memf = List([region.view(np.float32)])
+    idx, w, out = (
+        np.zeros((1, 1), np.int64),
+        np.ones((1, 1), np.float32),
+        np.zeros((1, 4), np.float32),
+    )
+    for mem in (mem16, memf):
+        pull_reduce(mem, one, ro, one, 0, 8, ro, ro, idx, w, out)

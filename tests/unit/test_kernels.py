@@ -743,3 +743,36 @@ def test_dedup_expansion_groups_entries_stably_by_local_expert(dtype):
         c = np.zeros(n_local, np.int64)
         assert dedup_count(bad.reshape(-1), 1, stride, eoff, topk, topk, c) == -1
         assert not c.any()
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.float32])
+def test_pull_reduce_reads_each_sources_rows_where_they_are(dtype):
+    """pull_reduce over rows left in three 'dies' equals weighted_sum over the same rows
+    gathered to their (slot, k), bit for bit; a routed entry without a row is refused."""
+    from numba.typed import List
+
+    from comm.kernels import pull_reduce
+
+    rng = np.random.default_rng(6)
+    batch, k, h, stride, base = 4, 3, 20, 24, 40
+    idx = np.array([[0, -1, 2], [1, 3, -1], [-1, -1, -1], [5, 4, 0]], np.int64)
+    slot, kk = np.nonzero(idx >= 0)
+    dies = np.array([2, 0, 1], np.int64)
+    offs = np.array([0, 3, 3, 7], np.int64)  # 7 messages: 3 from die 2, none from 0, 4 from 1
+    first = np.array([5, 0, 2], np.int64)  # each source's first row of ours in its area
+    regions = [np.zeros(base + 16 * stride, dtype) for _ in range(3)]
+    contrib = np.zeros((batch, k, h), dtype)
+    for p in range(3):
+        for m in range(offs[p], offs[p + 1]):
+            row = (rng.standard_normal(h) * 10).astype(np.float32).astype(dtype)
+            at = base + (first[p] + m - offs[p]) * stride
+            regions[dies[p]][at : at + h] = row
+            contrib[slot[m], kk[m]] = row
+    w = rng.standard_normal((batch, k)).astype(np.float32)
+    mem = List([r.view(np.uint16) if dtype == BF16 else r for r in regions])
+    out = np.empty((batch, h), np.float32)
+    assert pull_reduce(mem, dies, offs, first, base, stride, slot, kk, idx, w, out) == 0
+    assert np.array_equal(out, weighted_sum(contrib, idx, w))
+    short = offs.copy()
+    short[3] = 6  # the last routed entry has no row
+    assert pull_reduce(mem, dies, short, first, base, stride, slot, kk, idx, w, out) == -1
