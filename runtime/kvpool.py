@@ -33,7 +33,7 @@ class PagedKV:
         self.pool = pool
         self.block_size = pool.shape[2]
         self.width = pool.shape[3]
-        self.steps: dict[int, tuple[int, int, np.ndarray]] = {}
+        self.steps: dict[int, tuple[int, int, np.ndarray, int]] = {}  # start, n, table, run
 
     @classmethod
     def zeros(cls, n_layers: int, n_blocks: int, block_size: int, width: int) -> PagedKV:
@@ -51,10 +51,15 @@ class PagedKV:
                     f"kv: request {req} positions [0, {start + n}) need {need} blocks in"
                     f" [0, {nb}), its table has {t.tolist()}"
                 )
-            self.steps[int(req)] = (int(start), int(n), t)
+            used = t[:need]
+            # blocks in one run of ids (a request allocated at once, as decode does): `get`
+            # returns a view of the pool instead of gathering a copy every layer
+            run = int(used[0]) if need and used[-1] - used[0] == need - 1 and (
+                need == 1 or (np.diff(used) == 1).all()) else -1  # fmt: skip
+            self.steps[int(req)] = (int(start), int(n), t, run)
 
     def append(self, req: int, layer: int, rows: np.ndarray) -> None:
-        start, n, table = self.steps[int(req)]
+        start, n, table, _ = self.steps[int(req)]
         if rows.shape[0] != n:
             raise ValueError(f"kv: request {req} writes {rows.shape[0]} rows, the step said {n}")
         bs, at = self.block_size, start
@@ -65,7 +70,11 @@ class PagedKV:
             at += take
 
     def get(self, req: int, layer: int) -> np.ndarray:
-        start, n, table = self.steps[int(req)]
+        start, n, table, run = self.steps[int(req)]
         total = start + n
-        used = table[: -(-total // self.block_size)]
-        return self.pool[layer, used].reshape(-1, self.width)[:total]
+        nb = -(-total // self.block_size)
+        if run >= 0:  # a view of the pool (read-only: attention only reads it)
+            view = self.pool[layer, run : run + nb].reshape(-1, self.width)[:total]
+            view.flags.writeable = False
+            return view
+        return self.pool[layer, table[:nb]].reshape(-1, self.width)[:total]

@@ -131,10 +131,15 @@ def test_invalid_model_or_run_is_refused_before_any_process_starts(monkeypatch, 
         run_decode(opts)
 
 
-def test_paged_kv_matches_dict_kv_across_block_boundaries():
+@pytest.mark.parametrize(
+    "tables",
+    [{0: [5, 1, 3], 1: [0, 2, 4]},  # scattered blocks, as a scheduler hands them out
+     {0: [3, 4, 5], 1: [0, 1, 2]},  # runs of ids (read through a view of the pool)
+     {0: [1, 2, 4], 1: [5, 3, 4]}],  # a run, then a gap; descending
+)  # fmt: skip
+def test_paged_kv_matches_dict_kv_across_block_boundaries(tables):
     rng = np.random.default_rng(0)
     kv, ref = PagedKV(np.zeros((2, 6, 4, 3), np.float32)), DictKV(3)
-    tables = {0: [5, 1, 3], 1: [0, 2, 4]}  # scattered blocks, as a scheduler hands them out
     pos = {0: 0, 1: 0}
     for req, n in [(0, 5), (1, 3), (0, 1), (1, 6), (0, 4)]:
         kv.begin_step([(req, pos[req], n, tables[req])])
@@ -142,7 +147,11 @@ def test_paged_kv_matches_dict_kv_across_block_boundaries():
             rows = rng.standard_normal((n, 3)).astype(np.float32)
             kv.append(req, layer, rows)
             ref.append(req, layer, rows)
-            assert np.array_equal(kv.get(req, layer), ref.get(req, layer))
+            got = kv.get(req, layer)
+            assert np.array_equal(got, ref.get(req, layer))
+            used = tables[req][: -(-(pos[req] + n) // 4)]
+            run = list(range(used[0], used[0] + len(used))) == used
+            assert np.shares_memory(got, kv.pool) == run  # a run of ids: a view, no copy
         pos[req] += n
     with pytest.raises(ValueError, match="need 4 blocks"):
         kv.begin_step([(0, 10, 3, tables[0])])  # positions 10..12 need a fourth block
