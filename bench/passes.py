@@ -6,7 +6,7 @@ the pod's dies): per step a die quantizes its `batch` tokens, packs one row per 
 message into every destination's block, groups the rows it receives by expert, rounds its expert
 outputs to bfloat16 on the way back (into its own area for pull, into the token's die for
 fused), and reduces its own tokens' rows in ascending k; the fused passes write into fake
-regions through the same typed lists the protocol uses. A pass's GB/s counts
+regions addressed as the protocol addresses every die's region. A pass's GB/s counts
 the bytes it reads and writes; `x copy` = its time over `np.copyto` of its output bytes (1.0: as
 fast as a copy). Every pass runs on the code the protocols run (comm.kernels) or on the same
 numpy statement.
@@ -74,9 +74,7 @@ def _time(fn: Callable[[], object], reps: int) -> float:
 
 def measure(pt: Point, reps: int) -> list[dict]:
     """One row per pass: name, bytes read + written, seconds, GB/s, time over np.copyto."""
-    from numba.typed import List  # numba: loaded only when it runs
-
-    from comm import kernels as k
+    from comm import kernels as k  # numba: loaded only when it runs
 
     x = tokens(pt, 0)
     idx, w = routing(pt, 0)
@@ -92,8 +90,8 @@ def measure(pt: Point, reps: int) -> list[dict]:
     # combine buffer, then die 0's own receive area (a block per source) and its counts words
     regions = [np.zeros(block + comb_bytes + dies * block + 8 * dies * pt.num_experts, np.uint8)
                for _ in range(dies)]  # fmt: skip
-    m8, m16, m32, m64 = (List([r.view(t) for r in regions])
-                         for t in (np.uint8, np.uint16, np.int32, np.int64))  # fmt: skip
+    addrs, nbytes = np.array([r.ctypes.data for r in regions], np.int64), len(regions[0])
+    own = (regions[0], regions[0].view(np.int32), regions[0].view(np.int64))
     dies_arr = np.arange(dies, dtype=np.int64)
     payload8, scale_bits = q.view(np.uint8), scale.view(np.int32)
     recv0 = block + comb_bytes
@@ -114,12 +112,12 @@ def measure(pt: Point, reps: int) -> list[dict]:
     outs = [np.empty(n_msgs, np.int32)] + [np.empty(n_msgs, np.int64) for _ in range(4)]
 
     def pack():  # FusedDispatch step 1: every destination's packets in one call
-        k.fused_pack(m8, m32, dies_arr, offs, 0, payload8, scale_bits, lay.msg_slot, lay.msg_k,
-                     lay.msg_local_expert, stride)  # fmt: skip
+        k.fused_pack(addrs, nbytes, dies_arr, offs, 0, payload8, scale_bits, lay.msg_slot,
+                     lay.msg_k, lay.msg_local_expert, stride)  # fmt: skip
 
     def assemble():  # step 3: every source's packets of this die's area, grouped by expert
         counts = np.zeros(n_local, np.int64)
-        got = k.fused_assemble(m8[0], m32[0], m64[0], dies_arr, cnts, recv0, block, counts0,
+        got = k.fused_assemble(*own, dies_arr, cnts, recv0, block, counts0,
                                n_local, stride, h, counts, out8, *outs)  # fmt: skip
         assert got == 0, got
 
@@ -133,7 +131,7 @@ def measure(pt: Point, reps: int) -> list[dict]:
                                pt.batch * pt.topk, plan[0], plan[1], starts)  # fmt: skip
 
     def scatter():  # FusedCombine step 1: every row, rounded, into its token's die
-        k.fused_scatter_round(eout.view(np.uint32), plan[0], plan[1], starts, m16, m64,
+        k.fused_scatter_round(eout.view(np.uint32), plan[0], plan[1], starts, addrs, nbytes,
                               block // 2, comb_stride, counts0, 0, 1)  # fmt: skip
 
     comb = np.zeros((pt.batch * pt.topk, comb_stride), BF16)  # this die's combine buffer

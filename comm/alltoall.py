@@ -917,6 +917,9 @@ def _weighted_sum(contrib: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.nda
     return kernels().weighted_sum(contrib, idx, w)
 
 
+_NO_ROWS = {2: np.zeros(0, np.uint16), 4: np.zeros(0, np.float32)}
+
+
 def _reduce(ep: Endpoint, handle: DispatchHandle, where: list[tuple], half: int) -> np.ndarray:
     """Steps 6-7 of a pull combine: each expert die's rows of this die's tokens, read where
     they are (remote), summed per token in ascending k: `_weighted_sum`'s arithmetic in one
@@ -949,8 +952,9 @@ def _reduce(ep: Endpoint, handle: DispatchHandle, where: list[tuple], half: int)
     mem = _mem(ep)
     item = cdt.itemsize
     out = np.empty((idx.shape[0], lo.a2a_hidden), np.float32)
+    like = _NO_ROWS[item]  # the rows' element type: bfloat16 bits or float32
     if kernels().pull_reduce(
-        mem.u16 if item == 2 else mem.f32, _place_info(ep, placement).dies_arr, offs, first,
+        mem.addrs, mem.nbytes, like, _place_info(ep, placement).dies_arr, offs, first,
         lo.pull_block_off(COMBINE, half) // item, lo.pull_comb_stride // item, slots, ks,
         np.ascontiguousarray(idx, np.int64), np.ascontiguousarray(w, np.float32), out,
     ):  # fmt: skip
@@ -1042,27 +1046,22 @@ def _place_info(ep: Endpoint, placement: Placement) -> _PlaceInfo:
 
 @dataclass(frozen=True)
 class _Mem:
-    """Every region of the pod as numba typed lists of flat views (uint8, uint16, int32,
-    int64, float32), made once per die: the fused protocol's kernels write into every destination in
-    one call (`comm.kernels.fused_pack` and the rest)."""
+    """Where every region of the pod is mapped in this die (int64 [dies] addresses) and a
+    region's size, made once per die: the fused protocol's kernels address any die's region
+    through them (`comm.kernels._region`), so one call writes into every destination. The
+    endpoint keeps every region mapped while it lives, so the addresses stay valid."""
 
-    u8: object
-    u16: object
-    i32: object
-    i64: object
-    f32: object
+    addrs: np.ndarray
+    nbytes: int
 
 
 def _mem(ep: Endpoint) -> _Mem:
     views = ep.a2a.views
     m = views.get("mem")
     if m is None:
-        from numba.typed import List
-
         arrays = [r.array for r in ep.regions]
-        m = views["mem"] = _Mem(*(List([a.view(t) for a in arrays])
-                                  for t in (np.uint8, np.uint16, np.int32, np.int64,
-                                            np.float32)))  # fmt: skip
+        m = views["mem"] = _Mem(np.array([a.ctypes.data for a in arrays], np.int64),
+                                len(arrays[0]))  # fmt: skip
     return m
 
 
@@ -1154,7 +1153,8 @@ def _fused_send(ep, payload, scale, lay, info, half, op, event_id, code, pb) -> 
     if not payload.flags.writeable:  # the kernels are compiled for writeable arrays only
         payload = payload.copy()
     src8, scale_bits = _payload_bits(payload, pb, scale)
-    k.fused_pack(mem.u8, mem.i32, info.dies_arr, lay.dest_offsets, _block_off(ep, half, ep.die_id),
+    k.fused_pack(mem.addrs, mem.nbytes, info.dies_arr, lay.dest_offsets,
+                 _block_off(ep, half, ep.die_id),
                  src8, scale_bits, lay.msg_slot, lay.msg_k, lay.msg_local_expert,
                  lo.pull_disp_stride)  # fmt: skip
     t1 = now_ns()
@@ -1169,10 +1169,10 @@ def _fused_flags(ep, lay, info, half, op, event_id, code) -> None:
     lo = ep.layout
     k, mem = kernels(), _mem(ep)
     flag = lo.fused_flag_word(half, ep.die_id)
-    k.fused_counts(mem.i64, info.pos_arr, lay.dest_offsets, lay.num_tokens_per_expert,
+    k.fused_counts(mem.addrs, mem.nbytes, info.pos_arr, lay.dest_offsets, lay.num_tokens_per_expert,
                    info.exp_flat, info.exp_start, lo.fused_counts_off_of(half, ep.die_id) // 8,
                    flag, event_id, code)  # fmt: skip
-    k.fused_seq(mem.i64, ep.num_dies, flag + G_SEQ, op)
+    k.fused_seq(mem.addrs, mem.nbytes, flag + G_SEQ, op)
 
 
 def _fused_receive(ep, half, op, event_id, placement, quant, lay, topk_idx, topk_weights, pb):
@@ -1212,7 +1212,7 @@ def _fused_receive(ep, half, op, event_id, placement, quant, lay, topk_idx, topk
     src_rank, slot, k_index, local = np.empty((4, total), np.int64)
     counts = np.zeros(n_local, np.int64)
     own = ep.a2a.views.get("own")
-    if own is None:  # this die's region as flat views (a typed list's item costs ~3 us a read)
+    if own is None:  # this die's region as flat views, made once
         arr = ep.regions[ep.die_id].array
         own = ep.a2a.views["own"] = (arr, arr.view(np.int32), arr.view(np.int64))
     got = kernels().fused_assemble(
@@ -1378,12 +1378,11 @@ def _write_slots_by_src(ep, rows, dest, slots, ks, op, event_id) -> None:
     place = (lo.fused_comb_off // item, lo.pull_comb_stride // item, lo.fused_cevent_off // 8,
              ep.die_id, event_id)  # fmt: skip
     if rows.dtype != cdt:  # float32 rows rounded to bfloat16 on the way
-        k.fused_scatter_round(rows.view(np.uint32), *args, mem.u16, mem.i64, *place)
-    elif item == 2:
-        k.fused_scatter_copy(rows.view(np.uint16), *args, mem.u16, mem.i64, *place)
-    else:
-        k.fused_scatter_copy(rows.view(np.int32), *args, mem.i32, mem.i64, *place)
-    k.fused_cflags(mem.i64, lin, starts, lo.fused_cflag_off // 8, op)  # LAST
+        k.fused_scatter_round(rows.view(np.uint32), *args, mem.addrs, mem.nbytes, *place)
+    else:  # bits copied as they are
+        view = np.uint16 if item == 2 else np.int32
+        k.fused_scatter_copy(rows.view(view), *args, mem.addrs, mem.nbytes, *place)
+    k.fused_cflags(mem.addrs, mem.nbytes, lin, starts, lo.fused_cflag_off // 8, op)  # LAST
 
 
 def _bad_plan(ep: Endpoint, dest, slots, ks, cap: int) -> None:

@@ -1100,24 +1100,49 @@ def first_bad_source(owners, refuse, events, op, event_id):  # pragma: no cover 
 
 
 # -- the fused protocol over every die's region in one call -------------------------------------
-# `mem8` / `mem16` / `mem32` / `mem64` are numba typed lists of flat views of every region of the
-# pod (uint8 / uint16 / int32 / int64; `comm.alltoall._mem`, made once per die), so one call
-# writes into every destination instead of a Python loop of calls per die (~5-15 us per
-# destination at decode sizes). Every polled word a reader waits on is written by a LATER call
-# than the data it guards: a call boundary keeps the compiler from moving stores across it, and
-# x86's total store order keeps them in program order for the other cores (docs/protocols.md §3).
+# `addrs` is int64 [dies]: where every region of the pod is mapped in this process
+# (`comm.alltoall._mem`, made once per die), `nbytes` a region's size; `_region` makes a flat
+# array of any dtype over die d's region, so one call writes into every destination instead of
+# a Python loop of calls per die (~5-15 us per destination at decode sizes). (Numba typed lists
+# of views did the same, but compiling their machinery cost every launcher ~1 s.) Every polled
+# word a reader waits on is written by a LATER call than the data it guards: a call boundary
+# keeps the compiler from moving stores across it, and x86's total store order keeps them in
+# program order for the other cores (docs/protocols.md §3).
+
+
+@numba.extending.intrinsic
+def _as_ptr(typingctx, addr, like):  # pragma: no cover - compiled into its callers
+    """A pointer to `like`'s dtype at the integer address `addr` (an LLVM inttoptr)."""
+    if not isinstance(addr, numba.types.Integer) or not isinstance(like, numba.types.Array):
+        return None
+    ptype = numba.types.CPointer(like.dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(ptype))
+
+    return ptype(addr, like), codegen
+
+
+@numba.njit(inline="always")
+def _region(addrs, d, nbytes, like):  # pragma: no cover - compiled into its callers
+    """Die d's whole region as a flat array of `like`'s dtype (the mapping outlives every call:
+    an endpoint unmaps its regions only when its die ends)."""
+    return numba.carray(_as_ptr(addrs[d], like), nbytes // like.itemsize)
+
+
+_U8, _U16, _I32, _I64 = (np.zeros(0, t) for t in (np.uint8, np.uint16, np.int32, np.int64))
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def fused_pack(mem8, mem32, dies, offs, base, payload8, scale_bits, slots, ks, locs,
+def fused_pack(addrs, nbytes, dies, offs, base, payload8, scale_bits, slots, ks, locs,
                stride):  # pragma: no cover - compiled  # fmt: skip
     """FusedDispatch step 1 for every destination: the packets of layout rows
     offs[p]:offs[p + 1] into die dies[p]'s block for this source (byte `base` of its region),
     row by row as `pack_rows` writes them (payload, then scale | slot | k | local as int32)."""
     pb = payload8.shape[1]
     for p in range(dies.shape[0]):
-        d8 = mem8[dies[p]]
-        d32 = mem32[dies[p]]
+        d8 = _region(addrs, dies[p], nbytes, _U8)
+        d32 = _region(addrs, dies[p], nbytes, _I32)
         for i in range(offs[p], offs[p + 1]):
             row = base + (i - offs[p]) * stride
             src = payload8[slots[i]]
@@ -1132,14 +1157,14 @@ def fused_pack(mem8, mem32, dies, offs, base, payload8, scale_bits, slots, ks, l
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def fused_counts(mem64, pos_of, offs, per_expert, exp_flat, exp_start, counts_word, flag_word,
-                 event, code):  # pragma: no cover - compiled  # fmt: skip
+def fused_counts(addrs, nbytes, pos_of, offs, per_expert, exp_flat, exp_start, counts_word,
+                 flag_word, event, code):  # pragma: no cover - compiled  # fmt: skip
     """FusedDispatch step 2 for every die d, all but the polled word: the rows per local
     expert into d's counts block for this source (word `counts_word`), then the flag's event
     id, row count and quant code (words from `flag_word`). `fused_seq` stores the operation
     number afterwards, in a later call."""
     for d in range(pos_of.shape[0]):
-        w = mem64[d]
+        w = _region(addrs, d, nbytes, _I64)
         p = pos_of[d]
         a = exp_start[d]
         for j in range(a, exp_start[d + 1]):
@@ -1150,10 +1175,10 @@ def fused_counts(mem64, pos_of, offs, per_expert, exp_flat, exp_start, counts_wo
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def fused_seq(mem64, n_dies, word, op):  # pragma: no cover - compiled
-    """The polled word of every die, LAST: mem64[d][word] = op."""
-    for d in range(n_dies):
-        mem64[d][word] = op
+def fused_seq(addrs, nbytes, word, op):  # pragma: no cover - compiled
+    """The polled word of every die, LAST: word `word` of every region = op."""
+    for d in range(addrs.shape[0]):
+        _region(addrs, d, nbytes, _I64)[word] = op
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
@@ -1208,7 +1233,7 @@ def fused_assemble(m8, m32, m64, srcs, cnts, block0, block_bytes, cw0, cw_stride
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def fused_scatter_round(rows, order, lin, starts, mem16, mem64, base, stride, cevent_word, me,
+def fused_scatter_round(rows, order, lin, starts, addrs, nbytes, base, stride, cevent_word, me,
                         event):  # pragma: no cover - compiled  # fmt: skip
     """FusedCombine step 1 for every destination d, rows rounded to bfloat16: this die's event
     id word (cevent_word + me), then row order[j] (float32 bits) into d's combine buffer row
@@ -1218,8 +1243,8 @@ def fused_scatter_round(rows, order, lin, starts, mem16, mem64, base, stride, ce
     for d in range(starts.shape[0] - 1):
         if starts[d] == starts[d + 1]:
             continue
-        mem64[d][cevent_word + me] = event
-        dst = mem16[d]
+        _region(addrs, d, nbytes, _I64)[cevent_word + me] = event
+        dst = _region(addrs, d, nbytes, _U16)
         for j in range(starts[d], starts[d + 1]):
             s = rows[order[j]]
             at = base + lin[j] * stride
@@ -1229,7 +1254,7 @@ def fused_scatter_round(rows, order, lin, starts, mem16, mem64, base, stride, ce
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def fused_scatter_copy(rows, order, lin, starts, mem, mem64, base, stride, cevent_word, me,
+def fused_scatter_copy(rows, order, lin, starts, addrs, nbytes, base, stride, cevent_word, me,
                        event):  # pragma: no cover - compiled  # fmt: skip
     """`fused_scatter_round` for rows already in the buffer's element type (uint16 bfloat16
     bits into a bfloat16 buffer, int32 float bits into a float32 one): copied as they are."""
@@ -1237,8 +1262,8 @@ def fused_scatter_copy(rows, order, lin, starts, mem, mem64, base, stride, ceven
     for d in range(starts.shape[0] - 1):
         if starts[d] == starts[d + 1]:
             continue
-        mem64[d][cevent_word + me] = event
-        dst = mem[d]
+        _region(addrs, d, nbytes, _I64)[cevent_word + me] = event
+        dst = _region(addrs, d, nbytes, rows)
         for j in range(starts[d], starts[d + 1]):
             s = rows[order[j]]
             at = base + lin[j] * stride
@@ -1248,23 +1273,24 @@ def fused_scatter_copy(rows, order, lin, starts, mem, mem64, base, stride, ceven
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def fused_cflags(mem64, lin, starts, cflag_word, op):  # pragma: no cover - compiled
+def fused_cflags(addrs, nbytes, lin, starts, cflag_word, op):  # pragma: no cover - compiled
     """FusedCombine step 2, LAST: the completion word of every row sent, op."""
     for d in range(starts.shape[0] - 1):
-        w = mem64[d]
+        w = _region(addrs, d, nbytes, _I64)
         for j in range(starts[d], starts[d + 1]):
             w[cflag_word + lin[j]] = op
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def pull_reduce(mem, dies, offs, first, base, stride, slots, ks, idx, w,
+def pull_reduce(addrs, nbytes, like, dies, offs, first, base, stride, slots, ks, idx, w,
                 out):  # pragma: no cover - compiled  # fmt: skip
     """The pull combine's reduce, reading every source's rows where they are: message m of
     this die's layout (position p: offs[p] <= m < offs[p + 1]) came back as row
     first[p] + m - offs[p] of die dies[p]'s combine rows (element `base` of its region, rows
-    `stride` elements apart, bfloat16 bits or float32), for (slots[m], ks[m]); out[b] is the
-    sum over routed k, ascending, of w[b, k] * that row: `_reduce`'s arithmetic, bit for bit.
-    Returns 0, or -1 (nothing read) if a routed (b, k) has no row: a layout out of step."""
+    `stride` elements apart, of `like`'s dtype: bfloat16 bits or float32), for (slots[m],
+    ks[m]); out[b] is the sum over routed k, ascending, of w[b, k] * that row: `_reduce`'s
+    arithmetic, bit for bit. Returns 0, or -1 (nothing read) if a routed (b, k) has no row: a
+    layout out of step."""
     nb, nk = idx.shape
     h = out.shape[1]
     src_die = np.full((nb, nk), -1, np.int64)
@@ -1286,7 +1312,7 @@ def pull_reduce(mem, dies, offs, first, base, stride, slots, ks, idx, w,
                 continue
             wk = w[b, k]
             at = src_at[b, k]
-            r = mem[src_die[b, k]][at : at + h]
+            r = _region(addrs, src_die[b, k], nbytes, like)[at : at + h]
             for c in range(h):
                 o[c] = o[c] + wk * _load(r, c)
     return 0
@@ -1340,34 +1366,29 @@ def warm() -> None:
 
 
 def _warm_fused() -> None:
-    """The fused protocol's many-region kernels, for the types the protocol passes (typed lists
-    of flat region views; read-only layout arrays; writeable payloads and outputs)."""
-    from numba.typed import List
-
+    """The fused protocol's many-region kernels, for the types the protocol passes (region
+    addresses; read-only layout arrays; writeable payloads and outputs)."""
     region = np.zeros(4096, np.uint8)
-    mem8, mem16, mem32, mem64 = (List([region.view(t)]) for t in (np.uint8, np.uint16, np.int32,
-                                                                   np.int64))  # fmt: skip
+    addrs = np.array([region.ctypes.data], np.int64)
+    nbytes = len(region)
     ro = np.zeros(2, np.int64)
     ro.flags.writeable = False
     one = np.zeros(1, np.int64)
-    fused_pack(mem8, mem32, one, ro, 0, np.zeros((1, 16), np.uint8), np.zeros(1, np.int32), ro, ro,
-               ro, 32)  # fmt: skip
-    fused_counts(mem64, one, ro, ro, one, np.zeros(2, np.int64), 0, 8, 0, 0)
-    fused_seq(mem64, 1, 10, 0)
+    fused_pack(addrs, nbytes, one, ro, 0, np.zeros((1, 16), np.uint8), np.zeros(1, np.int32),
+               ro, ro, ro, 32)  # fmt: skip
+    fused_counts(addrs, nbytes, one, ro, ro, one, np.zeros(2, np.int64), 0, 8, 0, 0)
+    fused_seq(addrs, nbytes, 10, 0)
     counts = np.zeros(1, np.int64)
-    fused_assemble(mem8[0], mem32[0], mem64[0], one, np.zeros(1, np.int64), 0, 64, 16, 1, 32, 16,
-                   counts, np.zeros((1, 16), np.uint8), np.zeros(1, np.int32), one.copy(),
-                   one.copy(), one.copy(), one.copy())  # fmt: skip
+    fused_assemble(region, region.view(np.int32), region.view(np.int64), one,
+                   np.zeros(1, np.int64), 0, 64, 16, 1, 32, 16, counts,
+                   np.zeros((1, 16), np.uint8), np.zeros(1, np.int32), one.copy(), one.copy(),
+                   one.copy(), one.copy())  # fmt: skip
     starts = np.array([0, 0], np.int64)
-    for rows, mem in ((np.zeros((1, 4), np.uint16), mem16), (np.zeros((1, 4), np.int32), mem32)):
-        fused_scatter_copy(rows, one, one, starts, mem, mem64, 0, 8, 0, 0, 0)
-    fused_scatter_round(np.zeros((1, 4), np.uint32), one, one, starts, mem16, mem64, 0, 8, 0, 0, 0)
-    fused_cflags(mem64, one, starts, 0, 0)
-    memf = List([region.view(np.float32)])
-    idx, w, out = (
-        np.zeros((1, 1), np.int64),
-        np.ones((1, 1), np.float32),
-        np.zeros((1, 4), np.float32),
-    )
-    for mem in (mem16, memf):
-        pull_reduce(mem, one, ro, one, 0, 8, ro, ro, idx, w, out)
+    for rows in (np.zeros((1, 4), np.uint16), np.zeros((1, 4), np.int32)):
+        fused_scatter_copy(rows, one, one, starts, addrs, nbytes, 0, 8, 0, 0, 0)
+    fused_scatter_round(np.zeros((1, 4), np.uint32), one, one, starts, addrs, nbytes, 0, 8, 0, 0,
+                        0)  # fmt: skip
+    fused_cflags(addrs, nbytes, one, starts, 0, 0)
+    idx, w, out = np.full((1, 1), -1), np.ones((1, 1), np.float32), np.zeros((1, 4), np.float32)
+    for like in (_U16, np.zeros(0, np.float32)):
+        pull_reduce(addrs, nbytes, like, one, ro, one, 0, 8, ro, ro, idx, w, out)

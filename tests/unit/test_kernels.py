@@ -387,12 +387,9 @@ def test_first_pending_and_first_bad_source():
 
 
 def _regions(n: int, nbytes: int = 1 << 14):
-    """n fake regions as the fused kernels take them: typed lists of flat views."""
-    from numba.typed import List
-
+    """n fake regions as the fused kernels take them: their addresses and size."""
     arrays = [np.zeros(nbytes, np.uint8) for _ in range(n)]
-    return arrays, [List([a.view(t) for a in arrays]) for t in (np.uint8, np.uint16, np.int32,
-                                                                np.int64)]  # fmt: skip
+    return arrays, np.array([a.ctypes.data for a in arrays], np.int64), nbytes
 
 
 def test_fused_pack_counts_and_seq_write_what_the_per_destination_calls_write():
@@ -409,9 +406,9 @@ def test_fused_pack_counts_and_seq_write_what_the_per_destination_calls_write():
     lay = get_dispatch_layout(idx, placement)
     payload = rng.integers(-127, 128, (batch, 16)).astype(np.int8)
     scale = rng.random(batch).astype(np.float32)
-    arrays, (m8, _, m32, m64) = _regions(dies)
+    arrays, addrs, nbytes = _regions(dies)
     offs = lay.dest_offsets
-    fused_pack(m8, m32, np.arange(dies, dtype=np.int64), offs, base,
+    fused_pack(addrs, nbytes, np.arange(dies, dtype=np.int64), offs, base,
                payload.view(np.uint8), scale.view(np.int32), lay.msg_slot, lay.msg_k,
                lay.msg_local_expert, stride)  # fmt: skip
     for d in range(dies):
@@ -426,9 +423,10 @@ def test_fused_pack_counts_and_seq_write_what_the_per_destination_calls_write():
     exp_start = np.concatenate([[0], np.cumsum([len(e) for e in exp])]).astype(np.int64)
     for a in arrays:
         a[:] = 0
-    fused_counts(m64, np.arange(dies, dtype=np.int64), offs, lay.num_tokens_per_expert,
-                 np.concatenate(exp).astype(np.int64), exp_start, 100, 200, 77, 3)  # fmt: skip
-    fused_seq(m64, dies, 202, 9)
+    fused_counts(addrs, nbytes, np.arange(dies, dtype=np.int64), offs,
+                 lay.num_tokens_per_expert, np.concatenate(exp).astype(np.int64), exp_start, 100,
+                 200, 77, 3)  # fmt: skip
+    fused_seq(addrs, nbytes, 202, 9)
     for d in range(dies):
         w = arrays[d].view(np.int64)
         assert w[100 : 100 + len(exp[d])].tolist() == lay.num_tokens_per_expert[exp[d]].tolist()
@@ -440,7 +438,8 @@ def test_fused_assemble_groups_every_source_and_checks_the_counts_words():
 
     rng = np.random.default_rng(4)
     n_local, stride, pb, block, cw0 = 3, 32, 16, 4 * 32, 8
-    arrays, (m8, _, m32, m64) = _regions(1, 4096)
+    arrays, _, _ = _regions(1, 4096)
+    m8, m32, m64 = arrays[0], arrays[0].view(np.int32), arrays[0].view(np.int64)
     base0 = 512
     cnts = np.array([2, 0, 4], np.int64)
     flat = []
@@ -468,7 +467,7 @@ def test_fused_assemble_groups_every_source_and_checks_the_counts_words():
     ]
     counts = np.zeros(n_local, np.int64)
     srcs = np.arange(3, dtype=np.int64)
-    args = (m8[0], m32[0], m64[0], srcs, cnts, base0, block, cw0, n_local, stride, pb)
+    args = (m8, m32, m64, srcs, cnts, base0, block, cw0, n_local, stride, pb)
     assert fused_assemble(*args, counts, *got) == 0
     assert np.array_equal(counts, want_counts)
     for g, w in zip(got, want, strict=True):
@@ -486,22 +485,24 @@ def test_fused_scatter_and_cflags_write_rows_event_words_then_flags(mode):
 
     rng = np.random.default_rng(5)
     dies, h, stride, base, cev, cfl, me = 3, 8, 12, 64, 90, 100, 1  # words past the rows
-    arrays, (_, m16, m32, m64) = _regions(dies, 2048)
+    arrays, addrs, nbytes = _regions(dies, 2048)
     rows32 = (rng.standard_normal((5, h)) * 100).astype(np.float32)
     order = np.array([4, 1, 0, 3, 2], np.int64)
     lin = np.array([3, 0, 1, 7, 2], np.int64)
     starts = np.array([0, 2, 2, 5], np.int64)  # die 1 gets nothing
     if mode == "round":
-        fused_scatter_round(rows32.view(np.uint32), order, lin, starts, m16, m64, base, stride,
-                            cev, me, 42)  # fmt: skip
+        fused_scatter_round(rows32.view(np.uint32), order, lin, starts, addrs, nbytes, base,
+                            stride, cev, me, 42)  # fmt: skip
         want_rows, view = to_bf16_bits(rows32), np.uint16
     elif mode == "copy16":
         want_rows, view = to_bf16_bits(rows32), np.uint16
-        fused_scatter_copy(want_rows, order, lin, starts, m16, m64, base, stride, cev, me, 42)
+        fused_scatter_copy(want_rows, order, lin, starts, addrs, nbytes, base, stride, cev, me,
+                           42)  # fmt: skip
     else:
         want_rows, view = rows32.view(np.int32), np.int32
-        fused_scatter_copy(want_rows, order, lin, starts, m32, m64, base, stride, cev, me, 42)
-    fused_cflags(m64, lin, starts, cfl, 9)
+        fused_scatter_copy(want_rows, order, lin, starts, addrs, nbytes, base, stride, cev, me,
+                           42)  # fmt: skip
+    fused_cflags(addrs, nbytes, lin, starts, cfl, 9)
     for d in range(dies):
         buf = arrays[d].view(view)
         words = arrays[d].view(np.int64)
@@ -749,8 +750,6 @@ def test_dedup_expansion_groups_entries_stably_by_local_expert(dtype):
 def test_pull_reduce_reads_each_sources_rows_where_they_are(dtype):
     """pull_reduce over rows left in three 'dies' equals weighted_sum over the same rows
     gathered to their (slot, k), bit for bit; a routed entry without a row is refused."""
-    from numba.typed import List
-
     from comm.kernels import pull_reduce
 
     rng = np.random.default_rng(6)
@@ -769,10 +768,11 @@ def test_pull_reduce_reads_each_sources_rows_where_they_are(dtype):
             regions[dies[p]][at : at + h] = row
             contrib[slot[m], kk[m]] = row
     w = rng.standard_normal((batch, k)).astype(np.float32)
-    mem = List([r.view(np.uint16) if dtype == BF16 else r for r in regions])
+    addrs = np.array([r.ctypes.data for r in regions], np.int64)
+    mem = (addrs, regions[0].nbytes, np.zeros(0, np.uint16 if dtype == BF16 else np.float32))
     out = np.empty((batch, h), np.float32)
-    assert pull_reduce(mem, dies, offs, first, base, stride, slot, kk, idx, w, out) == 0
+    assert pull_reduce(*mem, dies, offs, first, base, stride, slot, kk, idx, w, out) == 0
     assert np.array_equal(out, weighted_sum(contrib, idx, w))
     short = offs.copy()
     short[3] = 6  # the last routed entry has no row
-    assert pull_reduce(mem, dies, short, first, base, stride, slot, kk, idx, w, out) == -1
+    assert pull_reduce(*mem, dies, short, first, base, stride, slot, kk, idx, w, out) == -1
