@@ -51,7 +51,7 @@ from memory.errors import ConfigError, PodError
 from runtime.balancer import EPLBConfig, bank_bytes
 from runtime.config import PodConfig
 from runtime.executor import PHASES, Clock, build_model, forward
-from runtime.model import ModelConfig, encode, sample
+from runtime.model import ModelConfig, encode, replicated_weights, sample
 from runtime.pod import Pod
 from sched import KVManager
 
@@ -342,7 +342,9 @@ def _run(opts: DecodeOptions, model: ModelConfig, per_die, ids, eplb, keep_logit
         f" {opts.combine_dtype} combine, EPLB {balance}"
     )
     t0 = time.monotonic()
-    with Pod.launch(cfg if trace else cfg.replace(trace=False)) as pod:
+    with replicated_weights(model):  # the dies fork sharing one copy of the replicated tensors
+        pod_cm = Pod.launch(cfg if trace else cfg.replace(trace=False))
+    with pod_cm as pod:
         progress(f"  pod {pod.pod_id} up in {time.monotonic() - t0:.1f} s; decoding ...")
         runs = []
         for i in range(opts.repeat):

@@ -47,7 +47,7 @@ from runtime.balancer import EPLBConfig, bank_bytes
 from runtime.config import PodConfig
 from runtime.executor import ServeSpec, serve_main
 from runtime.master import MasterSpec, engine_socket, master_main, master_socket, output_socket
-from runtime.model import EOS, ModelConfig, decode, encode
+from runtime.model import EOS, ModelConfig, decode, encode, replicated_weights
 from runtime.openai_api import Renderer
 from runtime.output import OutputHandler, OutputSpec, output_main
 from runtime.pod import Pod
@@ -369,7 +369,8 @@ class Engine:
     def _start(self) -> None:
         cfg = self.config
         pcfg = cfg.pod_config()
-        self.pod = Pod.launch(pcfg)
+        with replicated_weights(cfg.model_config()):  # the dies share one copy (runtime.model)
+            self.pod = Pod.launch(pcfg)
         self.run_dir = f"/dev/shm/xpod.{self.pod.pod_id}.run"
         os.mkdir(self.run_dir, 0o700)
         for r in range(cfg.dies):

@@ -590,3 +590,28 @@ def test_compiled_swiglu_is_the_numpy_ffn_within_float32_noise_and_batch_invaria
     other = rng.standard_normal((1, TINY.hidden)).astype(np.float32)
     for i in range(rows):
         assert np.array_equal(M.swiglu(np.concatenate([other, x[i : i + 1]]), w)[1], got[i])
+
+
+def test_replicated_weights_are_one_read_only_copy_with_the_same_values():
+    """Under `replicated_weights`, every die's build shares one read-only copy of the tensors
+    all dies hold alike (a launcher forks its dies inside it); its experts stay its own; the
+    values equal a build without it; leaving restores private builds."""
+    from runtime.model import replicated_weights
+
+    plain = build_weights(TINY, [1, 2])
+    with replicated_weights(TINY):
+        a, b = build_weights(TINY, [1, 2]), build_weights(TINY, [3])
+        with replicated_weights(TINY):  # nested: the outer one owns the copy
+            c = build_weights(TINY, [])
+    for w in (a, b, c):
+        assert np.shares_memory(w.layers[0].wkv_a, a.layers[0].wkv_a)
+        assert np.shares_memory(w.embed, a.embed) and np.shares_memory(w.lm_head, a.lm_head)
+        assert not w.layers[1].wo.flags.writeable and not w.embed.flags.writeable
+    assert a.layers[0] is not b.layers[0]  # own objects, shared arrays
+    assert sorted(b.experts[1]) == [3] and a.experts[1][1].w_gate.flags.writeable
+    for x, y in ((plain.embed, a.embed), (plain.lm_head, a.lm_head),
+                 (plain.layers[1].wq, a.layers[1].wq), (plain.layers[0].dense.w_up,
+                                                        a.layers[0].dense.w_up)):  # fmt: skip
+        assert np.array_equal(x, y)
+    after = build_weights(TINY, [1])
+    assert not np.shares_memory(after.embed, a.embed) and after.embed.flags.writeable
