@@ -294,7 +294,9 @@ def run_decode(opts: DecodeOptions) -> dict:
         from runtime.decode_report import single_process
 
         def between(_):  # after each pod run: the baseline, same prompts, same machine state
-            return single_process(per_die, opts, model)
+            out = single_process(per_die, opts, model)
+            _quiesce()
+            return out
 
     runs = _run(opts, model, per_die, ids, eplb, keep_logits=opts.check, trace=bool(opts.trace),
                 between=between)  # fmt: skip
@@ -307,6 +309,21 @@ def run_decode(opts: DecodeOptions) -> dict:
     if opts.repeat > 1:
         summary.update(repeats(runs, opts, model))
     return summary
+
+
+def _quiesce(limit_s: float = 1.0) -> None:
+    """Wait until this process stops using CPU while its main thread sleeps: after the
+    one-process baseline's products on every core, OpenBLAS's worker threads spin ~0.1 s
+    before they sleep (measured: 0.1 s of CPU during a 0.5 s sleep), and a pod run started
+    then lost a core to them (median pair 0.96-1.06x against 1.10-1.23x after a pause)."""
+    deadline = time.monotonic() + limit_s
+    last = time.process_time()
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        now = time.process_time()
+        if now - last < 0.002:
+            return
+        last = now
 
 
 def _median_run(runs: list, opts: DecodeOptions) -> list[dict]:
