@@ -149,7 +149,16 @@ def test_wait_policy(wait, num_dies, cores, spins):
 
 @pytest.mark.parametrize(
     "pin, num_dies, cores, pinned",
-    [("on", 8, 2, True), ("off", 2, 2, False), ("auto", 2, 2, True), ("auto", 3, 2, False)],
+    [
+        ("on", 8, 2, True),
+        ("off", 2, 2, False),
+        ("auto", 2, 2, True),
+        ("auto", 3, 2, False),
+        ("auto", 4, 2, True),
+        ("auto", 16, 2, True),
+        ("auto", 6, 4, False),
+        ("off", 4, 2, False),
+    ],
 )
 def test_pinned(pin, num_dies, cores, pinned):
     assert PodConfig(pin=pin, num_dies=num_dies, cores=cores).pinned() is pinned
