@@ -91,7 +91,7 @@ def measure(pt: Point, reps: int) -> list[dict]:
     regions = [np.zeros(block + comb_bytes + dies * block + 8 * dies * pt.num_experts, np.uint8)
                for _ in range(dies)]  # fmt: skip
     addrs, nbytes = np.array([r.ctypes.data for r in regions], np.int64), len(regions[0])
-    own = (regions[0], regions[0].view(np.int32), regions[0].view(np.int64))
+    mine = (regions[0], regions[0].view(np.int32), regions[0].view(np.int64))  # die 0 itself
     dies_arr = np.arange(dies, dtype=np.int64)
     payload8, scale_bits = q.view(np.uint8), scale.view(np.int32)
     recv0 = block + comb_bytes
@@ -117,7 +117,7 @@ def measure(pt: Point, reps: int) -> list[dict]:
 
     def assemble():  # step 3: every source's packets of this die's area, grouped by expert
         counts = np.zeros(n_local, np.int64)
-        got = k.fused_assemble(*own, dies_arr, cnts, recv0, block, counts0,
+        got = k.fused_assemble(*mine, dies_arr, cnts, recv0, block, counts0,
                                n_local, stride, h, counts, out8, *outs)  # fmt: skip
         assert got == 0, got
 
@@ -131,8 +131,8 @@ def measure(pt: Point, reps: int) -> list[dict]:
                                pt.batch * pt.topk, plan[0], plan[1], starts)  # fmt: skip
 
     def scatter():  # FusedCombine step 1: every row, rounded, into its token's die
-        k.fused_scatter_round(eout.view(np.uint32), plan[0], plan[1], starts, addrs, nbytes,
-                              block // 2, comb_stride, counts0, 0, 1)  # fmt: skip
+        k.fused_scatter(eout.view(np.uint32), plan[0], plan[1], starts, addrs, nbytes,
+                        np.zeros(0, np.uint16), block // 2, comb_stride, counts0, 0, 1)  # fmt: skip
 
     comb = np.zeros((pt.batch * pt.topk, comb_stride), BF16)  # this die's combine buffer
     lin = lay.msg_slot * pt.topk + lay.msg_k

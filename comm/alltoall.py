@@ -917,7 +917,8 @@ def _weighted_sum(contrib: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.nda
     return kernels().weighted_sum(contrib, idx, w)
 
 
-_NO_ROWS = {2: np.zeros(0, np.uint16), 4: np.zeros(0, np.float32)}
+_NO_ROWS = {2: np.zeros(0, np.uint16), 4: np.zeros(0, np.float32)}  # combine rows, by size
+_NO_BITS = {2: np.zeros(0, np.uint16), 4: np.zeros(0, np.int32)}  # their bits, by size
 
 
 def _reduce(ep: Endpoint, handle: DispatchHandle, where: list[tuple], half: int) -> np.ndarray:
@@ -1354,7 +1355,7 @@ def _write_slots_by_src(ep, rows, dest, slots, ks, op, event_id) -> None:
     float32 are rounded to bfloat16 in the same pass (a bfloat16 pod; bfloat16 rows, forwarded
     by a trampoline, go as they are). Three compiled calls: the send plan
     (`comm.kernels.group_by_dest`, which also proves every index in range), the event words and
-    rows of every destination (`fused_scatter_round` / `fused_scatter_copy`), then every
+    rows of every destination (`fused_scatter`), then every
     completion word (`fused_cflags`)."""
     n = len(dest)
     if not n:
@@ -1377,11 +1378,9 @@ def _write_slots_by_src(ep, rows, dest, slots, ks, op, event_id) -> None:
     args = (order, lin, starts)
     place = (lo.fused_comb_off // item, lo.pull_comb_stride // item, lo.fused_cevent_off // 8,
              ep.die_id, event_id)  # fmt: skip
-    if rows.dtype != cdt:  # float32 rows rounded to bfloat16 on the way
-        k.fused_scatter_round(rows.view(np.uint32), *args, mem.addrs, mem.nbytes, *place)
-    else:  # bits copied as they are
-        view = np.uint16 if item == 2 else np.int32
-        k.fused_scatter_copy(rows.view(view), *args, mem.addrs, mem.nbytes, *place)
+    # float32 rows into a bfloat16 buffer are rounded on the way; other rows go as they are
+    bits = np.uint32 if rows.dtype != cdt else (np.uint16 if item == 2 else np.int32)
+    k.fused_scatter(rows.view(bits), *args, mem.addrs, mem.nbytes, _NO_BITS[item], *place)
     k.fused_cflags(mem.addrs, mem.nbytes, lin, starts, lo.fused_cflag_off // 8, op)  # LAST
 
 

@@ -58,8 +58,7 @@ __all__ = [
     "fused_cflags",
     "fused_counts",
     "fused_pack",
-    "fused_scatter_copy",
-    "fused_scatter_round",
+    "fused_scatter",
     "fused_seq",
     "first_pending",
     "group_by_dest",
@@ -385,22 +384,27 @@ _PACK_SIG = numba.types.void(
 )  # fmt: skip
 
 
+@numba.njit(inline="always")
+def _packet(payload, scale_bits, slot, k, loc, dst8, dst32, base, stride):  # pragma: no cover
+    """One dispatch packet at byte `base` of dst (`stride` bytes long): payload[slot]'s bytes,
+    then in its last 16 bytes scale | slot | k | local expert (int32s)."""
+    pb = payload.shape[1]
+    s = payload[slot]
+    d = dst8[base : base + pb]
+    for c in range(pb):
+        d[c] = s[c]
+    m = (base + stride - 16) // 4
+    dst32[m] = scale_bits[slot]
+    dst32[m + 1] = np.int32(slot)
+    dst32[m + 2] = np.int32(k)
+    dst32[m + 3] = np.int32(loc)
+
+
 @numba.njit(_PACK_SIG, cache=True, nogil=True, boundscheck=False)
 def _pack(payload, scale_bits, slots, ks, locs, dst8, dst32, stride):  # pragma: no cover
-    """Row i of dst (rows `stride` bytes apart): payload[slots[i]]'s bytes, then in its last
-    16 bytes scale | slot | k | local expert (int32s): the dispatch packet, one pass."""
-    pb = payload.shape[1]
+    """Row i of dst (rows `stride` bytes apart) = the packet of message i, one pass."""
     for i in range(slots.shape[0]):
-        s = payload[slots[i]]
-        base = i * stride
-        d = dst8[base : base + pb]
-        for c in range(pb):
-            d[c] = s[c]
-        m = (base + stride - 16) // 4
-        dst32[m] = scale_bits[slots[i]]
-        dst32[m + 1] = np.int32(slots[i])
-        dst32[m + 2] = np.int32(ks[i])
-        dst32[m + 3] = np.int32(locs[i])
+        _packet(payload, scale_bits, slots[i], ks[i], locs[i], dst8, dst32, i * stride, stride)
 
 
 def pack_rows(payload: np.ndarray, scale: np.ndarray, slots: np.ndarray, ks: np.ndarray,
@@ -1139,21 +1143,12 @@ def fused_pack(addrs, nbytes, dies, offs, base, payload8, scale_bits, slots, ks,
     """FusedDispatch step 1 for every destination: the packets of layout rows
     offs[p]:offs[p + 1] into die dies[p]'s block for this source (byte `base` of its region),
     row by row as `pack_rows` writes them (payload, then scale | slot | k | local as int32)."""
-    pb = payload8.shape[1]
     for p in range(dies.shape[0]):
         d8 = _region(addrs, dies[p], nbytes, _U8)
         d32 = _region(addrs, dies[p], nbytes, _I32)
         for i in range(offs[p], offs[p + 1]):
             row = base + (i - offs[p]) * stride
-            src = payload8[slots[i]]
-            dst = d8[row : row + pb]
-            for c in range(pb):
-                dst[c] = src[c]
-            m = (row + stride - 16) // 4
-            d32[m] = scale_bits[slots[i]]
-            d32[m + 1] = np.int32(slots[i])
-            d32[m + 2] = np.int32(ks[i])
-            d32[m + 3] = np.int32(locs[i])
+            _packet(payload8, scale_bits, slots[i], ks[i], locs[i], d8, d32, row, stride)
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
@@ -1232,44 +1227,38 @@ def fused_assemble(m8, m32, m64, srcs, cnts, block0, block_bytes, cw0, cw_stride
     return 0
 
 
+def _put(v, like):  # pragma: no cover - only its compiled overload runs
+    """The element stored for row value v in a buffer of `like`'s dtype: float32 bits (uint32)
+    into bfloat16 (uint16) rounded as `_scatter_round` does, anything else as it is."""
+
+
+@numba.extending.overload(_put)
+def _put_overload(v, like):  # pragma: no cover - compiled into its callers
+    if v == numba.types.uint32 and like.dtype == numba.types.uint16:
+        return lambda v, like: _bf16(v)
+    return lambda v, like: v
+
+
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def fused_scatter_round(rows, order, lin, starts, addrs, nbytes, base, stride, cevent_word, me,
-                        event):  # pragma: no cover - compiled  # fmt: skip
-    """FusedCombine step 1 for every destination d, rows rounded to bfloat16: this die's event
-    id word (cevent_word + me), then row order[j] (float32 bits) into d's combine buffer row
-    lin[j] (`base` / `stride` in bfloat16 elements), for j in starts[d]:starts[d + 1], as
-    `_scatter_round` writes them. `fused_cflags` stores the completion words afterwards."""
+def fused_scatter(rows, order, lin, starts, addrs, nbytes, like, base, stride, cevent_word, me,
+                  event):  # pragma: no cover - compiled  # fmt: skip
+    """FusedCombine step 1 for every destination d: this die's event id word (cevent_word +
+    me), then row order[j] into d's combine buffer row lin[j] (`base` / `stride` in elements of
+    `like`'s dtype), for j in starts[d]:starts[d + 1]: float32 bits (uint32) into a bfloat16
+    buffer rounded to nearest even on the way (as `_scatter_round`), bfloat16 or float32 bits
+    into their own buffer as they are. `fused_cflags` stores the completion words afterwards."""
     h = rows.shape[1]
     for d in range(starts.shape[0] - 1):
         if starts[d] == starts[d + 1]:
             continue
         _region(addrs, d, nbytes, _I64)[cevent_word + me] = event
-        dst = _region(addrs, d, nbytes, _U16)
+        dst = _region(addrs, d, nbytes, like)
         for j in range(starts[d], starts[d + 1]):
             s = rows[order[j]]
             at = base + lin[j] * stride
             o = dst[at : at + h]
             for c in range(h):
-                o[c] = _bf16(s[c])
-
-
-@numba.njit(cache=True, nogil=True, boundscheck=False)
-def fused_scatter_copy(rows, order, lin, starts, addrs, nbytes, base, stride, cevent_word, me,
-                       event):  # pragma: no cover - compiled  # fmt: skip
-    """`fused_scatter_round` for rows already in the buffer's element type (uint16 bfloat16
-    bits into a bfloat16 buffer, int32 float bits into a float32 one): copied as they are."""
-    h = rows.shape[1]
-    for d in range(starts.shape[0] - 1):
-        if starts[d] == starts[d + 1]:
-            continue
-        _region(addrs, d, nbytes, _I64)[cevent_word + me] = event
-        dst = _region(addrs, d, nbytes, rows)
-        for j in range(starts[d], starts[d + 1]):
-            s = rows[order[j]]
-            at = base + lin[j] * stride
-            o = dst[at : at + h]
-            for c in range(h):
-                o[c] = s[c]
+                o[c] = _put(s[c], like)
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
@@ -1384,10 +1373,9 @@ def _warm_fused() -> None:
                    np.zeros((1, 16), np.uint8), np.zeros(1, np.int32), one.copy(), one.copy(),
                    one.copy(), one.copy())  # fmt: skip
     starts = np.array([0, 0], np.int64)
-    for rows in (np.zeros((1, 4), np.uint16), np.zeros((1, 4), np.int32)):
-        fused_scatter_copy(rows, one, one, starts, addrs, nbytes, 0, 8, 0, 0, 0)
-    fused_scatter_round(np.zeros((1, 4), np.uint32), one, one, starts, addrs, nbytes, 0, 8, 0, 0,
-                        0)  # fmt: skip
+    for rows, like in ((np.zeros((1, 4), np.uint32), _U16), (np.zeros((1, 4), np.uint16), _U16),
+                       (np.zeros((1, 4), np.int32), _I32)):  # fmt: skip
+        fused_scatter(rows, one, one, starts, addrs, nbytes, like, 0, 8, 0, 0, 0)
     fused_cflags(addrs, nbytes, one, starts, 0, 0)
     idx, w, out = np.full((1, 1), -1), np.ones((1, 1), np.float32), np.zeros((1, 4), np.float32)
     for like in (_U16, np.zeros(0, np.float32)):

@@ -191,3 +191,22 @@ def test_a2a_peer_refuses_bad_cases():
         run_a2a_peer("tcp", [{"counts": [[1]]}])
     with pytest.raises(ValueError):
         run_a2a_peer("zmq", [{"counts": [[1, 2]]}])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shape", [("8", "16", "7168", "8"), ("4", "3", "33", "2")])
+def test_bench_passes_times_every_pass_the_protocols_run(tmp_path, capsys, shape):
+    """`xpod bench passes`: one JSON row per pass (the kernels the protocols run, through
+    the same region addressing), each timed and set against a copy of its bytes."""
+    dies, batch, hidden, topk = shape
+    out = tmp_path / "passes.jsonl"
+    argv = ["bench", "passes", "--dies", dies, "--batch", batch, "--hidden", hidden, "--topk",
+            topk, "--reps", "3", "--json", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    names = [r["pass"] for r in rows]
+    assert len(names) == 6 and any("fused: pack" in n for n in names), names
+    for r in rows:
+        assert r["us"] > 0 and r["gbps"] > 0 and r["x_copy"] > 0, r
+        assert r["bytes_read"] > 0 and r["bytes_written"] > 0
+    assert "all passes" in capsys.readouterr().out

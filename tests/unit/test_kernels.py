@@ -481,7 +481,7 @@ def test_fused_assemble_groups_every_source_and_checks_the_counts_words():
 
 @pytest.mark.parametrize("mode", ["round", "copy16", "copy32"])
 def test_fused_scatter_and_cflags_write_rows_event_words_then_flags(mode):
-    from comm.kernels import fused_cflags, fused_scatter_copy, fused_scatter_round
+    from comm.kernels import fused_cflags, fused_scatter
 
     rng = np.random.default_rng(5)
     dies, h, stride, base, cev, cfl, me = 3, 8, 12, 64, 90, 100, 1  # words past the rows
@@ -491,17 +491,17 @@ def test_fused_scatter_and_cflags_write_rows_event_words_then_flags(mode):
     lin = np.array([3, 0, 1, 7, 2], np.int64)
     starts = np.array([0, 2, 2, 5], np.int64)  # die 1 gets nothing
     if mode == "round":
-        fused_scatter_round(rows32.view(np.uint32), order, lin, starts, addrs, nbytes, base,
-                            stride, cev, me, 42)  # fmt: skip
+        fused_scatter(rows32.view(np.uint32), order, lin, starts, addrs, nbytes,
+                      np.zeros(0, np.uint16), base, stride, cev, me, 42)  # fmt: skip
         want_rows, view = to_bf16_bits(rows32), np.uint16
     elif mode == "copy16":
         want_rows, view = to_bf16_bits(rows32), np.uint16
-        fused_scatter_copy(want_rows, order, lin, starts, addrs, nbytes, base, stride, cev, me,
-                           42)  # fmt: skip
+        fused_scatter(want_rows, order, lin, starts, addrs, nbytes, want_rows[:0], base, stride,
+                      cev, me, 42)  # fmt: skip
     else:
         want_rows, view = rows32.view(np.int32), np.int32
-        fused_scatter_copy(want_rows, order, lin, starts, addrs, nbytes, base, stride, cev, me,
-                           42)  # fmt: skip
+        fused_scatter(want_rows, order, lin, starts, addrs, nbytes, want_rows[:0], base, stride,
+                      cev, me, 42)  # fmt: skip
     fused_cflags(addrs, nbytes, lin, starts, cfl, 9)
     for d in range(dies):
         buf = arrays[d].view(view)
