@@ -1183,19 +1183,14 @@ def fused_assemble(m8, m32, m64, srcs, cnts, block0, block_bytes, cw0, cw_stride
     source srcs[j]'s cnts[j] packets at byte block0 + src * block_bytes, counted by local
     expert into `counts` (zeros in), checked against the per-expert counts each source wrote
     (words cw0 + src * cw_stride), then placed grouped by local expert, stable in (source,
-    slot, k) order, as `assemble_count` / `assemble_place` per source do. Returns 0; -1 - src
-    for a packet naming a local expert outside [0, len(counts)); -(1 << 40) when the packets
-    disagree with the counts words."""
+    slot, k) order: `assemble_count` / `assemble_place` per source, in one call. Returns 0;
+    -1 - src for a packet naming a local expert outside [0, len(counts)); -(1 << 40) when the
+    packets disagree with the counts words."""
     n_local = counts.shape[0]
-    w = stride // 4
     for j in range(srcs.shape[0]):
-        s = srcs[j]
-        base32 = (block0 + s * block_bytes) // 4
-        for i in range(cnts[j]):
-            loc = m32[base32 + (i + 1) * w - 1]
-            if loc < 0 or loc >= n_local:
-                return -1 - s
-            counts[loc] += 1
+        a = block0 + srcs[j] * block_bytes
+        if assemble_count(m32[a // 4 : (a + cnts[j] * stride) // 4], cnts[j], stride, counts):
+            return -1 - srcs[j]
     for e in range(n_local):
         t = 0
         for j in range(srcs.shape[0]):
@@ -1208,22 +1203,10 @@ def fused_assemble(m8, m32, m64, srcs, cnts, block0, block_bytes, cw0, cw_stride
         cursor[e] = acc
         acc += counts[e]
     for j in range(srcs.shape[0]):
-        s = srcs[j]
-        base = block0 + s * block_bytes
-        for i in range(cnts[j]):
-            m = (base + (i + 1) * stride) // 4 - 4
-            loc = m32[m + 3]
-            p = cursor[loc]
-            cursor[loc] = p + 1
-            row = m8[base + i * stride : base + i * stride + pb]
-            d = x8[p]
-            for c in range(pb):
-                d[c] = row[c]
-            scale_bits[p] = m32[m]
-            out_src[p] = s
-            out_slot[p] = m32[m + 1]
-            out_k[p] = m32[m + 2]
-            out_local[p] = loc
+        a = block0 + srcs[j] * block_bytes
+        b = a + cnts[j] * stride
+        assemble_place(m8[a:b], m32[a // 4 : b // 4], cnts[j], stride, pb, srcs[j], cursor, x8,
+                       scale_bits, out_src, out_slot, out_k, out_local)  # fmt: skip
     return 0
 
 
