@@ -202,6 +202,14 @@ _SIG_REDUCE = [
 ]
 
 
+@numba.njit(inline="always")
+def _add_weighted(o, wk, r):  # pragma: no cover - compiled into its callers
+    """o[c] = o[c] + wk * row[c] over the row, float32 product and sum (no fused multiply-add),
+    the row widened as `_load` reads it."""
+    for c in range(o.shape[0]):
+        o[c] = o[c] + wk * _load(r, c)
+
+
 @numba.njit(_SIG_REDUCE, cache=True, nogil=True, boundscheck=False)
 def _reduce(rows, stride, idx, w, out):  # pragma: no cover - compiled
     """out[b] = sum over routed k, ascending, of w[b, k] * row(b, k), in float32; row (b, k) is
@@ -219,11 +227,8 @@ def _reduce(rows, stride, idx, w, out):  # pragma: no cover - compiled
         for k in range(nk):
             if idx[b, k] < 0:
                 continue
-            wk = w[b, k]
             base = (b * nk + k) * stride
-            r = rows[base : base + h]
-            for c in range(h):
-                o[c] = o[c] + wk * _load(r, c)
+            _add_weighted(o, w[b, k], rows[base : base + h])
 
 
 def weighted_sum(contrib: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -1282,11 +1287,8 @@ def pull_reduce(addrs, nbytes, like, dies, offs, first, base, stride, slots, ks,
         for k in range(nk):
             if idx[b, k] < 0:
                 continue
-            wk = w[b, k]
             at = src_at[b, k]
-            r = _region(addrs, src_die[b, k], nbytes, like)[at : at + h]
-            for c in range(h):
-                o[c] = o[c] + wk * _load(r, c)
+            _add_weighted(o, w[b, k], _region(addrs, src_die[b, k], nbytes, like)[at : at + h])
     return 0
 
 
