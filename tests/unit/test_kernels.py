@@ -223,6 +223,21 @@ def test_reduce_groups_sums_each_group_in_order_then_rounds_once(dtype):
 # -- the dispatch bookkeeping: layout, grouping, the combine's send plan ---------------------------
 
 
+def _placed_routing(seed, batch, k, dies, per, unrouted, table):
+    """(rng, placement, routing) of the layout tests: a default placement over the dies in
+    reverse, or (table) any die hosting any number of experts, including none."""
+    from comm.routing import Placement
+
+    experts = dies * per
+    k = min(k, experts)
+    rng = np.random.default_rng(seed + 1)
+    if table:
+        place = Placement.from_table(rng.integers(0, dies, experts), tuple(range(dies)))
+    else:
+        place = Placement.default(experts, tuple(range(dies))[::-1])
+    return rng, place, _routing(seed, batch, k, experts, unrouted)
+
+
 def _routing(draw_seed: int, batch: int, k: int, experts: int, unrouted: float) -> np.ndarray:
     rng = np.random.default_rng(draw_seed)
     if not batch:
@@ -240,16 +255,9 @@ def test_dispatch_layout_equals_the_routing_module(seed, batch, k, dies, per, un
     """The compiled layout is get_dispatch_layout, array for array (default and uneven
     placements, dies without experts, unrouted entries), and read-only."""
     from comm.kernels import dispatch_layout
-    from comm.routing import Placement, get_dispatch_layout
+    from comm.routing import get_dispatch_layout
 
-    experts = dies * per
-    k = min(k, experts)
-    rng = np.random.default_rng(seed + 1)
-    if table:  # any die may host any number of experts, including none
-        place = Placement.from_table(rng.integers(0, dies, experts), tuple(range(dies)))
-    else:
-        place = Placement.default(experts, tuple(range(dies))[::-1])
-    idx = _routing(seed, batch, k, experts, unrouted)
+    rng, place, idx = _placed_routing(seed, batch, k, dies, per, unrouted, table)
     want = get_dispatch_layout(idx, place)
     got = dispatch_layout(idx, place.pos_of, place.local_of, place.die_of, len(place.dies))
     names = ("num_tokens_per_die", "num_tokens_per_expert", "msg_slot", "msg_k", "msg_dest",
@@ -544,16 +552,9 @@ def test_dedup_layout_equals_the_routing_module(seed, batch, k, dies, per, unrou
     (default and uneven placements, dies without experts, one die, unrouted entries, an empty
     batch), and read-only."""
     from comm.kernels import dedup_layout
-    from comm.routing import Placement, get_dedup_layout
+    from comm.routing import get_dedup_layout
 
-    experts = dies * per
-    k = min(k, experts)
-    rng = np.random.default_rng(seed + 1)
-    if table:  # any die may host any number of experts, including none
-        place = Placement.from_table(rng.integers(0, dies, experts), tuple(range(dies)))
-    else:
-        place = Placement.default(experts, tuple(range(dies))[::-1])
-    idx = _routing(seed, batch, k, experts, unrouted)
+    rng, place, idx = _placed_routing(seed, batch, k, dies, per, unrouted, table)
     w = (rng.standard_normal(idx.shape) * 10.0 ** rng.integers(-40, 38)).astype(np.float32)
     want = get_dedup_layout(idx, w, place)
     got = dedup_layout(idx, w, place.pos_of, place.local_of, len(place.dies))
