@@ -15,9 +15,7 @@ from memory.errors import (
     ProtocolError,
     ShmError,
 )
-from runtime.config import PodConfig
-from runtime.die import Die
-from runtime.pod import DieCrashed, DieHung, Pod
+from runtime.pod import Die, DieCrashed, DieHung, Pod, PodConfig
 
 __all__ = [
     "ConfigError",

@@ -43,7 +43,6 @@ import contextlib
 import errno
 import json
 import logging
-import os
 import signal
 import socket
 import sys
@@ -62,6 +61,7 @@ from runtime.openai_api import (
     parse_completion,
     request_id,
 )
+from runtime.pod.proc import batch_scheduling
 from runtime.serve import Engine, EngineError
 from runtime.serve_args import ServerOptions
 
@@ -355,20 +355,6 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def batch_scheduling() -> int:
-    """Every thread of this process (event loop, the engine's threads, zmq's I/O thread) as
-    SCHED_BATCH; returns how many were set. The dies share 2 cores with the shell: a shell woken
-    per step under the default policy preempts a die mid-step, and the whole lockstep pod waits
-    for that die (as for the masters, `runtime.master._batch_scheduling`). Threads made later
-    inherit it from the main thread. The dies, forked before, keep the default policy."""
-    n = 0
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError, AttributeError, ValueError):
-            os.sched_setscheduler(int(tid), os.SCHED_BATCH, os.sched_param(0))
-            n += 1
-    return n
-
-
 def run(opts: ServerOptions) -> int:
     """Launch the engine, serve until a signal (or the engine fails), tear everything down."""
     import uvloop
@@ -380,8 +366,8 @@ def run(opts: ServerOptions) -> int:
     print(f"{PROG}: launching {e.dies} dies, model {e.model} ...", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     engine = Engine.launch(e)
-    if opts.shell_batch:
-        batch_scheduling()
+    if opts.shell_batch:  # the event loop, the engine's threads and zmq's I/O thread
+        batch_scheduling(all_threads=True)
     try:
         print(f"{PROG}: engine ready in {time.monotonic() - t0:.1f} s", file=sys.stderr,
               flush=True)  # fmt: skip

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import NoReturn, TypeVar
 
 from memory.errors import ConfigError
-from runtime.config import PodConfig
+from runtime.pod.config import PodConfig
 
 SIZE_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 T = TypeVar("T")

@@ -27,7 +27,6 @@ from collections.abc import Callable
 
 import comm
 from memory.errors import ConfigError, PodError
-from runtime import control
 from runtime.argtypes import (
     Parser,
     error_line,
@@ -39,8 +38,8 @@ from runtime.argtypes import (
     positive_int,
 )
 from runtime.argtypes import size as size_arg
-from runtime.config import PodConfig
-from runtime.pod import Pod
+from runtime.pod import Pod, control
+from runtime.pod.config import PodConfig
 
 BENCHES = ("p2p", "ring", "alltoall", "passes", "faults", "engine", "serve")
 

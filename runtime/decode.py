@@ -49,10 +49,10 @@ import numpy as np
 import comm
 from memory.errors import ConfigError, PodError
 from runtime.balancer import EPLBConfig, bank_bytes
-from runtime.config import PodConfig
 from runtime.executor import PHASES, Clock, build_model, forward
 from runtime.model import ModelConfig, encode, replicated_weights, sample
 from runtime.pod import Pod
+from runtime.pod.config import PodConfig
 from sched import KVManager
 
 __all__ = ["PHASES", "DecodeOptions", "DecodeSpec", "decode_main", "make_prompts", "run_decode"]

@@ -8,10 +8,10 @@ import os
 import numpy as np
 
 from memory.heap import keep_freed_memory
-from runtime.blas import limit_blas_threads
 from runtime.decode import DecodeOptions, progress
 from runtime.executor import PHASES
 from runtime.model import ModelConfig
+from runtime.pod.proc import limit_blas_threads
 
 
 def summarize(res: list[dict], opts: DecodeOptions, model: ModelConfig) -> dict:

@@ -18,11 +18,9 @@ Requests arrive as typed msgpack frames (`runtime.wire`); a bad one is answered 
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import os
-import signal
 import time
 import traceback
 from collections import deque
@@ -33,7 +31,8 @@ import zmq
 from memory import layout as L
 from memory.region import Region, RegionHandle, region_name
 from runtime import wire
-from runtime.config import PodConfig
+from runtime.pod.config import PodConfig
+from runtime.pod.proc import batch_scheduling, follow_parent
 from runtime.stepring import Bell, Ring, bell_path
 from sched import KVManager, Request, SamplingParams, Scheduler, SchedulerConfig
 
@@ -463,13 +462,12 @@ class Master:
 
 def master_main(spec: MasterSpec, engine_pid: int) -> None:
     """Entry of a master process."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and SIGHUP are the engine's to handle
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    _die_with(engine_pid)
+    if not follow_parent(engine_pid):  # the engine is already gone
+        os._exit(3)
     logging.basicConfig(format=f"master {spec.group} %(levelname)s %(name)s: %(message)s")
     if spec.pin_cpu >= 0:
         os.sched_setaffinity(0, {spec.pin_cpu})
-    _batch_scheduling()
+    batch_scheduling()  # woken by its die's doorbell, it must not preempt the die mid-step
     master = None
     try:
         master = Master(spec)
@@ -480,25 +478,3 @@ def master_main(spec: MasterSpec, engine_pid: int) -> None:
     finally:
         if master is not None:
             master.close()
-
-
-def _batch_scheduling() -> None:
-    """SCHED_BATCH: a master woken by its die's doorbell does not preempt the die mid-step.
-
-    A master sleeps most of the time, so under the default policy its wake-up preempts the die
-    that rang (the die's write() returned only after the master ran: ~0.8 ms per step of 11 on
-    a 4-die pod, measured with cProfile). As a batch task it runs when a die yields or waits,
-    which the dies of a lockstep step do all the time.
-    """
-    with contextlib.suppress(OSError, AttributeError):
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-
-
-def _die_with(parent_pid: int) -> None:
-    """SIGTERM when the engine dies (PR_SET_PDEATHSIG); exit at once if it already has."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != parent_pid:
-        os._exit(3)

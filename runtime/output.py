@@ -23,7 +23,7 @@ Where it runs (`EngineConfig.output_procs`):
 from __future__ import annotations
 
 import logging
-import signal
+import os
 import traceback
 from dataclasses import dataclass
 
@@ -31,6 +31,7 @@ import zmq
 
 from runtime import wire
 from runtime.openai_api import Renderer
+from runtime.pod.proc import batch_scheduling, follow_parent
 
 log = logging.getLogger(__name__)
 
@@ -84,18 +85,11 @@ class OutputSpec:
 
 def output_main(spec: OutputSpec, engine_pid: int) -> None:
     """Entry of an output process (see the module docstring)."""
-    from runtime.master import (
-        _batch_scheduling,
-        _die_with,
-        engine_socket,
-        master_socket,
-        output_socket,
-    )
+    from runtime.master import engine_socket, master_socket, output_socket
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    _die_with(engine_pid)
-    _batch_scheduling()
+    if not follow_parent(engine_pid):  # the engine is already gone
+        os._exit(3)
+    batch_scheduling()  # woken per token batch, it must not preempt a die mid-step
     logging.basicConfig(format=f"output {spec.group} %(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)

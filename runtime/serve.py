@@ -44,13 +44,13 @@ from memory import layout as L
 from memory.errors import ConfigError, PodError
 from runtime import wire
 from runtime.balancer import EPLBConfig, bank_bytes
-from runtime.config import PodConfig
 from runtime.executor import ServeSpec, serve_main
 from runtime.master import MasterSpec, engine_socket, master_main, master_socket, output_socket
 from runtime.model import EOS, ModelConfig, decode, encode, replicated_weights
 from runtime.openai_api import Renderer
 from runtime.output import OutputHandler, OutputSpec, output_main
 from runtime.pod import Pod
+from runtime.pod.config import PodConfig
 from runtime.stepring import Bell, bell_path
 from sched import LoadBalancer, SamplingParams
 

@@ -25,7 +25,7 @@ class ServerOptions:
         health_timeout_s: a group that has not answered a heartbeat for this long is unhealthy.
         max_body_bytes: larger request bodies get 413.
         access_log: log every HTTP request on stderr.
-        shell_batch: run the shell's threads as SCHED_BATCH (`api_server.batch_scheduling`).
+        shell_batch: run the shell's threads as SCHED_BATCH (`runtime.pod.proc.batch_scheduling`).
         loop_receiver: the event loop reads the masters' messages (`Engine.attach_loop`), not
             the engine's receiver thread.
     """

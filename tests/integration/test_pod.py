@@ -29,8 +29,8 @@ from runtime import (
     PodConfig,
     PodError,
     ProtocolError,
-    control,
 )
+from runtime.pod import control
 
 ROOT = Path(__file__).resolve().parents[2]
 SHM = Path("/dev/shm")
@@ -406,7 +406,7 @@ def test_bad_config_fails_before_anything_starts(build, field):
 
 
 def _startup_hook(action: str, bad_die: int):
-    """A stand-in for the die's first start-up step (runtime.die._pin), run in every die."""
+    """A stand-in for the die's first start-up step (runtime.pod.die.pin_die), run in every die."""
 
     def hook(die_id, config):
         if die_id != bad_die:
@@ -423,11 +423,9 @@ def _startup_hook(action: str, bad_die: int):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("action", ["raise", "exit", "hang"])
 def test_die_failing_at_start_up(monkeypatch, action):
-    import runtime.die
+    import runtime.pod.die
 
-    if not hasattr(runtime.die, "_pin"):
-        pytest.skip("runtime.die._pin is gone: no start-up hook to patch")
-    monkeypatch.setattr(runtime.die, "_pin", _startup_hook(action, 1))
+    monkeypatch.setattr(runtime.pod.die, "pin_die", _startup_hook(action, 1))
     segs, _ = _snapshot()
     t0 = time.monotonic()
     cfg = PodConfig(num_dies=3, app_bytes=MiB, timeout_s=5.0, ready_timeout_s=0.5)

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from memory import layout as L
 from memory.errors import ConfigError
 from runtime.balancer import EPLBConfig, bank_bytes, initial_map
-from runtime.config import PodConfig
 from runtime.model import ModelConfig
+from runtime.pod.config import PodConfig
 from sched.eplb import ExpertMap, keep_in_place, plan, replica_for, row_positions
 
 

@@ -1,4 +1,4 @@
-"""Process-level tuning every die applies at start (runtime.blas, memory.heap)."""
+"""Process-level tuning every die applies at start (runtime.pod.proc, memory.heap)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PROBE = """
 import sys
 sys.path.insert(0, {root!r})
-from runtime.blas import blas_threads, limit_blas_threads
+from runtime.pod.proc import blas_threads, limit_blas_threads
 from memory.heap import keep_freed_memory
 before = blas_threads()
 ok = limit_blas_threads(1)

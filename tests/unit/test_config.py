@@ -1,4 +1,4 @@
-"""runtime.config.PodConfig: defaults, validation naming the field, TOML / dict construction."""
+"""runtime.pod.config.PodConfig: defaults, validation naming the field, TOML / dict construction."""
 
 from __future__ import annotations
 

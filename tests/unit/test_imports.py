@@ -46,14 +46,10 @@ LEGACY: set[str] = {
     "runtime.api_server",
     "runtime.argtypes",
     "runtime.balancer",
-    "runtime.blas",
     "runtime.cli",
-    "runtime.config",
-    "runtime.control",
     "runtime.decode",
     "runtime.decode_args",
     "runtime.decode_report",
-    "runtime.die",
     "runtime.executor",
     "runtime.generate",
     "runtime.kvpool",
@@ -63,7 +59,6 @@ LEGACY: set[str] = {
     "runtime.model_kernels",
     "runtime.openai_api",
     "runtime.output",
-    "runtime.pod",
     "runtime.reference_model",
     "runtime.replay",
     "runtime.serve",
@@ -85,8 +80,6 @@ KNOWN_PRIVATE: set[tuple[str, str]] = {
     ("comm.endpoint", "comm.p2p._small_rx"),
     ("comm.endpoint", "comm.p2p._small_tx"),
     ("comm.kernels", "comm.quant._row_scales"),
-    ("runtime.output", "runtime.master._batch_scheduling"),
-    ("runtime.output", "runtime.master._die_with"),
 }
 
 

@@ -9,7 +9,6 @@ launcher goes away.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import pickle
@@ -27,12 +26,11 @@ from memory.alloc import AppAllocator
 from memory.errors import ShmError
 from memory.heap import keep_freed_memory
 from memory.region import Region, RegionHandle, region_name, unlink_segment
-from runtime import control as C
-from runtime.blas import limit_blas_threads
-from runtime.config import PodConfig
+from runtime.pod import control as C
+from runtime.pod.config import PodConfig
+from runtime.pod.proc import follow_parent, limit_blas_threads, pin_to_core
 
 log = logging.getLogger(__name__)
-PR_SET_PDEATHSIG = 1
 SIGTERM_SETTLE_S = 1.0  # a SIGTERM while the launcher still lives after this is someone's stop
 
 
@@ -80,16 +78,6 @@ class Die(comm.Endpoint):
 
     def __repr__(self) -> str:
         return f"Die({self.die_id}/{self.num_dies})"
-
-
-def _set_pdeathsig() -> None:
-    """Ask the kernel to send this die SIGTERM when the launcher dies, so no die outlives its
-    pod and the dies can unlink what a SIGKILLed launcher could not (`_on_sigterm`)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        log.warning("prctl(PR_SET_PDEATHSIG) unavailable; dies may outlive a killed launcher")
 
 
 def _install_sigterm(pod_id: str, die_id: int, num_dies: int, launcher_pid: int) -> None:
@@ -169,21 +157,18 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _pin(die_id: int, config: PodConfig) -> None:
+def pin_die(die_id: int, config: PodConfig) -> None:
+    """A die's first start-up step: its own core when the pod is pinned (`PodConfig.pinned`)."""
     if config.pinned():
-        cpus = sorted(os.sched_getaffinity(0))[: config.cores]
-        os.sched_setaffinity(0, {cpus[die_id % len(cpus)]})
+        pin_to_core(die_id, config.cores)
 
 
 def die_main(die_id: int, cfg: dict, pod_id: str, conn, launcher_pid: int) -> None:
     """Entry point of a die process."""
-    # Ctrl-C and a closed terminal (SIGHUP, sent to the whole process group) are the launcher's
-    # to handle: it tears the pod down; a die ends with it (PR_SET_PDEATHSIG), cleaning up.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # Ctrl-C is the launcher's to handle: it tears the pod down; a die ends with it (SIGTERM
+    # when the launcher exits), cleaning up what a SIGKILLed launcher could not.
     _install_sigterm(pod_id, die_id, cfg["num_dies"], launcher_pid)
-    _set_pdeathsig()
-    if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
+    if not follow_parent(launcher_pid):  # the launcher died before prctl took effect
         orphan_cleanup(pod_id, die_id, cfg["num_dies"])
         os._exit(3)
     logging.basicConfig(format=f"die {die_id} %(levelname)s %(name)s: %(message)s")
@@ -191,7 +176,7 @@ def die_main(die_id: int, cfg: dict, pod_id: str, conn, launcher_pid: int) -> No
     limit_blas_threads(1)  # a die's matmuls must not spin up workers on its peers' cores
     try:
         config = PodConfig.from_dict(cfg)
-        _pin(die_id, config)
+        pin_die(die_id, config)
         ctl = C.Control.attach(pod_id)
         ctl.words[C.W_DIE_PID + die_id] = os.getpid()
         layout = config.layout()

@@ -20,7 +20,7 @@ Lifecycle and the one teardown path:
    control segment last.
 A launcher killed with SIGKILL cannot tear down: its dies get SIGTERM from the kernel
 (PR_SET_PDEATHSIG), see that their launcher is gone, unlink their own regions, and the last one
-out unlinks the control segment (`runtime.die`).
+out unlinks the control segment (`runtime.pod.die`).
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ import psutil
 
 from memory.errors import ConfigError, PeerRefused, PodAborted, PodError, ShmError
 from memory.region import Region, region_name
-from runtime import control as C
-from runtime.config import PodConfig
-from runtime.die import die_main
+from runtime.pod import control as C
+from runtime.pod.config import PodConfig
+from runtime.pod.die import die_main
 
 log = logging.getLogger(__name__)
 
