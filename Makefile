@@ -11,7 +11,7 @@ $(STAMP): setup.cfg pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[test,plot,serve,mpi]'
-	$(PY) -c "from comm import kernels; from runtime import model_kernels as m; kernels.warm(); m.warm()"  # compile numba kernels into the cache
+	$(PY) -c "from comm import kernels; from runtime.model import kernels as m; kernels.warm(); m.warm()"  # compile numba kernels into the cache
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -67,7 +67,7 @@ Serving fields (only in a pod launched with `serve_slot_bytes`), after the all-t
                                                         + combine) and forward time of its steps
 ```
 Expert load balancing fields (only in a pod launched with `eplb_layers`), after the serving
-words (runtime.balancer):
+words (runtime.model.expert_balancer):
 
 ```
  eplb    EPLB_WORDS int64 words:

@@ -11,7 +11,7 @@ What runs where (000 §4.2.2, 001 §4.2):
   batch goes to die `r % dies`; request ids are then given die by die, as `ReferencePod` does),
   and checks the model against the pod (`ModelConfig.validate`) before any process starts.
 - Every die builds the non-expert weights and its own experts from the seed (nothing is shipped),
-  keeps its requests' latent KV rows in blocks of its app area (`runtime.kvpool.PagedKV`, block
+  keeps its requests' latent KV rows in blocks of its app area (`runtime.model.kv.PagedKV`, block
   tables from `sched.KVManager`, as the serving engine does), and runs the executor's forward
   step (`runtime.executor.forward`, the same code the serving loop runs). Every MoE layer is a
   pod-wide `comm.dispatch` / `comm.combine` (protocol and quantization selectable). A die with
@@ -22,7 +22,7 @@ What runs where (000 §4.2.2, 001 §4.2):
   every die runs the same number of steps.
 
 Bit-exactness: the dies call the same `DieModel` phases on the same per-die batches as
-`runtime.reference_model.ReferencePod`, and the protocols deliver exactly `comm.reference`'s
+`runtime.model.reference.ReferencePod`, and the protocols deliver exactly `comm.reference`'s
 dispatch rows and combine sums, so without quantization tokens and logits are equal bit for bit.
 With INT8 dispatch the pod equals an INT8 `ReferencePod` bit for bit too; against the float32
 reference its logits differ by the quantization error (reported, with greedy-token agreement).
@@ -48,9 +48,8 @@ import numpy as np
 
 import comm
 from memory.errors import ConfigError, PodError
-from runtime.balancer import EPLBConfig, bank_bytes
-from runtime.executor import PHASES, Clock, build_model, forward
-from runtime.model import ModelConfig, encode, replicated_weights, sample
+from runtime.model import EPLBConfig, ModelConfig, encode, pod_config_for, sample
+from runtime.model.forward import PHASES, Clock, build_model, forward, prepared_for_fork
 from runtime.pod import Pod
 from runtime.pod.config import PodConfig
 from sched import KVManager
@@ -221,26 +220,17 @@ def pod_config(
     model: ModelConfig, spec_prompts, opts: DecodeOptions, eplb: EPLBConfig | None = None
 ) -> PodConfig:
     """A PodConfig sized for this run: all-to-all areas for the longest prefill of a die, an app
-    area for its KV pool (and, with EPLB, its expert bank; the pod is laid out for the physical
-    expert slots)."""
-    rows = max(1, max(sum(len(p) for p in ps) for ps in spec_prompts))
-    blocks = max(blocks_needed(ps, opts.steps, opts.block_size) for ps in spec_prompts)
-    kv_bytes = model.n_layers * max(blocks, 1) * opts.block_size * model.kv_cache_dim * 4
-    if eplb is not None:
-        kv_bytes += bank_bytes(model, opts.dies, eplb)
-    return PodConfig(
-        num_dies=opts.dies,
-        a2a_max_batch=rows,
-        a2a_hidden=model.hidden,
-        a2a_topk=model.topk,
-        num_experts=model.num_experts if eplb is None else eplb.physical(model, opts.dies),
-        eplb_layers=0 if eplb is None else model.n_layers - model.n_dense_layers,
-        eplb_window=0 if eplb is None else eplb.window,
-        a2a_dispatch_dtype="int8" if opts.quant == "int8" else "float32",
-        a2a_combine_dtype=opts.combine_dtype,
-        app_bytes=kv_bytes + (1 << 20),
+    area for its KV pool (and, with EPLB, its expert bank)."""
+    return pod_config_for(
+        model,
+        opts.dies,
+        max_rows=max(sum(len(p) for p in ps) for ps in spec_prompts),
+        num_blocks=max(blocks_needed(ps, opts.steps, opts.block_size) for ps in spec_prompts),
+        block_size=opts.block_size,
+        quant=opts.quant,
+        combine_dtype=opts.combine_dtype,
+        eplb=eplb,
         trace=bool(opts.trace),
-        trace_capacity=1 << 20 if opts.trace else 1 << 16,
         timeout_s=opts.timeout_s,
         pin=opts.pin,
         wait=opts.wait,
@@ -359,7 +349,7 @@ def _run(opts: DecodeOptions, model: ModelConfig, per_die, ids, eplb, keep_logit
         f" {opts.combine_dtype} combine, EPLB {balance}"
     )
     t0 = time.monotonic()
-    with replicated_weights(model):  # the dies fork sharing one copy of the replicated tensors
+    with prepared_for_fork(model):  # the dies fork with the kernels and one copy of the weights
         pod_cm = Pod.launch(cfg if trace else cfg.replace(trace=False))
     with pod_cm as pod:
         progress(f"  pod {pod.pod_id} up in {time.monotonic() - t0:.1f} s; decoding ...")

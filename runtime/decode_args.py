@@ -18,7 +18,6 @@ from runtime.argtypes import (
     positive_float,
     positive_int,
 )
-from runtime.balancer import EPLBConfig
 from runtime.decode import (
     EPLB_MODES,
     MAX_BATCH,
@@ -29,6 +28,7 @@ from runtime.decode import (
 )
 from runtime.decode_report import jsonable, print_eplb, print_summary
 from runtime.model import PRESETS, SCORE_BIASES, ModelConfig
+from runtime.model.expert_balancer import EPLBConfig
 from sched.eplb import POLICIES
 
 

@@ -9,8 +9,8 @@ import numpy as np
 
 from memory.heap import keep_freed_memory
 from runtime.decode import DecodeOptions, progress
-from runtime.executor import PHASES
 from runtime.model import ModelConfig
+from runtime.model.forward import PHASES
 from runtime.pod.proc import limit_blas_threads
 
 
@@ -62,7 +62,7 @@ def check(res: list[dict], per_die, opts: DecodeOptions, model: ModelConfig,
           baseline: bool = True) -> dict:  # fmt: skip
     """Run the single-process reference on the same prompts; compare tokens and logits; with
     `baseline`, also time the whole batch as one model in one process (`single_process`)."""
-    from runtime.reference_model import ReferencePod
+    from runtime.model.reference import ReferencePod
 
     limit_blas_threads(1)  # the reference is one process on one core (the pod's dies: the same)
     keep_freed_memory()  # as every die does
@@ -91,7 +91,7 @@ def single_process(per_die, opts: DecodeOptions, model: ModelConfig) -> dict:
     model (`ReferencePod` as a single die: every expert local, no all-to-all), with one BLAS
     thread and with one per core of this machine; decode tokens/s of each (same prompts, same
     steps, same run). The ref_tokens_per_s above groups the batch per die instead."""
-    from runtime.reference_model import ReferencePod
+    from runtime.model.reference import ReferencePod
 
     batch = [[p for ps in per_die for p in ps]]
     cores = len(os.sched_getaffinity(0))
@@ -278,7 +278,7 @@ def eplb_compare(off: list[dict], on: list[dict], per_die, opts: DecodeOptions,
     """`xpod decode --eplb compare`: EPLB off and on over the same prompts, measured over the
     same steps (from the on run's first switch), and the on run against the reference replaying
     its maps (bit-exact) and against the off run (greedy tokens, logits)."""
-    from runtime.reference_model import ReferencePod
+    from runtime.model.reference import ReferencePod
 
     s_off, s_on = summarize(off, opts, model), summarize(on, opts, model)
     e_on = eplb_stats(on, model, s_on["step_ms"])

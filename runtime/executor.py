@@ -1,5 +1,6 @@
-"""The executor: what a die runs. One forward step of the toy model over the pod (`forward`),
-and the serving loop (`serve_main`) that runs inside one long `pod.run` on every die.
+"""The die side of the serving engine (FlowServe's executor, vLLM's worker): the serving loop
+(`serve_main`) that runs inside one long `pod.run` on every die, around the model's
+`runtime.model.forward.forward` step.
 
 Serving loop of die g, global step s = 1, 2, ... (the same numbers on every die):
 
@@ -30,29 +31,20 @@ import gc
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
-import comm
-from comm.quant import dequantize_int8
-from comm.routing import Placement
 from comm.trace import STEP_NAMES, TRACK_NAMES
 from memory import layout as L
 from memory.errors import PodAborted, ProtocolError
 from runtime import wire
-from runtime.balancer import Balancer, EPLBConfig
-from runtime.kvpool import PagedKV
-from runtime.model import DieModel, ModelConfig, batch_rows, build_weights, last_rows, sample
+from runtime.model.config import ModelConfig
+from runtime.model.expert_balancer import EPLBConfig
+from runtime.model.forward import PHASES, Clock, build_model, forward
+from runtime.model.sampler import sample_rows
 from runtime.stepring import Bell, Ring, bell_path
 
-PHASES = ("attention", "gate", "dispatch", "experts", "combine", "other")
-MODEL_LANE = 99  # trace track of the model phases (comm's steps use lanes 0..)
 SERVE_LANE = 98  # trace track of the serving loop (vote, park, step)
-TRACE_OP = "model"
 SERVE_OP = "serve"
-STEP_NAMES.update({(TRACE_OP, i): p for i, p in enumerate(PHASES)})
 STEP_NAMES.update({(SERVE_OP, 0): "wait command", (SERVE_OP, 1): "vote", (SERVE_OP, 2): "park",
                    (SERVE_OP, 3): "step", (SERVE_OP, 4): "result"})  # fmt: skip
-TRACK_NAMES[MODEL_LANE] = "model"
 TRACK_NAMES[SERVE_LANE] = "serve"
 
 EXIT = 1 << 40  # vote flag: this die's master said stop
@@ -62,103 +54,6 @@ PARK_POLL_S = 0.5  # a parked die looks at the launcher's abort word this often
 
 class _Busy(Exception):
     """A vote wait ends early: some die has rows for this step."""
-
-
-class Clock:
-    """Per-phase wall-time accounting, every span also a trace record (op "model")."""
-
-    def __init__(self, die, n_layers: int):
-        self.trace = die.trace
-        self.step = 0
-        self.layer_ns = np.zeros((n_layers, len(PHASES)), np.int64)  # counted steps only
-        self.other_ns = 0
-        self.counting = False
-        self.cur = [0] * len(PHASES)  # this step's ns per phase (serving: reset every step)
-
-    def span(self, phase: int, layer: int, t0: int) -> int:
-        t1 = time.perf_counter_ns()
-        self.trace.rec(t0, t1 - t0, TRACE_OP, phase, layer, MODEL_LANE, self.step, 0)
-        self.cur[phase] += t1 - t0
-        if self.counting:
-            if layer >= 0:
-                self.layer_ns[layer, phase] += t1 - t0
-            else:
-                self.other_ns += t1 - t0
-        return t1
-
-
-def forward(die, model: DieModel, segments, protocol: str, quant, clock: Clock, bal: Balancer):
-    """One step of this die: DieModel's phases with pod-wide MoE collectives; float32 logits
-    [n_segments, vocab] at each segment's last row. Every die calls it at every step (an empty
-    `segments` is a dummy step); `clock.step` names the step (MoE event ids). `bal` maps logical
-    experts to physical slots before each dispatch, records each layer's per-slot rows and says
-    which expert each local slot holds (`runtime.balancer`; without EPLB the identity)."""
-    cfg = model.cfg
-    t = time.perf_counter_ns()
-    batch = batch_rows(segments)  # once for every layer
-    h = model.embed(batch[0])
-    t = clock.span(5, -1, t)
-    for layer in range(cfg.n_layers):
-        h = model.attention(layer, h, segments, batch)
-        t = clock.span(0, layer, t)
-        if not model.is_moe(layer):
-            h = model.dense_ffn(layer, h)
-            t = clock.span(3, layer, t)
-            continue
-        xn, idx, w = model.gate(layer, h)
-        idx = bal.route(layer, idx)
-        t = clock.span(1, layer, t)
-        ev = clock.step * cfg.n_layers + layer
-        d = comm.dispatch(die, xn, idx, w, protocol=protocol, quant=quant, event_id=ev)
-        rows = dequantize_int8(d.x, d.scales) if quant == "int8" else d.x
-        bal.record(layer, d.expert_counts)
-        t = clock.span(2, layer, t)
-        y = model.experts(layer, rows, d.expert_counts, bal.local_ids(layer))
-        t = clock.span(3, layer, t)
-        routed = comm.combine(die, y, d.handle, event_id=ev)
-        t = clock.span(4, layer, t)
-        h = model.finish_moe(layer, h, xn, routed)
-        t = clock.span(3, layer, t)
-    logits = model.logits(h[last_rows(segments)])
-    clock.span(5, -1, t)
-    return logits
-
-
-def build_model(
-    die, cfg: ModelConfig, n_blocks: int, block_size: int, eplb: EPLBConfig | None = None,
-    keep_history: bool = False,
-):  # fmt: skip
-    """(DieModel over a PagedKV pool in the die's app area, the pool, its `Balancer`).
-
-    Without EPLB the die builds its default experts in process memory; with EPLB the balancer's
-    bank in the app area holds them (the initial map's slots of this die)."""
-    if eplb is None:
-        placement = Placement.default(cfg.num_experts, tuple(range(die.num_dies)))
-        experts = placement.experts_on(die.die_id).tolist()
-    else:
-        experts = []
-    pool = die.alloc((cfg.n_layers, max(n_blocks, 1), block_size, cfg.kv_cache_dim), np.float32)
-    model = DieModel(cfg, build_weights(cfg, experts), PagedKV(pool))
-    try:
-        bal = Balancer(die, model, eplb, keep_history)
-    except BaseException:
-        die.free(pool)
-        raise
-    return model, pool, bal
-
-
-def sample_rows(logits: np.ndarray, rows: list[dict]) -> list[int]:
-    """One token per sampling row: greedy, or `rng([seed, request, token_index])` categorical
-    (the draw depends on the request and the token's index only, not on batch or step)."""
-    out = np.argmax(logits, axis=-1).tolist() if len(rows) else []
-    for i, r in enumerate(rows):
-        if r["temperature"] > 0:
-            rng = [np.random.default_rng([r["seed"], r["id"], r["index"]])]
-            out[i] = int(sample(logits[i : i + 1], r["temperature"], rng)[0])
-    return out
-
-
-# -- the serving loop -----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -171,7 +66,7 @@ class ServeSpec:
         run_dir: the pod's run directory (doorbells).
         keep_logits: return the logits of every sampled row (schedule replay).
         gc_every: 0 = Python's automatic GC; N = freeze after warm-up, collect every N steps.
-        eplb: expert load balancing (`runtime.balancer`), or None.
+        eplb: expert load balancing (`runtime.model.expert_balancer`), or None.
     """
 
     model: ModelConfig
@@ -445,4 +340,4 @@ def serve_main(die, spec: ServeSpec) -> dict:
         loop.close()
 
 
-__all__ = ["Clock", "ServeSpec", "build_model", "forward", "sample_rows", "serve_main"]
+__all__ = ["ServeSpec", "serve_main"]

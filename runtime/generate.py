@@ -46,8 +46,8 @@ from runtime.argtypes import (
     positive_float,
     positive_int,
 )
-from runtime.balancer import EPLBConfig
 from runtime.model import PRESETS, SCORE_BIASES, encode
+from runtime.model.expert_balancer import EPLBConfig
 from runtime.serve import CompletionOutput, Engine, EngineConfig, EngineError, SamplingParams
 from sched.eplb import POLICIES
 
@@ -215,7 +215,7 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
     add("--score-bias", default=None, choices=SCORE_BIASES,
         help="router correction bias (default: the preset's); skew: a few hot experts")  # fmt: skip
     add("--eplb", default="off", choices=("off", "on"),
-        help="expert load balancing while serving (runtime.balancer)")  # fmt: skip
+        help="expert load balancing while serving (runtime.model.expert_balancer)")  # fmt: skip
     add("--redundant", type=nonneg_int, default=1,
         help="EPLB: redundant expert slots per die (default 1)")  # fmt: skip
     add("--eplb-every", type=positive_int, default=64,

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from runtime import wire
-from runtime.executor import sample_rows
-from runtime.kvpool import PagedKV
 from runtime.model import ModelConfig
-from runtime.reference_model import ReferencePod
+from runtime.model.kv import PagedKV
+from runtime.model.reference import ReferencePod
+from runtime.model.sampler import sample_rows
 
 
 @dataclass

@@ -43,10 +43,10 @@ from comm.quant import COMBINE_DTYPES
 from memory import layout as L
 from memory.errors import ConfigError, PodError
 from runtime import wire
-from runtime.balancer import EPLBConfig, bank_bytes
 from runtime.executor import ServeSpec, serve_main
 from runtime.master import MasterSpec, engine_socket, master_main, master_socket, output_socket
-from runtime.model import EOS, ModelConfig, decode, encode, replicated_weights
+from runtime.model import EOS, EPLBConfig, ModelConfig, decode, encode, pod_config_for
+from runtime.model.forward import prepared_for_fork
 from runtime.openai_api import Renderer
 from runtime.output import OutputHandler, OutputSpec, output_main
 from runtime.pod import Pod
@@ -102,8 +102,8 @@ class EngineConfig:
         output_procs: output shortcutting (001 4.1): one output process per group renders the
             tokens of rendered requests (`stream(render=...)`: the HTTP server's) and sends the
             bytes straight to the caller; off: the caller's receiver thread renders them.
-        eplb: expert load balancing while serving (`runtime.balancer.EPLBConfig`), or None;
-            a window is `every` busy steps of the pod (idle votes do not count).
+        eplb: expert load balancing while serving (`runtime.model.EPLBConfig`), or None; a
+            window is `every` busy steps of the pod (idle votes do not count).
     """
 
     dies: int = 4
@@ -181,26 +181,20 @@ class EngineConfig:
 
     def pod_config(self) -> PodConfig:
         m = self.model_config()
-        kv_bytes = m.n_layers * self.blocks * self.block_size * m.kv_cache_dim * 4
-        ep = self.eplb
-        if ep is not None:
-            kv_bytes += bank_bytes(m, self.dies, ep)
-        return PodConfig(
-            num_dies=self.dies,
-            a2a_max_batch=self.max_num_batched_tokens,
-            a2a_hidden=m.hidden,
-            a2a_topk=m.topk,
-            num_experts=m.num_experts if ep is None else ep.physical(m, self.dies),
-            eplb_layers=0 if ep is None else m.n_layers - m.n_dense_layers,
-            eplb_window=0 if ep is None else ep.window,
-            a2a_dispatch_dtype="int8" if self.quant == "int8" else "float32",
-            a2a_combine_dtype=self.combine_dtype,
-            app_bytes=kv_bytes + (4 << 20),
+        return pod_config_for(
+            m,
+            self.dies,
+            max_rows=self.max_num_batched_tokens,
+            num_blocks=self.blocks,
+            block_size=self.block_size,
+            quant=self.quant,
+            combine_dtype=self.combine_dtype,
+            eplb=self.eplb,
+            headroom_bytes=4 << 20,
+            trace=bool(self.trace),
             serve_slot_bytes=self.slot_bytes(m),
             timeout_s=self.timeout_s,
-            pin="off" if self.pin == "off" else ("on" if self.pin == "on" else "auto"),
-            trace=bool(self.trace),
-            trace_capacity=1 << 20 if self.trace else 1 << 16,
+            pin=self.pin,
         )
 
     def slot_bytes(self, m: ModelConfig) -> int:
@@ -369,7 +363,7 @@ class Engine:
     def _start(self) -> None:
         cfg = self.config
         pcfg = cfg.pod_config()
-        with replicated_weights(cfg.model_config()):  # the dies share one copy (runtime.model)
+        with prepared_for_fork(cfg.model_config()):  # kernels and one copy of the weights
             self.pod = Pod.launch(pcfg)
         self.run_dir = f"/dev/shm/xpod.{self.pod.pod_id}.run"
         os.mkdir(self.run_dir, 0o700)

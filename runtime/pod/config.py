@@ -55,9 +55,9 @@ class PodConfig:
             sums them in float32) or "float32" (rows travel unrounded, twice the bytes).
         serve_slot_bytes: bytes of each slot of the serving command and result rings in every
             die's region (0: a pod that does not serve; `runtime.serve.Engine` sets it).
-        eplb_layers, eplb_window: expert load balancing (`runtime.balancer`): the MoE layers
-            whose per-slot load each die records, and the steps its count ring keeps (0: off;
-            the decode and serving launchers set them).
+        eplb_layers, eplb_window: expert load balancing (`runtime.model.expert_balancer`): the
+            MoE layers whose per-slot load each die records, and the steps its count ring keeps
+            (0: off; the decode and serving launchers set them).
     """
 
     num_dies: int = 4

@@ -163,9 +163,6 @@ class Pod:
             from comm import kernels
 
             kernels.warm()  # compiled once here (or loaded from the disk cache): dies fork with it
-            from runtime import model_kernels
-
-            model_kernels.warm()  # the model's small-row products, likewise
         pod = cls(config)
         try:
             pod._start()

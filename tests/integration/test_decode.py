@@ -18,8 +18,8 @@ import pytest
 from memory.errors import ConfigError
 from runtime import decode as D
 from runtime.decode import DecodeOptions, run_decode
-from runtime.kvpool import PagedKV
 from runtime.model import DictKV, ModelConfig
+from runtime.model.kv import PagedKV
 
 ROOT = Path(__file__).resolve().parents[2]
 

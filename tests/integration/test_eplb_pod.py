@@ -13,7 +13,6 @@ import pytest
 from memory import layout as L
 from memory.errors import ConfigError
 from runtime import DieCrashed, Pod
-from runtime.balancer import Balancer, EPLBConfig, initial_map, move_list
 from runtime.decode import (
     DecodeOptions,
     DecodeSpec,
@@ -24,6 +23,7 @@ from runtime.decode import (
     spread,
 )
 from runtime.model import DictKV, DieModel, FFNWeights, ModelConfig, build_weights, expert_ffn
+from runtime.model.expert_balancer import EPLBConfig, ExpertBalancer, initial_map, move_list
 from sched.eplb import ExpertMap, plan
 
 TINY = ModelConfig.preset("tiny", score_bias="skew")  # 16 experts top-4, 2 MoE layers
@@ -57,7 +57,7 @@ def move_steps(die, eplb: EPLBConfig, steps: int, seeded: bool) -> list:
     model = DieModel(TINY, build_weights(TINY, []), DictKV(TINY.kv_cache_dim))
     fill = None if seeded else coded
     want = expert_ffn if seeded else (lambda c, layer, e: coded(layer, e))
-    bal = Balancer(die, model, eplb, fill=fill)
+    bal = ExpertBalancer(die, model, eplb, fill=fill)
     out = []
     try:
         for b in range(steps):
@@ -204,14 +204,14 @@ def decode_killed_mid_move(die, spec, victim: int, outdir: str):
     """decode_main, but the victim dies (SIGKILL) in the middle of its second layer's moves;
     every survivor writes the plan it serves with when its run fails."""
     if die.die_id == victim:
-        orig = Balancer._move
+        orig = ExpertBalancer._move
 
         def move(self, j, p):
             if j == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
             return orig(self, j, p)
 
-        Balancer._move = move
+        ExpertBalancer._move = move
     try:
         return decode_main(die, spec)
     except BaseException as e:

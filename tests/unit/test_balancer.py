@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from memory import layout as L
 from memory.errors import ConfigError
-from runtime.balancer import EPLBConfig, bank_bytes, initial_map
 from runtime.model import ModelConfig
+from runtime.model.expert_balancer import EPLBConfig, bank_bytes, initial_map
 from runtime.pod.config import PodConfig
 from sched.eplb import ExpertMap, keep_in_place, plan, replica_for, row_positions
 

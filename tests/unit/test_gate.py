@@ -61,8 +61,9 @@ def test_route_topk_equals_the_v3_gate_loop(seed, shape, bias_kind):
 def test_masked_groups_get_minus_inf_not_zero_a_case_with_negative_biased_scores():
     # 2 groups of 2 experts; a negative bias makes every biased score negative. Group 0 wins
     # (its top-2 sum is larger), so a token must take both experts of group 0. Filling the masked
-    # group with 0.0 (transformers' DeepseekV3TopkRouter) would rank experts 2 and 3 (0.0) above
-    # the kept ones (negative) and pick outside the kept group; -inf (V3's reference) never does.
+    # group with 0.0 (transformers' DeepseekV3TopkRouter before it took -inf) would rank experts
+    # 2 and 3 (0.0) above the kept ones (negative) and pick outside the kept group; -inf (V3's
+    # reference, transformers 5.24) never does.
     logits = np.array([[2.0, 1.0, -3.0, -3.0]], F32)
     bias = np.full(4, -2.0, F32)
     idx, _ = route_topk(logits, 2, "sigmoid", 1.0, bias, n_group=2, topk_group=1)

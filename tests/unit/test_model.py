@@ -1,4 +1,4 @@
-"""runtime.model and runtime.reference_model: the toy DeepSeek-shaped model and its D-die reference.
+"""runtime.model and runtime.model.reference: the toy DeepSeek-shaped model and its D-die reference.
 
 Everything runs on the "tiny" preset. Prompts are random bytes from a printed seed.
 """
@@ -29,7 +29,7 @@ from runtime.model import (
     sample,
     swiglu,
 )
-from runtime.reference_model import ReferencePod, mla_decompressed
+from runtime.model.reference import ReferencePod, mla_decompressed
 
 TINY = ModelConfig.preset("tiny")
 SEED = 1234
@@ -430,15 +430,15 @@ def test_bfloat16_combine_rounds_the_expert_rows_and_stays_close():
         ReferencePod(TINY, 4, combine_dtype="float16")
 
 
-# -- the small-row products (runtime.model_kernels) ------------------------------------------------
+# -- the small-row products (runtime.model.kernels) ------------------------------------------------
 
 
 @pytest.mark.parametrize("shape", [(2, 256, 512), (3, 128, 256), (2, 7, 5)])
 def test_small_row_products_are_exact_sums_rounded_once(shape):
     """2-3 rows go to the kernel: within one float32 rounding of the float64 product, and each
     row's result is the same whatever rows share the call (batch-invariant)."""
-    from runtime import model as M
-    from runtime import model_kernels as K
+    from runtime.model import kernels as K
+    from runtime.model import ops as M
 
     m, k, n = shape
     assert 2 <= m <= K.SMALL_ROWS
@@ -456,7 +456,7 @@ def test_small_row_products_are_exact_sums_rounded_once(shape):
 
 
 def test_small_row_products_per_head_and_blas_elsewhere():
-    from runtime import model as M
+    from runtime.model import ops as M
 
     rng = np.random.default_rng(5)
     x = rng.standard_normal((4, 2, 32)).astype(np.float32)
@@ -477,7 +477,7 @@ def test_small_row_products_per_head_and_blas_elsewhere():
 def test_rms_norm_rows_sum_squares_exactly_and_round_once(rows, d):
     """The compiled RMSNorm of rows (any strides): the mean of squares summed in float64 and
     rounded once, then float32 operations in the order of the formula; each row alone."""
-    from runtime import model as M
+    from runtime.model import ops as M
 
     rng = np.random.default_rng(rows * 1000 + d)
     base = (rng.standard_normal((rows, d + 5)) * 10.0 ** rng.integers(-3, 4)).astype(np.float32)
@@ -493,7 +493,7 @@ def test_rms_norm_rows_sum_squares_exactly_and_round_once(rows, d):
 
 @pytest.mark.parametrize("shape", [(2, 4, 32), (3, 32), (1, 1, 2), (0, 2, 8)])
 def test_rope_kernel_equals_the_numpy_rotation(shape):
-    from runtime import model as M
+    from runtime.model import ops as M
 
     rng = np.random.default_rng(len(shape) * 10 + shape[-1])
     x = rng.standard_normal((*shape[:-1], shape[-1] + 8)).astype(np.float32)[..., 8:]
@@ -512,8 +512,8 @@ def test_rope_kernel_equals_the_numpy_rotation(shape):
 def test_compiled_attention_projections_equal_the_numpy_path(q_lora_rank, rows):
     """A die's 2-3 rows take the attention projections in two compiled calls (mla_in,
     attn_out): the same kernels in the same order as the numpy path, so the same bits."""
-    from runtime import model as M
-    from runtime import model_kernels as K
+    from runtime.model import kernels as K
+    from runtime.model import ops as M
 
     cfg = dataclasses.replace(TINY, q_lora_rank=q_lora_rank)
     lw = full_die(cfg).weights.layers[1]
@@ -556,8 +556,8 @@ def test_decode_attention_of_two_rows_takes_the_compiled_path_and_matches_one_ro
 def test_topk_choice_kernel_equals_the_numpy_choice():
     """route_topk's compiled choice against its numpy definition, bit for bit: group limits,
     ties (lower id / lower group first), -inf and NaN scores."""
-    from runtime import model as M
-    from runtime import model_kernels as K
+    from runtime.model import kernels as K
+    from runtime.model import ops as M
 
     rng = np.random.default_rng(11)
     shapes = [(16, 4, 2, 4), (32, 8, 4, 8), (8, 8, 8, 2), (12, 1, 1, 3), (6, 3, 1, 2),
@@ -572,12 +572,12 @@ def test_topk_choice_kernel_equals_the_numpy_choice():
         if trial % 7 == 0 and len(x):
             x[-1] = np.nan
         got = K.topk_choice(x, n_group, topk_group, topk)
-        assert np.array_equal(got, M._topk_numpy(x, n_group, topk_group, topk)), (trial, x)
+        assert np.array_equal(got, M.topk_numpy(x, n_group, topk_group, topk)), (trial, x)
 
 
 @pytest.mark.parametrize("rows", [2, 3])
 def test_compiled_swiglu_is_the_numpy_ffn_within_float32_noise_and_batch_invariant(rows):
-    from runtime import model as M
+    from runtime.model import ops as M
 
     w = full_die().weights.layers[0].dense
     rng = np.random.default_rng(rows)

@@ -1,4 +1,5 @@
-"""Expert load balancing in a running pod (issue 12; the placement policies are `sched.eplb`).
+"""Expert load balancing in a running pod (EPLB; the placement policies are `sched.eplb`, the
+request balancer between DP groups is `sched.lb`).
 
 Glossary (vLLM's, as in `sched.eplb`): a *logical* expert is one of the model's E experts of an
 MoE layer; a *physical* slot is one of the `P = E + dies * redundant_per_die` expert weights the
@@ -63,10 +64,12 @@ from comm.routing import Placement
 from comm.trace import STEP_NAMES, TRACK_NAMES
 from memory import layout as L
 from memory.errors import ConfigError, ProtocolError
-from runtime.model import DieModel, FFNWeights, ModelConfig, expert_ffn
+from runtime.model.config import ModelConfig
+from runtime.model.die_model import DieModel
+from runtime.model.weights import FFNWeights, expert_ffn
 from sched.eplb import POLICIES, ExpertMap, keep_in_place, plan, replica_for, row_positions
 
-__all__ = ["EPLBConfig", "Balancer", "bank_bytes", "initial_map", "move_list"]
+__all__ = ["EPLBConfig", "ExpertBalancer", "bank_bytes", "initial_map", "move_list"]
 
 LEADER = 0
 EVENT_BASE = 1 << 61  # p2p event ids of expert moves: + (plan * 4096 + layer) << 16 + index
@@ -228,7 +231,7 @@ class _Pending:
     move_ns: int = 0
 
 
-class Balancer:
+class ExpertBalancer:
     """One die's side of EPLB (see the module docstring); with `eplb=None` it only records.
 
     Arguments:
@@ -237,8 +240,8 @@ class Balancer:
         eplb: the config, or None.
         keep_history: keep every step's per-slot counts (the decode report).
         fill: `fill(layer, logical expert) -> FFNWeights` for the bank's initial contents
-            (default: the seed-built expert, `runtime.model.expert_ffn`); tests pass value-coded
-            weights.
+            (default: the seed-built expert, `runtime.model.weights.expert_ffn`); tests pass
+            value-coded weights.
     """
 
     def __init__(self, die, model: DieModel, eplb: EPLBConfig | None, keep_history: bool = False,

@@ -30,18 +30,12 @@ from comm.quant import COMBINE_DTYPES
 from comm.reference import QUANT_MODES, combine_ref, dequantize_dispatch, dispatch_ref
 from comm.routing import Placement
 from memory.errors import ConfigError
-from runtime.model import (
-    DictKV,
-    DieModel,
-    LayerWeights,
-    ModelConfig,
-    Segment,
-    batch_rows,
-    build_weights,
-    last_rows,
-    sample,
-    softmax,
-)
+from runtime.model.config import ModelConfig
+from runtime.model.die_model import DieModel, Segment, batch_rows, last_rows
+from runtime.model.kv import DictKV
+from runtime.model.ops import softmax
+from runtime.model.sampler import sample
+from runtime.model.weights import LayerWeights, build_weights
 from sched.eplb import ExpertMap, replica_for, row_positions
 
 __all__ = ["GenerateResult", "ReferencePod", "mla_decompressed"]
@@ -82,15 +76,15 @@ class ReferencePod:
         num_dies: dies of the pod; every die attends and hosts `num_experts / num_dies` experts.
         quant: None (float32 dispatch) or "int8" (per-token INT8 dispatch payloads).
         kv: one KV store per die (default: a `DictKV` each); the schedule replay passes
-            `runtime.kvpool.PagedKV` stores driven by the served block tables.
+            `runtime.model.kv.PagedKV` stores driven by the served block tables.
         combine_dtype: "bfloat16" (expert rows rounded as a pod's default combine sends them)
             or "float32": the pod's `a2a_combine_dtype`.
-        expert_maps: replay of an EPLB run (`runtime.balancer`): `(switch_step, phy2log)` pairs,
-            the first at step 0, each phy2log `[moe layers][P]`; from its switch step on, each
-            MoE layer routes a die's row i to replica `(i + die + step) % replicas` of its expert
-            (`sched.eplb.replica_for` over `row_positions`) over a block placement of the P
-            physical slots, as the pod does. Steps are numbered by `generate` (0 = prefill)
-            or passed to `step`.
+        expert_maps: replay of an EPLB run (`runtime.model.expert_balancer`): `(switch_step,
+            phy2log)` pairs, the first at step 0, each phy2log `[moe layers][P]`; from its switch
+            step on, each MoE layer routes a die's row i to replica `(i + die + step) % replicas` of
+            its expert (`sched.eplb.replica_for` over `row_positions`) over a block placement of the
+            P physical slots, as the pod does. Steps are numbered by `generate` (0 = prefill) or
+            passed to `step`.
     """
 
     def __init__(

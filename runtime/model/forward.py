@@ -1,0 +1,138 @@
+"""One step of the toy model over the pod (`forward`): the die's `DieModel` phases with the
+pod-wide MoE collectives in between, timed per phase (`Clock`). `xpod decode` and the serving
+engine's die loop both run it; `build_model` makes what a die needs for it.
+
+MoE event ids are `step * n_layers + layer`, so they agree on every die.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+import comm
+from comm.quant import dequantize_int8
+from comm.routing import Placement
+from comm.trace import STEP_NAMES, TRACK_NAMES
+from runtime.model.config import ModelConfig
+from runtime.model.die_model import DieModel, batch_rows, last_rows
+from runtime.model.expert_balancer import EPLBConfig, ExpertBalancer
+from runtime.model.kv import PagedKV
+from runtime.model.ops import kernels
+from runtime.model.weights import build_weights, replicated_weights
+
+PHASES = ("attention", "gate", "dispatch", "experts", "combine", "other")
+MODEL_LANE = 99  # trace track of the model phases (comm's steps use lanes 0..)
+TRACE_OP = "model"
+STEP_NAMES.update({(TRACE_OP, i): p for i, p in enumerate(PHASES)})
+TRACK_NAMES[MODEL_LANE] = "model"
+
+
+@contextlib.contextmanager
+def prepared_for_fork(cfg: ModelConfig) -> Iterator[None]:
+    """What a launcher does before it forks the dies that run the model: compile (or load from
+    the disk cache) the model's kernels once, so the dies start with them, and build one
+    read-only copy of the tensors every die holds alike (`replicated_weights`)."""
+    kernels().warm()
+    with replicated_weights(cfg):
+        yield
+
+
+class Clock:
+    """Per-phase wall-time accounting, every span also a trace record (op "model")."""
+
+    def __init__(self, die, n_layers: int):
+        self.trace = die.trace
+        self.step = 0
+        self.layer_ns = np.zeros((n_layers, len(PHASES)), np.int64)  # counted steps only
+        self.other_ns = 0
+        self.counting = False
+        self.cur = [0] * len(PHASES)  # this step's ns per phase (serving: reset every step)
+
+    def span(self, phase: int, layer: int, t0: int) -> int:
+        t1 = time.perf_counter_ns()
+        self.trace.rec(t0, t1 - t0, TRACE_OP, phase, layer, MODEL_LANE, self.step, 0)
+        self.cur[phase] += t1 - t0
+        if self.counting:
+            if layer >= 0:
+                self.layer_ns[layer, phase] += t1 - t0
+            else:
+                self.other_ns += t1 - t0
+        return t1
+
+
+def forward(
+    die, model: DieModel, segments, protocol: str, quant, clock: Clock, bal: ExpertBalancer
+):
+    """One step of this die: DieModel's phases with pod-wide MoE collectives; float32 logits
+    [n_segments, vocab] at each segment's last row. Every die calls it at every step (an empty
+    `segments` is a dummy step); `clock.step` names the step (MoE event ids). `bal` maps logical
+    experts to physical slots before each dispatch, records each layer's per-slot rows and says
+    which expert each local slot holds (`runtime.model.expert_balancer`; without EPLB the
+    identity)."""
+    cfg = model.cfg
+    t = time.perf_counter_ns()
+    batch = batch_rows(segments)  # once for every layer
+    h = model.embed(batch[0])
+    t = clock.span(5, -1, t)
+    for layer in range(cfg.n_layers):
+        h = model.attention(layer, h, segments, batch)
+        t = clock.span(0, layer, t)
+        if not model.is_moe(layer):
+            h = model.dense_ffn(layer, h)
+            t = clock.span(3, layer, t)
+            continue
+        xn, idx, w = model.gate(layer, h)
+        idx = bal.route(layer, idx)
+        t = clock.span(1, layer, t)
+        ev = clock.step * cfg.n_layers + layer
+        d = comm.dispatch(die, xn, idx, w, protocol=protocol, quant=quant, event_id=ev)
+        rows = dequantize_int8(d.x, d.scales) if quant == "int8" else d.x
+        bal.record(layer, d.expert_counts)
+        t = clock.span(2, layer, t)
+        y = model.experts(layer, rows, d.expert_counts, bal.local_ids(layer))
+        t = clock.span(3, layer, t)
+        routed = comm.combine(die, y, d.handle, event_id=ev)
+        t = clock.span(4, layer, t)
+        h = model.finish_moe(layer, h, xn, routed)
+        t = clock.span(3, layer, t)
+    logits = model.logits(h[last_rows(segments)])
+    clock.span(5, -1, t)
+    return logits
+
+
+def build_model(
+    die, cfg: ModelConfig, n_blocks: int, block_size: int, eplb: EPLBConfig | None = None,
+    keep_history: bool = False,
+):  # fmt: skip
+    """(DieModel over a PagedKV pool in the die's app area, the pool, its `ExpertBalancer`).
+
+    Without EPLB the die builds its default experts in process memory; with EPLB the balancer's
+    bank in the app area holds them (the initial map's slots of this die)."""
+    if eplb is None:
+        placement = Placement.default(cfg.num_experts, tuple(range(die.num_dies)))
+        experts = placement.experts_on(die.die_id).tolist()
+    else:
+        experts = []
+    pool = die.alloc((cfg.n_layers, max(n_blocks, 1), block_size, cfg.kv_cache_dim), np.float32)
+    model = DieModel(cfg, build_weights(cfg, experts), PagedKV(pool))
+    try:
+        bal = ExpertBalancer(die, model, eplb, keep_history)
+    except BaseException:
+        die.free(pool)
+        raise
+    return model, pool, bal
+
+
+__all__ = [
+    "MODEL_LANE",
+    "PHASES",
+    "TRACE_OP",
+    "Clock",
+    "build_model",
+    "forward",
+    "prepared_for_fork",
+]

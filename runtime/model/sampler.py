@@ -1,0 +1,52 @@
+"""Choosing the next token from a row of logits: greedy, or seeded categorical draws."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def sample(
+    logits: np.ndarray,
+    temperature: float,
+    rngs: Sequence[np.random.Generator] | None = None,
+) -> np.ndarray:
+    """Next token per row.
+
+    Arguments:
+        logits: float32 `[m, vocab]`.
+        temperature: 0 -> greedy (argmax; the first maximum on ties); > 0 -> categorical over
+            `softmax(logits / temperature)` (computed in float64).
+        rngs: one generator per row when temperature > 0, made by the caller as
+            `np.random.default_rng([seed, req_id, step])` so a request's draws do not depend on
+            which die or batch it is in.
+
+    Returns:
+        tokens: int64 `[m]`.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature: must be >= 0, got {temperature}")
+    if temperature == 0:
+        return np.argmax(logits, axis=-1).astype(np.int64)
+    if rngs is None or len(rngs) != logits.shape[0]:
+        raise ValueError(f"rngs: expected one generator per row ({logits.shape[0]})")
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max(axis=-1, keepdims=True))
+    cdf = np.cumsum(p, axis=-1)
+    out = np.empty(logits.shape[0], dtype=np.int64)
+    for i, rng in enumerate(rngs):
+        u = rng.random() * cdf[i, -1]
+        out[i] = min(int(np.searchsorted(cdf[i], u, side="right")), logits.shape[1] - 1)
+    return out
+
+
+def sample_rows(logits: np.ndarray, rows: list[dict]) -> list[int]:
+    """One token per sampling row: greedy, or `rng([seed, request, token_index])` categorical
+    (the draw depends on the request and the token's index only, not on batch or step)."""
+    out = np.argmax(logits, axis=-1).tolist() if len(rows) else []
+    for i, r in enumerate(rows):
+        if r["temperature"] > 0:
+            rng = [np.random.default_rng([r["seed"], r["id"], r["index"]])]
+            out[i] = int(sample(logits[i : i + 1], r["temperature"], rng)[0])
+    return out
