@@ -18,15 +18,9 @@ from runtime.argtypes import (
     positive_float,
     positive_int,
 )
-from runtime.decode import (
-    EPLB_MODES,
-    MAX_BATCH,
-    DecodeOptions,
-    pod_config,
-    progress,
-    run_decode,
-)
-from runtime.decode_report import jsonable, print_eplb, print_summary
+from runtime.decode.options import EPLB_MODES, MAX_BATCH, DecodeOptions, progress
+from runtime.decode.report import jsonable, print_eplb, print_summary
+from runtime.decode.run import pod_config, run_decode
 from runtime.model import PRESETS, SCORE_BIASES, ModelConfig
 from runtime.model.expert_balancer import EPLBConfig
 from sched.eplb import POLICIES

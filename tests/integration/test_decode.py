@@ -1,4 +1,4 @@
-"""Distributed decode (runtime/decode.py) against the single-process reference, in real pods.
+"""Distributed decode (runtime/decode/) against the single-process reference, in real pods.
 
 Without quantization the pod must give the reference's tokens and logits bit for bit; with INT8
 dispatch it must equal the INT8 reference bit for bit and stay within a stated tolerance of the
@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 from memory.errors import ConfigError
-from runtime import decode as D
 from runtime.decode import DecodeOptions, run_decode
+from runtime.decode import run as D
 from runtime.model import DictKV, ModelConfig
+from runtime.model.forward import PHASES
 from runtime.model.kv import PagedKV
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,7 +100,7 @@ def test_int8_dispatch_equals_the_int8_reference_and_stays_close_to_float32():
 def test_breakdown_and_wait_share_are_reported():
     s = _run(dies=4, batch=4, prompt_len=5, steps=4, seed=8)
     b = s["breakdown_us_per_step"]
-    assert set(b) == set(D.PHASES)
+    assert set(b) == set(PHASES)
     assert b["attention"] > 0 and b["dispatch"] > 0 and b["combine"] > 0 and b["experts"] > 0
     layers = s["breakdown_us_per_layer"]
     assert [r["moe"] for r in layers] == [False, True, True]

@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from memory.heap import keep_freed_memory
-from runtime.decode import DecodeOptions, progress
+from runtime.decode.options import DecodeOptions, progress
 from runtime.model import ModelConfig
 from runtime.model.forward import PHASES
 from runtime.pod.proc import limit_blas_threads

@@ -13,7 +13,7 @@ What runs where (000 §4.2.2, 001 §4.2):
 - Every die builds the non-expert weights and its own experts from the seed (nothing is shipped),
   keeps its requests' latent KV rows in blocks of its app area (`runtime.model.kv.PagedKV`, block
   tables from `sched.KVManager`, as the serving engine does), and runs the executor's forward
-  step (`runtime.executor.forward`, the same code the serving loop runs). Every MoE layer is a
+  step (`runtime.model.forward.forward`, the same code the serving loop runs). Every MoE layer is a
   pod-wide `comm.dispatch` / `comm.combine` (protocol and quantization selectable). A die with
   no requests still joins every step with an empty batch, so no collective ever waits for a die
   that has nothing to say.
@@ -28,8 +28,8 @@ With INT8 dispatch the pod equals an INT8 `ReferencePod` bit for bit too; agains
 reference its logits differ by the quantization error (reported, with greedy-token agreement).
 
 This is the raw fixed-batch loop: no scheduler, no master, no rings. It is the baseline the
-serving engine is measured against (`xpod bench engine`). The report lives in
-`runtime.decode_report`, the flags in `runtime.decode_args`.
+serving engine is measured against (`xpod bench engine`). The options live in
+`runtime.decode.options`, the report in `runtime.decode.report`, the flags in the CLI.
 
 Observability: every phase of every layer is a record in the die's trace (`op` "model", on its
 own track), from which the per-layer breakdown in the manner of 001 Fig. 20 is computed:
@@ -40,23 +40,29 @@ protocol steps of `comm`, for a Perfetto timeline with one process per die.
 
 from __future__ import annotations
 
-import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 import comm
 from memory.errors import ConfigError, PodError
+from runtime.decode.options import EPLB_MODES, DecodeOptions, progress
+from runtime.decode.report import (
+    check,
+    eplb_compare,
+    eplb_stats,
+    repeats,
+    single_process,
+    summarize,
+)
 from runtime.model import EPLBConfig, ModelConfig, encode, pod_config_for, sample
-from runtime.model.forward import PHASES, Clock, build_model, forward, prepared_for_fork
+from runtime.model.forward import Clock, build_model, forward, prepared_for_fork
 from runtime.pod import Pod
 from runtime.pod.config import PodConfig
 from sched import KVManager
 
-__all__ = ["PHASES", "DecodeOptions", "DecodeSpec", "decode_main", "make_prompts", "run_decode"]
-
-MAX_BATCH = 1 << 20  # --batch: requests of one run
+__all__ = ["DecodeSpec", "decode_main", "make_prompts", "pod_config", "run_decode", "spread"]
 
 CORPUS = (
     "The pod is a set of dies that share one memory fabric. Each die owns a region of high"
@@ -163,35 +169,6 @@ def decode_main(die, spec: DecodeSpec) -> dict:
 # -- the launcher side ----------------------------------------------------------------------------
 
 
-@dataclass
-class DecodeOptions:
-    dies: int = 4
-    batch: int = 8
-    prompt_len: int = 64
-    steps: int = 32
-    model: str = "small"
-    quant: str | None = None
-    combine_dtype: str = "bfloat16"
-    protocol: str = "fused"
-    temperature: float = 0.0
-    seed: int = 0
-    check: bool = False
-    repeat: int = 1  # pod runs (with check: each followed by the one-process baseline)
-    trace: str | None = None
-    json: str | None = None
-    block_size: int = 16
-    timeout_s: float = 120.0
-    overrides: dict = field(default_factory=dict)
-    prompts: list[list[int]] | None = None  # explicit prompts (then batch = len(prompts))
-    pin: str = "auto"
-    wait: str = "auto"
-    eplb: str = "off"  # off | on | compare (both runs, same prompts)
-    eplb_config: EPLBConfig = field(default_factory=EPLBConfig)
-
-
-EPLB_MODES = ("off", "on", "compare")
-
-
 def make_prompts(batch: int, prompt_len: int, seed: int) -> list[list[int]]:
     """`batch` prompts of `prompt_len` tokens (BOS + UTF-8 bytes of the corpus from a seeded
     offset); request r's text depends only on (seed, r)."""
@@ -237,10 +214,6 @@ def pod_config(
     )
 
 
-def progress(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def run_decode(opts: DecodeOptions) -> dict:
     """Launch a pod, decode, optionally check against the reference; return the summary dict."""
     model = ModelConfig.preset(opts.model, **opts.overrides)
@@ -271,8 +244,6 @@ def run_decode(opts: DecodeOptions) -> dict:
     if eplb is not None:
         eplb.check(model, opts.dies)
     per_die, ids = spread(prompts, opts.dies)
-    from runtime.decode_report import check, eplb_compare, eplb_stats, repeats, summarize
-
     if opts.eplb == "compare":
         off = _run(opts, model, per_die, ids, None, keep_logits=True, trace=False)[0][0]
         on = _run(opts, model, per_die, ids, eplb, keep_logits=True, trace=bool(opts.trace))[0][0]
@@ -281,7 +252,6 @@ def run_decode(opts: DecodeOptions) -> dict:
         raise ConfigError("repeat: >= 1, and 1 with --eplb compare (it runs its own pair of pods)")
     between = None
     if opts.check and opts.repeat > 1:
-        from runtime.decode_report import single_process
 
         def between(_):  # after each pod run: the baseline, same prompts, same machine state
             out = single_process(per_die, opts, model)

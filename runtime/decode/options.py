@@ -1,0 +1,42 @@
+"""The options of `xpod decode` (`DecodeOptions`), shared by the run and its report."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from runtime.model import EPLBConfig
+
+MAX_BATCH = 1 << 20  # --batch: requests of one run
+EPLB_MODES = ("off", "on", "compare")
+
+
+@dataclass
+class DecodeOptions:
+    dies: int = 4
+    batch: int = 8
+    prompt_len: int = 64
+    steps: int = 32
+    model: str = "small"
+    quant: str | None = None
+    combine_dtype: str = "bfloat16"
+    protocol: str = "fused"
+    temperature: float = 0.0
+    seed: int = 0
+    check: bool = False
+    repeat: int = 1  # pod runs (with check: each followed by the one-process baseline)
+    trace: str | None = None
+    json: str | None = None
+    block_size: int = 16
+    timeout_s: float = 120.0
+    overrides: dict = field(default_factory=dict)
+    prompts: list[list[int]] | None = None  # explicit prompts (then batch = len(prompts))
+    pin: str = "auto"
+    wait: str = "auto"
+    eplb: str = "off"  # off | on | compare (both runs, same prompts)
+    eplb_config: EPLBConfig = field(default_factory=EPLBConfig)
+
+
+def progress(msg: str) -> None:
+    """A progress line of a decode run (stderr: stdout holds the report)."""
+    print(msg, file=sys.stderr, flush=True)
