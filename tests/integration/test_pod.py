@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ours  # tests/conftest.py, as pytest imported it
 
 import comm
 from memory.alloc import AllocError
@@ -357,7 +358,9 @@ def test_fields_decode_from_the_launcher(pod):
 
 
 def _snapshot():
-    return {e for e in os.listdir(SHM) if e.startswith("xpod.")}, _children()
+    """(this process's xpod segments, its child processes): pods other processes run on the
+    machine meanwhile (another test run, a benchmark) are not ours to count."""
+    return {e for e in os.listdir(SHM) if e.startswith("xpod.") and ours(e)}, _children()
 
 
 def _children():
