@@ -1,5 +1,5 @@
 """`xpod serve`: an OpenAI-compatible HTTP server (the TE-shell of 001 4.1) in front of the
-serving engine (`runtime.serve`).
+serving engine (`runtime.engine`).
 
 ```
 xpod serve --dies 4 --model small --port 8000        # --port 0 picks a free port
@@ -52,6 +52,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from memory.errors import ConfigError
+from runtime.engine import Engine, EngineError
 from runtime.metrics import Metrics
 from runtime.openai_api import (
     APIError,
@@ -62,7 +63,6 @@ from runtime.openai_api import (
     request_id,
 )
 from runtime.pod.proc import batch_scheduling
-from runtime.serve import Engine, EngineError
 from runtime.serve_args import ServerOptions
 
 PROG = "xpod serve"
@@ -97,7 +97,7 @@ class Server:
 
     def _pending(self) -> float:
         """Requests the shell holds because every group is at its limit."""
-        return len(self.engine.pending)
+        return self.engine.num_waiting()
 
     def _inflight(self) -> float:
         """Generation requests whose HTTP handler is running."""
@@ -201,9 +201,9 @@ class Server:
             raise APIError(503, "the server is shutting down", None, "shutting_down")
         body = await self._json(request)
         req = parse(body, self.model)
-        if len(self.engine.pending) >= self.opts.max_queue:
+        if self.engine.num_waiting() >= self.opts.max_queue:
             self.metrics.rejected.labels("overload").inc()
-            raise APIError(503, f"the server is overloaded ({len(self.engine.pending)} requests"
+            raise APIError(503, f"the server is overloaded ({self.engine.num_waiting()} requests"
                            " waiting for a DP group): retry later", None, "overloaded")  # fmt: skip
         req.render["id"] = request_id(kind)
         rid, deltas = self.engine.open_stream(req.tokens, req.params, render=req.render)

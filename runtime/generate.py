@@ -1,4 +1,4 @@
-"""`xpod generate`: offline batch generation with the serving engine (`runtime.serve`).
+"""`xpod generate`: offline batch generation with the serving engine (`runtime.engine`).
 
 ```
 xpod generate --dies 4 --prompts prompts.txt --max-tokens 64
@@ -46,9 +46,9 @@ from runtime.argtypes import (
     positive_float,
     positive_int,
 )
+from runtime.engine import CompletionOutput, Engine, EngineConfig, EngineError, SamplingParams
 from runtime.model import PRESETS, SCORE_BIASES, encode
 from runtime.model.expert_balancer import EPLBConfig
-from runtime.serve import CompletionOutput, Engine, EngineConfig, EngineError, SamplingParams
 from sched.eplb import POLICIES
 
 PROG = "xpod generate"

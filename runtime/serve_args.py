@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from memory.errors import ConfigError
 from runtime.argtypes import int_range, nonneg_int, positive_float, positive_int, size
-from runtime.serve import EngineConfig
+from runtime.engine import EngineConfig
 
 
 @dataclass(frozen=True)

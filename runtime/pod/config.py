@@ -54,7 +54,7 @@ class PodConfig:
             000 §4.2.1: each expert output row is rounded to nearest even once, the token's die
             sums them in float32) or "float32" (rows travel unrounded, twice the bytes).
         serve_slot_bytes: bytes of each slot of the serving command and result rings in every
-            die's region (0: a pod that does not serve; `runtime.serve.Engine` sets it).
+            die's region (0: a pod that does not serve; `runtime.engine.Engine` sets it).
         eplb_layers, eplb_window: expert load balancing (`runtime.model.expert_balancer`): the
             MoE layers whose per-slot load each die records, and the steps its count ring keeps
             (0: off; the decode and serving launchers set them).

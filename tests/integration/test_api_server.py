@@ -38,6 +38,7 @@ import aiohttp
 import openai
 import psutil
 import pytest
+from conftest import ours  # tests/conftest.py, as pytest imported it
 from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.model import EOS, encode
@@ -152,6 +153,12 @@ class ServerProc:
 
 def _segments() -> set[str]:
     return {e for e in os.listdir("/dev/shm") if e.startswith("xpod.")}
+
+
+def _our_segments() -> set[str]:
+    """This test run's xpod segments (its servers' pods once they are gone; not the pods other
+    processes run meanwhile)."""
+    return {e for e in _segments() if ours(e)}
 
 
 def _launcher(ctl: str) -> int:
@@ -715,7 +722,7 @@ def test_a_busy_port_or_a_bad_flag_fails_before_launch():
     busy.bind(("127.0.0.1", 0))
     busy.listen(1)
     port = busy.getsockname()[1]
-    segs = _segments()
+    segs = _our_segments()
     try:
         cases = [("--port", str(port)), ("--port", "70000"), ("--dies", "0"),
                  ("--drain-timeout", "-1"), ("--max-body", "0"), ("--queue-ahead", "-2"),
@@ -729,7 +736,7 @@ def test_a_busy_port_or_a_bad_flag_fails_before_launch():
             assert len(lines) == 1 and flag in lines[0], (args, r.stderr)
     finally:
         busy.close()
-    assert _segments() == segs
+    assert _our_segments() == segs
 
 
 # -- correctness: concurrent streams against the schedule replay -------------------------------
@@ -741,7 +748,7 @@ class InProcessServer:
 
     def __init__(self, **engine_options):
         from runtime.api_server import Server, bind
-        from runtime.serve import Engine, EngineConfig
+        from runtime.engine import Engine, EngineConfig
         from runtime.serve_args import ServerOptions
 
         self.engine = Engine.launch(EngineConfig(**engine_options))
@@ -771,7 +778,7 @@ def test_concurrent_streams_equal_the_schedule_replay(output_procs):
     and 4 x 5 own blocks of 16 at their end, of 16): each response's token ids equal the
     tokens its request sampled in the logged steps, and the replay of those steps through the
     single-process reference is bit-equal."""
-    from runtime.replay import replay
+    from runtime.engine.replay import replay
 
     srv = InProcessServer(dies=2, model="tiny", max_num_seqs=4, max_num_batched_tokens=32,
                           num_blocks=16, log_steps=True, keep_logits=True,

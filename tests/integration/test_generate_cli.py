@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from runtime import cli, generate, serve
+from runtime import cli, engine, generate
 from runtime.model import decode, encode
 from runtime.pod import Pod
 
@@ -46,7 +46,7 @@ def no_launch(monkeypatch):
     def launch(*args, **kwargs):
         raise AssertionError("a pod was launched: the input was not checked before it")
 
-    monkeypatch.setattr(serve.Engine, "launch", launch)
+    monkeypatch.setattr(engine.Engine, "launch", launch)
     monkeypatch.setattr(Pod, "launch", launch)
 
 

@@ -16,10 +16,10 @@ import time
 import pytest
 import zmq
 
-from runtime.master import master_socket
+from runtime.engine import Engine, EngineError
+from runtime.engine.replay import replay
+from runtime.engine.wire import master_socket
 from runtime.model import EOS
-from runtime.replay import replay
-from runtime.serve import Engine, EngineError
 from sched import SamplingParams
 
 TINY = dict(model="tiny", timeout_s=20.0)

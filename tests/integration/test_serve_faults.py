@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.serve import Engine, EngineError
+from runtime.engine import Engine, EngineError
 from sched import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent(
     """
     import json, os, sys, time
     sys.path.insert(0, {root!r})
-    from runtime.serve import Engine
+    from runtime.engine import Engine
     from sched import SamplingParams
 
     mode = sys.argv[1]

@@ -47,18 +47,10 @@ LEGACY: set[str] = {
     "runtime.argtypes",
     "runtime.cli",
     "runtime.decode_args",
-    "runtime.executor",
     "runtime.generate",
-    "runtime.master",
     "runtime.metrics",
     "runtime.openai_api",
-    "runtime.output",
-    "runtime.replay",
-    "runtime.serve",
     "runtime.serve_args",
-    "runtime.servetrace",
-    "runtime.stepring",
-    "runtime.wire",
 }
 # Cycles and private names the layout issue has yet to remove (each entry goes with its fix).
 KNOWN_CYCLES: set[frozenset[str]] = {

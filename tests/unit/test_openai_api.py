@@ -1,4 +1,5 @@
-"""runtime.openai_api (request checks, chat template, Renderer) and runtime.output.OutputHandler.
+"""The OpenAI API: request checks and chat template (runtime.openai_api), rendering
+(runtime.engine.render.Renderer, runtime.engine.output.OutputHandler).
 
 Pure tests, no processes: bad requests (status, param, code), the accepted forms and defaults,
 and property tests of the rendering of byte-token deltas into SSE chunks or a JSON body (UTF-8
@@ -17,18 +18,17 @@ from openai._streaming import SSEDecoder
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from runtime.engine.output import OutputHandler
+from runtime.engine.render import DONE_FRAME, Renderer
 from runtime.model import BOS, EOS, PAD, decode, encode
 from runtime.openai_api import (
-    DONE_FRAME,
     APIError,
     ModelInfo,
-    Renderer,
     chat_prompt,
     parse_chat,
     parse_completion,
     request_id,
 )
-from runtime.output import OutputHandler
 
 MODEL = ModelInfo("xpod-test", max_seq_len=64, vocab_size=300)
 USER = [{"role": "user", "content": "hi"}]

@@ -23,6 +23,8 @@ Kinds (sender -> receiver):
 
 from __future__ import annotations
 
+import os
+
 import msgpack
 import numpy as np
 
@@ -76,3 +78,21 @@ def pack_array(a: np.ndarray) -> list:
 def unpack_array(v: list) -> np.ndarray:
     dtype, shape, raw = v
     return np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape)
+
+
+# -- where the frames go: zmq ipc:// sockets in the pod's owner-only run directory -------------
+
+
+def output_socket(run_dir: str, group: int) -> str:
+    """The PULL socket of `group`'s output process."""
+    return f"ipc://{os.path.join(run_dir, f'o{group}.sock')}"
+
+
+def master_socket(run_dir: str, group: int) -> str:
+    """The PULL socket of `group`'s master."""
+    return f"ipc://{os.path.join(run_dir, f'm{group}.sock')}"
+
+
+def engine_socket(run_dir: str) -> str:
+    """The engine's PULL socket (every master's and output process's messages)."""
+    return f"ipc://{os.path.join(run_dir, 'engine.sock')}"

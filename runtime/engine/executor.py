@@ -34,12 +34,12 @@ from dataclasses import dataclass
 from comm.trace import STEP_NAMES, TRACK_NAMES
 from memory import layout as L
 from memory.errors import PodAborted, ProtocolError
-from runtime import wire
+from runtime.engine import wire
+from runtime.engine.step_ring import Bell, Ring, bell_path
 from runtime.model.config import ModelConfig
 from runtime.model.expert_balancer import EPLBConfig
 from runtime.model.forward import PHASES, Clock, build_model, forward
 from runtime.model.sampler import sample_rows
-from runtime.stepring import Bell, Ring, bell_path
 
 SERVE_LANE = 98  # trace track of the serving loop (vote, park, step)
 SERVE_OP = "serve"

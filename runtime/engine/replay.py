@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime import wire
+from runtime.engine import wire
 from runtime.model import ModelConfig
 from runtime.model.kv import PagedKV
 from runtime.model.reference import ReferencePod

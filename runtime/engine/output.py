@@ -1,6 +1,6 @@
 """Output handling: a request's tokens -> the bytes its HTTP client reads (001 4.1).
 
-`OutputHandler` keeps a `Renderer` (`runtime.openai_api`) per rendered request and turns a
+`OutputHandler` keeps a `Renderer` (`runtime.engine.render`) per rendered request and turns a
 master's `out` message (token deltas and finishes) into the shell's: `data` entries
 `[id, tokens, bytes, final, status]` for rendered requests, token deltas for the others, the
 finishes unchanged (a stop string's finish says "stop"). A stop string found in the tokens ends the
@@ -29,8 +29,9 @@ from dataclasses import dataclass
 
 import zmq
 
-from runtime import wire
-from runtime.openai_api import Renderer
+from runtime.engine import wire
+from runtime.engine.render import Renderer
+from runtime.engine.wire import engine_socket, master_socket, output_socket
 from runtime.pod.proc import batch_scheduling, follow_parent
 
 log = logging.getLogger(__name__)
@@ -85,8 +86,6 @@ class OutputSpec:
 
 def output_main(spec: OutputSpec, engine_pid: int) -> None:
     """Entry of an output process (see the module docstring)."""
-    from runtime.master import engine_socket, master_socket, output_socket
-
     if not follow_parent(engine_pid):  # the engine is already gone
         os._exit(3)
     batch_scheduling()  # woken per token batch, it must not preempt a die mid-step

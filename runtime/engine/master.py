@@ -12,7 +12,7 @@ sends what changed to the engine in one `out` message. When it has work but may 
 it *promises* the die a command (`cmd_promised`), so the die waits for it instead of running a
 dummy step; a promise is always kept (an empty plan if nothing is left).
 
-Requests arrive as typed msgpack frames (`runtime.wire`); a bad one is answered with an
+Requests arrive as typed msgpack frames (`runtime.engine.wire`); a bad one is answered with an
 `error` finish for its id and the loop goes on.
 """
 
@@ -30,10 +30,11 @@ import zmq
 
 from memory import layout as L
 from memory.region import Region, RegionHandle, region_name
-from runtime import wire
+from runtime.engine import wire
+from runtime.engine.step_ring import Bell, Ring, bell_path
+from runtime.engine.wire import engine_socket, master_socket, output_socket
 from runtime.pod.config import PodConfig
 from runtime.pod.proc import batch_scheduling, follow_parent
-from runtime.stepring import Bell, Ring, bell_path
 from sched import KVManager, Request, SamplingParams, Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -81,18 +82,6 @@ class MasterSpec:
     trace: bool = False
     output_proc: bool = False
     stream_interval: int = 1
-
-
-def output_socket(run_dir: str, group: int) -> str:
-    return f"ipc://{os.path.join(run_dir, f'o{group}.sock')}"
-
-
-def master_socket(run_dir: str, group: int) -> str:
-    return f"ipc://{os.path.join(run_dir, f'm{group}.sock')}"
-
-
-def engine_socket(run_dir: str) -> str:
-    return f"ipc://{os.path.join(run_dir, 'engine.sock')}"
 
 
 class Master:

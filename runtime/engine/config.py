@@ -1,0 +1,151 @@
+"""`EngineConfig`: every knob of a serving engine, checked once, and the pod it needs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from comm.quant import COMBINE_DTYPES
+from memory.errors import ConfigError
+from runtime.model import EPLBConfig, ModelConfig, pod_config_for
+from runtime.pod import PodConfig
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every knob of an engine (validated at construction).
+
+    Attributes:
+        dies: DP groups = dies (TP = 1).
+        model: preset name; model_overrides: ModelConfig fields to change.
+        max_num_seqs: batch limit of a group (running + prefilling requests).
+        queue_ahead: requests a group's master may hold waiting beyond its batch limit, so the
+            next one is there the step a slot frees (-1: max_num_seqs; 0: the balancer holds
+            every request a full group cannot run, as 001 §4.3 describes).
+        max_num_batched_tokens: rows a die may run per step (the token budget, = the pod's
+            a2a_max_batch: chunked prefill splits longer prompts).
+        block_size, num_blocks: KV blocks per die (0: enough for max_num_seqs full contexts).
+        async_depth: 2 = plan step n+1 while step n runs; 1 = synchronous.
+        prefix_cache: reuse the KV of prompt prefixes (full blocks).
+        lb_policy: "least_kv" or "round_robin".
+        protocol, quant: the MoE all-to-all ("fused" | "pull", None | "int8").
+        combine_dtype: combine rows in "bfloat16" (the paper's 16 bits) or "float32".
+        gc_every: 0 = automatic GC; N = freeze after warm-up, collect every N steps (001 §4.4).
+        pin: dies and masters pinned to cores: "auto" (when they fit), "on", "off".
+        long_prefill_threshold: most tokens of one request per step (0 = the budget).
+        log_steps: keep every step for the schedule replay (and logits: keep_logits).
+        timeout_s: deadline of every wait in the pod.
+        trace: a file name: record the dies' protocol, model and serving-loop steps and the
+            masters' planning and result spans with their per-step counters, and write one
+            Perfetto timeline there at `close` (master tracks above the dies); "" = no trace.
+        warmup: run one token on every group before `launch` returns (the first step of a die
+            pays for page faults and first-call costs: ~0.2 s on the small model).
+        stream_interval: a streamed request's tokens go out every N tokens (its first one at
+            once, the rest with its finish): vLLM's --stream-interval; fewer messages, chunks
+            and client wake-ups per token (1: every step).
+        output_procs: output shortcutting (001 4.1): one output process per group renders the
+            tokens of rendered requests (`stream(render=...)`: the HTTP server's) and sends the
+            bytes straight to the caller; off: the caller's receiver thread renders them.
+        eplb: expert load balancing while serving (`runtime.model.EPLBConfig`), or None; a
+            window is `every` busy steps of the pod (idle votes do not count).
+    """
+
+    dies: int = 4
+    model: str = "small"
+    model_overrides: dict = field(default_factory=dict)
+    max_num_seqs: int = 8
+    queue_ahead: int = -1
+    max_num_batched_tokens: int = 64
+    block_size: int = 16
+    num_blocks: int = 0
+    async_depth: int = 2
+    prefix_cache: bool = True
+    lb_policy: str = "least_kv"
+    protocol: str = "fused"
+    quant: str | None = None
+    combine_dtype: str = "bfloat16"
+    gc_every: int = 0
+    pin: str = "auto"
+    long_prefill_threshold: int = 0
+    log_steps: bool = False
+    keep_logits: bool = False
+    timeout_s: float = 60.0
+    trace: str = ""
+    warmup: bool = True
+    output_procs: bool = False
+    stream_interval: int = 1
+    eplb: EPLBConfig | None = None
+
+    def __post_init__(self) -> None:
+        m = self.model_config()
+        m.validate(self.dies)
+        if self.eplb is not None:
+            if not isinstance(self.eplb, EPLBConfig):
+                raise ConfigError(f"eplb: expected an EPLBConfig or None, got {self.eplb!r}")
+            self.eplb.check(m, self.dies)
+        if self.queue_ahead == -1:
+            object.__setattr__(self, "queue_ahead", self.max_num_seqs)
+        for name, lo in (
+            ("queue_ahead", 0),
+            ("max_num_seqs", 1),
+            ("max_num_batched_tokens", 1),
+            ("block_size", 1),
+            ("num_blocks", 0),
+            ("gc_every", 0),
+            ("long_prefill_threshold", 0),
+            ("stream_interval", 1),
+        ):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ConfigError(f"{name}: {v!r} must be an int >= {lo}")  # fmt: skip
+        if self.combine_dtype not in COMBINE_DTYPES:
+            raise ConfigError(f"combine_dtype: {self.combine_dtype!r} must be bfloat16 or float32")
+        if self.async_depth not in (1, 2):
+            raise ConfigError(f"async_depth: {self.async_depth!r} must be 1 or 2")
+        if self.lb_policy not in ("least_kv", "round_robin"):
+            raise ConfigError(f"lb_policy: {self.lb_policy!r} must be least_kv or round_robin")
+        if self.pin not in ("auto", "on", "off"):
+            raise ConfigError(f"pin: {self.pin!r} must be auto, on or off")
+        if self.num_blocks and self.num_blocks < self.blocks_per_seq:
+            raise ConfigError(
+                f"num_blocks: {self.num_blocks} blocks cannot hold one full context"
+                f" ({self.blocks_per_seq} blocks of {self.block_size} tokens)"
+            )
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.preset(self.model, **self.model_overrides)
+
+    @property
+    def blocks_per_seq(self) -> int:
+        return math.ceil(self.model_config().max_seq_len / self.block_size)
+
+    @property
+    def blocks(self) -> int:
+        return self.num_blocks or self.max_num_seqs * self.blocks_per_seq
+
+    def pod_config(self) -> PodConfig:
+        m = self.model_config()
+        return pod_config_for(
+            m,
+            self.dies,
+            max_rows=self.max_num_batched_tokens,
+            num_blocks=self.blocks,
+            block_size=self.block_size,
+            quant=self.quant,
+            combine_dtype=self.combine_dtype,
+            eplb=self.eplb,
+            headroom_bytes=4 << 20,
+            trace=bool(self.trace),
+            serve_slot_bytes=self.slot_bytes(m),
+            timeout_s=self.timeout_s,
+            pin=self.pin,
+        )
+
+    def slot_bytes(self, m: ModelConfig) -> int:
+        """A step frame's upper bound: every row's block table and tokens; a result's: sampled
+        tokens and, when kept, their logits."""
+        rows = self.max_num_seqs
+        step = rows * (self.blocks_per_seq * 5 + 96) + self.max_num_batched_tokens * 5
+        result = rows * 32 + (rows * m.vocab_size * 4 if self.keep_logits else 0)
+        need = max(step, result) + 4096
+        return max(64 << 10, -(-need // 4096) * 4096)

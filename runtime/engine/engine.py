@@ -1,0 +1,531 @@
+"""The serving engine: a pod of dies running the executor loop, one master per DP group, and
+the TE-shell role (DP load balancing, request bookkeeping) in the caller's process.
+
+```python
+from runtime.engine import Engine, SamplingParams
+with Engine.launch(dies=4, model="small") as eng:
+    for out in eng.generate(["hello", "the pod"], SamplingParams(max_tokens=32)):
+        print(out.text, out.finish_reason)
+    async for delta in eng.stream("a prompt", SamplingParams(max_tokens=64)):
+        print(delta.text, end="")
+```
+
+Processes (all children of the caller; every one gone after `close`, Ctrl-C, SIGTERM or an
+error): the dies of a `Pod` (one long `pod.run(serve_main)` on a thread of the caller), one
+master process per die (`runtime.engine.master`) and, with output shortcutting, one output
+process per die (`runtime.engine.output`). The caller's process keeps two threads: the pod run
+and a receiver of the masters' messages. Requests go to masters as msgpack frames over zmq
+`ipc://` sockets in the pod's owner-only run directory `/dev/shm/xpod.<pod>.run`; the per-step
+hot path (master <-> die) is the shared-memory step ring (`runtime.engine.step_ring`).
+
+This module starts, watches and stops the processes; the books of the requests (which group,
+tokens, streams, finishes) are `runtime.engine.tracker.RequestTracker`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import zmq
+
+from memory import layout as L
+from memory.errors import PodError
+from runtime.engine import wire
+from runtime.engine.config import EngineConfig
+from runtime.engine.executor import ServeSpec, serve_main
+from runtime.engine.master import MasterSpec, master_main
+from runtime.engine.output import OutputSpec, output_main
+from runtime.engine.step_ring import Bell, bell_path
+from runtime.engine.tracker import (
+    CompletionOutput,
+    Delta,
+    EngineError,
+    RequestTracker,
+    TrackedRequest,
+)
+from runtime.engine.wire import engine_socket, master_socket, output_socket
+from runtime.model import EOS
+from runtime.model.forward import prepared_for_fork
+from runtime.pod import Pod, PodConfig
+from sched import LoadBalancer, SamplingParams
+
+log = logging.getLogger(__name__)
+READY_TIMEOUT_S = 60.0
+CLOSE_TIMEOUT_S = 10.0
+WATCH_EVERY_S = 0.2  # how often the receiver thread checks that every master lives
+
+__all__ = ["Engine"]
+
+
+class Engine:
+    """A running serving engine. Build with `Engine.launch`; use as a context manager."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model = config.model_config()
+        self.pod: Pod | None = None
+        self.run_dir = ""
+        self.masters: list = []
+        self.ctx: zmq.Context | None = None  # made after the masters are forked
+        self.to_master: list = []
+        self.inbox = None
+        limit = config.max_num_seqs + config.queue_ahead
+        balancer = LoadBalancer(config.dies, limit, config.blocks, config.block_size,
+                                config.lb_policy)  # fmt: skip
+        self.tracker = RequestTracker(self.model, config.dies, balancer, self._send,
+                                      config.output_procs)  # fmt: skip
+        self.lock = self.tracker.lock  # also guards the sockets to the masters
+        self.stats: dict[int, dict] = {}
+        self.stats_log: list[dict] = []
+        self.step_log: dict[int, list] = {}
+        self.master_trace: dict[int, dict] = {}
+        self.pod_result: list | None = None
+        self.closing = False
+        self.drained = False  # close() sets it once no master can send anything more
+        self.closed = False
+        self.ready = threading.Semaphore(0)
+        self._threads: list[threading.Thread] = []
+        self.outputs: list = []  # output processes (output_procs)
+        self.to_output: list = []
+        self.rx_loop: asyncio.AbstractEventLoop | None = None  # attach_loop
+        self.rx_watch = None
+        self.rx_handover = False  # the receiver thread hands over to an event loop
+        self.ping_seq = 0
+        self.started_at = time.monotonic()
+        self.pongs: dict[int, tuple[int, float, int]] = {}  # group -> (seq, when, die step)
+
+    # -- launch ---------------------------------------------------------------------------------
+
+    @classmethod
+    def launch(cls, config: EngineConfig | None = None, **options) -> Engine:
+        """Start the pod, the masters and the engine's threads; return when all are ready.
+
+        Arguments: an EngineConfig, or its fields as keyword arguments (ConfigError if bad).
+        """
+        if config is None:
+            config = EngineConfig(**options)
+        elif options:
+            raise TypeError("Engine.launch: pass an EngineConfig or keyword options, not both")
+        eng = cls(config)
+        try:
+            eng._start()
+        except BaseException:
+            eng.close()
+            raise
+        return eng
+
+    def _start(self) -> None:
+        cfg = self.config
+        pcfg = cfg.pod_config()
+        with prepared_for_fork(cfg.model_config()):  # kernels and one copy of the weights
+            self.pod = Pod.launch(pcfg)
+        self.run_dir = f"/dev/shm/xpod.{self.pod.pod_id}.run"
+        os.mkdir(self.run_dir, 0o700)
+        for r in range(cfg.dies):
+            Bell.create(bell_path(self.run_dir, f"d{r}"))
+            Bell.create(bell_path(self.run_dir, f"m{r}"))
+        ctx = mp.get_context("fork")
+        for g in range(cfg.dies if cfg.output_procs else 0):
+            p = ctx.Process(target=output_main, args=(OutputSpec(g, self.run_dir), os.getpid()),
+                            name=f"xpod-{self.pod.pod_id}-output{g}", daemon=True)  # fmt: skip
+            p.start()
+            self.outputs.append(p)
+        cpus = sorted(os.sched_getaffinity(0))
+        pin_masters = cfg.pin == "on" or (cfg.pin == "auto" and 2 * cfg.dies <= len(cpus))
+        for g in range(cfg.dies):
+            spec = self._master_spec(g, pcfg, cpus[(cfg.dies + g) % len(cpus)] if pin_masters
+                                     else -1)  # fmt: skip
+            p = ctx.Process(target=master_main, args=(spec, os.getpid()),
+                            name=f"xpod-{self.pod.pod_id}-master{g}", daemon=True)  # fmt: skip
+            p.start()
+            self.masters.append(p)
+        self.ctx = zmq.Context()  # after the forks: a forked child must not inherit a context
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.bind(engine_socket(self.run_dir))
+        for g in range(cfg.dies):
+            s = self.ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(master_socket(self.run_dir, g))
+            self.to_master.append(s)
+        for g in range(len(self.outputs)):
+            s = self.ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(output_socket(self.run_dir, g))
+            self.to_output.append(s)
+        serve = ServeSpec(self.model, cfg.protocol, cfg.quant, cfg.blocks, cfg.block_size,
+                          self.run_dir, cfg.keep_logits, cfg.gc_every, cfg.eplb)  # fmt: skip
+        self._thread(self._pod_loop, serve, name="xpod-pod-run")
+        self._thread(self._receive, name="xpod-engine-receive")
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for _ in range(cfg.dies):
+            if not self.ready.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise EngineError(f"masters not ready after {READY_TIMEOUT_S:g} s")
+            if self.failure is not None:
+                raise EngineError(f"engine failed while starting: {self.failure}")
+        if cfg.warmup:
+            warm = [self.tracker.track([1], SamplingParams(max_tokens=1), g)
+                    for g in range(cfg.dies)]  # fmt: skip
+            for g, t in enumerate(warm):
+                t.id = -1 - g  # the caller's request ids start at 0
+            self.tracker.ids = itertools.count()
+            self.tracker.enqueue(warm)
+            for t in warm:
+                if not t.done.wait(READY_TIMEOUT_S) or t.reason == "error":
+                    raise EngineError(f"warm-up request failed: {t.error or 'timed out'}")
+
+    def _master_spec(self, g: int, pcfg: PodConfig, cpu: int) -> MasterSpec:
+        cfg, m = self.config, self.model
+        return MasterSpec(
+            group=g, pod_id=self.pod.pod_id, run_dir=self.run_dir, config=pcfg.to_dict(),
+            vocab_size=m.vocab_size, eos_token_id=EOS, num_blocks=cfg.blocks,
+            block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens, max_seq_len=m.max_seq_len,
+            long_prefill_threshold=cfg.long_prefill_threshold, async_depth=cfg.async_depth,
+            prefix_cache=cfg.prefix_cache, log_steps=cfg.log_steps, gc_every=cfg.gc_every,
+            pin_cpu=cpu, trace=bool(cfg.trace), output_proc=cfg.output_procs,
+            stream_interval=cfg.stream_interval,
+        )  # fmt: skip
+
+    def _thread(self, fn, *args, name: str) -> None:
+        t = threading.Thread(target=fn, args=args, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    # -- background threads ---------------------------------------------------------------------
+
+    def _pod_loop(self, serve: ServeSpec) -> None:
+        try:
+            self.pod_result = self.pod.run(serve_main, serve)
+        except BaseException as e:  # noqa: BLE001 - every failure ends the engine, named
+            if not self.closing:
+                self._fail(EngineError(f"the pod failed: {type(e).__name__}: {e}"))
+
+    def _receive(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.inbox, zmq.POLLIN)
+        watched = time.monotonic()
+        while not self.rx_handover:
+            ready = poller.poll(WATCH_EVERY_S * 1000)
+            if time.monotonic() - watched >= WATCH_EVERY_S:
+                watched = time.monotonic()
+                self._watch()
+            if not ready:
+                if self.drained:  # close(): every master is gone and nothing is left to read
+                    return
+                continue
+            self._read_inbox()
+
+    def _read_inbox(self) -> None:
+        while True:
+            try:
+                frame = self.inbox.recv(zmq.NOBLOCK)
+            except (zmq.Again, zmq.ZMQError):
+                return
+            try:
+                self._on_message(*wire.unpack(frame))
+            except Exception as e:  # noqa: BLE001 - a bad frame must not stop the engine
+                log.warning("engine: dropped a message: %s", e)
+
+    # -- an event loop as the receiver ----------------------------------------------------------
+
+    def attach_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the masters' messages on `loop` (call from its thread) instead of the receiver
+        thread: one wake-up per message instead of two (the thread's, then the loop's), and
+        the deltas go to their streams without crossing threads. `detach_loop` gives it back.
+        """
+        if self.rx_loop is not None:
+            return
+        rx = next((t for t in self._threads if t.name == "xpod-engine-receive"), None)
+        self.rx_handover = True
+        if rx is not None:
+            rx.join(2 * WATCH_EVERY_S + 1)
+            self._threads.remove(rx)
+        self.rx_loop = loop
+        loop.add_reader(self.inbox.getsockopt(zmq.FD), self._on_readable)
+        loop.call_soon(self._on_readable)  # what came before the reader was added
+        self.rx_watch = loop.call_later(WATCH_EVERY_S, self._watch_tick)
+
+    def _on_readable(self) -> None:
+        # the zmq FD signals edges: read until the socket says there is nothing left
+        while self.inbox is not None and self.inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._read_inbox()
+
+    def _watch_tick(self) -> None:
+        self._watch()
+        if self.rx_loop is not None:
+            self.rx_watch = self.rx_loop.call_later(WATCH_EVERY_S, self._watch_tick)
+
+    def detach_loop(self) -> None:
+        """Back to the receiver thread (call on the loop's thread, before the loop ends)."""
+        loop = self.rx_loop
+        if loop is None:
+            return
+        loop.remove_reader(self.inbox.getsockopt(zmq.FD))
+        if self.rx_watch is not None:
+            self.rx_watch.cancel()
+        self.rx_loop = self.rx_watch = None
+        self.rx_handover = False
+        self._thread(self._receive, name="xpod-engine-receive")
+
+    def _watch(self) -> None:
+        if self.closing or self.failure is not None:
+            return
+        for g, p in enumerate(self.masters):
+            if p.exitcode is not None:
+                self._fail(EngineError(f"master {g} (pid {p.pid}) exited ({p.exitcode})"))
+                return
+        for g, p in enumerate(self.outputs):
+            if p.exitcode is not None:
+                self._fail(EngineError(f"output process {g} (pid {p.pid}) exited ({p.exitcode})"))
+                return
+
+    def _on_message(self, kind: str, body: dict) -> None:
+        if kind == "ready":
+            self.ready.release()
+        elif kind == "out":
+            self.tracker.on_out(body)
+        elif kind == "stats":
+            self.stats[body["group"]] = body
+            self.stats_log.append(body)
+            if self.observer is not None:
+                self.observer.on_stats(body)
+        elif kind == "pong":
+            self.pongs[body["group"]] = (body["seq"], time.monotonic(), body.get("die_step", 0))
+        elif kind == "log":
+            self.step_log[body["group"]] = body["steps"]
+            self.master_trace[body["group"]] = body.get("trace", {})
+
+    def _send(self, group: int, kind: str, body: dict) -> None:
+        """A message to `group`'s master (caller holds the lock: zmq sockets are not shared
+        between threads)."""
+        self.to_master[group].send(wire.pack(kind, body))
+
+    def _fail(self, err: BaseException) -> None:
+        self.tracker.fail(err)
+        self.ready.release()  # a launch waiting for the masters gives up at once
+
+    # -- requests (the books are the tracker's: runtime.engine.tracker) --------------------------
+
+    def submit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        group: int | None = None,
+    ) -> int:
+        """Queue one request; returns its id. ValueError / TypeError for a bad prompt or params
+        (the engine keeps serving), EngineError if the engine is down. `group` sends it to that
+        DP group, bypassing the balancer (experiments, tests)."""
+        t = self.tracker.track(prompt, params, group)
+        t.keep = True
+        self.tracker.enqueue([t])
+        return t.id
+
+    def abort(self, request_id: int) -> None:
+        """Abort a request (no-op if unknown or finished): it ends with finish reason "abort"."""
+        self.tracker.abort(request_id)
+
+    def result(self, request_id: int, timeout_s: float | None = None) -> CompletionOutput:
+        """Wait for a request submitted with `submit`; TimeoutError after `timeout_s`."""
+        return self.tracker.result(request_id, timeout_s)
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 timeout_s: float | None = None, group: int | None = None,
+                 ) -> list[CompletionOutput]:  # fmt: skip
+        """Run every prompt (a str, or a list of token ids; or a list of them) to completion;
+        outputs in prompt order. One SamplingParams for all, or one per prompt; `group` as for
+        `submit`. TimeoutError after `timeout_s` (the requests go on)."""
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        )
+        prompts = [prompts] if single else list(prompts)
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"params: {len(plist)} for {len(prompts)} prompts")
+        tracked = [self.tracker.track(p, sp, group) for p, sp in zip(prompts, plist, strict=True)]
+        self.tracker.enqueue(tracked)
+        self.tracker.wait_all(tracked, timeout_s)
+        return [t.output() for t in tracked]
+
+    async def stream(self, prompt, params: SamplingParams | None = None, group: int | None = None,
+                     render: dict | None = None) -> AsyncIterator[Delta]:  # fmt: skip
+        """Async generator of `Delta`s of one request, the last with `finish_reason`. Leaving
+        the loop early (break, cancellation) aborts the request.
+
+        `render`: a render spec (`runtime.api.protocol.parse_*`, with its response `id`): the
+        deltas then carry the bytes for an HTTP client (`Delta.data`), rendered by the output
+        processes or by this process's receiver thread; the generator ends after the final
+        bytes (their request may end a step later: a stop string is an abort)."""
+        _, deltas = self.open_stream(prompt, params, group, render)
+        async with contextlib.aclosing(deltas):
+            async for delta in deltas:
+                yield delta
+
+    def open_stream(self, prompt, params: SamplingParams | None = None,
+                    group: int | None = None, render: dict | None = None,
+                    ) -> tuple[int, AsyncIterator[Delta]]:  # fmt: skip
+        """`stream`, with the request queued now (ValueError / TypeError / EngineError raised
+        here): returns (request id, async generator of its Deltas). Call it on the event loop
+        that iterates; closing the generator before the end aborts the request."""
+        t = self.tracker.track(prompt, params, group)
+        t.render = render
+        return t.id, self.tracker.open_stream(t)
+
+    def track_info(self, request_id: int) -> TrackedRequest | None:
+        """The engine's record of a live request (None once finished)."""
+        return self.tracker.info(request_id)
+
+    def num_waiting(self) -> int:
+        """Requests the engine holds because every group is at its limit."""
+        return len(self.tracker.pending)
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the engine is down (None while it serves)."""
+        return self.tracker.failure
+
+    @property
+    def observer(self):
+        """Metrics hooks: `on_tokens(t, n, now)`, `on_finish(t)`, `on_stats(body)` (or None)."""
+        return self.tracker.observer
+
+    @observer.setter
+    def observer(self, obs) -> None:
+        self.tracker.observer = obs
+
+    def die_counters(self) -> dict[int, dict[int, int]]:
+        """Per die, read now from its serving words (the shell launched the pod and maps every
+        region): dummy steps, cumulative attention / MoE wait / forward ns, its step number.
+        Fresh even for a group whose master sleeps ({} once the pod is closed)."""
+        pod = self.pod
+        if pod is None or pod.closed:
+            return {}
+        lo = pod.layout
+        idx = {k: lo.serve_word(w) for k, w in (("dummy_steps", L.SV_DUMMY_STEPS),
+               ("attn_ns", L.SV_ATTN_NS), ("moe_ns", L.SV_MOE_NS), ("step_ns", L.SV_STEP_NS),
+               ("die_step", L.SV_VOTE_STEP))}  # fmt: skip
+        if lo.eplb_layers:
+            idx.update({k: lo.eplb_word(w) for k, w in (
+                ("eplb_balance_ppm", L.EP_BALANCE_PPM), ("eplb_rows", L.EP_ROWS),
+                ("eplb_moved_bytes", L.EP_MOVED_BYTES), ("eplb_move_ns", L.EP_MOVE_NS),
+                ("eplb_switched", L.EP_SWITCHED))})  # fmt: skip
+        out = {}
+        for g in range(self.config.dies):
+            try:
+                words = pod.region(g).words
+                out[g] = {k: int(words[i]) for k, i in idx.items()}
+            except (PodError, IndexError, ValueError, TypeError):
+                return {}
+        return out
+
+    # -- heartbeat ------------------------------------------------------------------------------
+
+    def ping(self) -> int:
+        """Send a heartbeat through every master's loop and its die's step loop; returns its
+        sequence number. A group answers (`pongs[g]`) once its die echoed it."""
+        with self.lock:
+            self.tracker.check_up()
+            self.ping_seq += 1
+            for s in self.to_master:
+                s.send(wire.pack("ping", {"seq": self.ping_seq}))
+            return self.ping_seq
+
+    def health(self, timeout_s: float) -> dict:
+        """Per group: seconds since its last heartbeat answer, and whether that is within
+        `timeout_s` (a group that never answered counts from the engine's start)."""
+        now = time.monotonic()
+        groups = {}
+        for g in range(self.config.dies):
+            seq, when, step = self.pongs.get(g, (0, self.started_at, 0))
+            age = now - when
+            groups[g] = {"age_s": round(age, 3), "ok": age <= timeout_s, "seq": seq,
+                         "die_step": step}  # fmt: skip
+        up = self.failure is None and not self.closing and not self.closed
+        return {"ok": up and all(v["ok"] for v in groups.values()), "up": up, "groups": groups,
+                "error": str(self.failure) if self.failure else ""}  # fmt: skip
+
+    # -- teardown -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Abort what is left, stop masters and dies, remove every segment, socket and file."""
+        if self.closed:
+            return
+        self.closing = True
+        with self.lock, contextlib.suppress(zmq.ZMQError):
+            self.tracker.accepting = False
+            for s in self.to_master:
+                s.send(wire.pack("shutdown"), zmq.NOBLOCK)
+        # After a failure the masters and dies may wait for each other: do not wait for long.
+        deadline = time.monotonic() + (CLOSE_TIMEOUT_S if self.failure is None else 0.5)
+        for p in self.masters:
+            p.join(max(0.1, deadline - time.monotonic()))
+        pod_run = next((t for t in self._threads if t.name == "xpod-pod-run"), None)
+        if pod_run is not None:
+            pod_run.join(max(0.1, deadline - time.monotonic()))
+            if pod_run.is_alive() and self.pod is not None:
+                # The dies did not all get their stop: abort their loop (parked dies see it
+                # within PARK_POLL_S), so the pod run ends before the pod is closed from here.
+                self.pod.abort()
+                pod_run.join(CLOSE_TIMEOUT_S / 2)
+        for p in self.masters:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        with contextlib.suppress(zmq.ZMQError):  # they end at their master's eof, or now
+            for s in self.to_output:
+                s.send(wire.pack("shutdown"), zmq.NOBLOCK)
+        for p in self.outputs:
+            p.join(max(0.1, min(2.0, deadline - time.monotonic())))
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        self.drained = True  # the receiver reads what the masters sent last (final stats, logs)
+        for t in self._threads:
+            if t is not threading.current_thread() and t.name == "xpod-engine-receive":
+                t.join(2)
+        self._fail(EngineError("the engine is closed"))
+        if self.config.trace and self.pod is not None and not self.pod.closed:
+            self._write_trace(pod_run)
+        if self.pod is not None:
+            self.pod.close(fast=True)
+        self.closed = True
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(2)
+        for s in [*self.to_master, *self.to_output, self.inbox]:
+            if s is not None:
+                s.close(linger=0)
+        self.to_master, self.to_output, self.inbox = [], [], None
+        if self.ctx is not None:
+            self.ctx.term()
+        if self.run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _write_trace(self, pod_run) -> None:
+        """Dies' records (the serving loop has ended) and masters' spans: one timeline."""
+        from runtime.engine.trace import write_serving_trace
+
+        if pod_run is not None and pod_run.is_alive():
+            log.warning("engine: the pod did not stop; no trace written")
+            return
+        try:
+            dies = self.pod.trace_records()
+        except PodError as e:
+            log.warning("engine: no trace: %s", e)
+            return
+        n = write_serving_trace(self.config.trace, dies, self.master_trace)
+        log.info("engine: wrote %d trace events to %s", n, self.config.trace)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

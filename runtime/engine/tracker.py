@@ -1,0 +1,396 @@
+"""The engine's books of its requests (the TE-shell role of 001 §4.3; vLLM's OutputProcessor):
+what each request asked for, which DP group runs it, its tokens so far, who listens to it; every
+finish and failure delivered to each listener once.
+
+No processes, no sockets: the engine (`runtime.engine.engine`) gives it `send(group, kind,
+body)` to reach the masters and feeds it their `out` messages. Every request goes to one group,
+once, chosen by `sched.LoadBalancer` (skip groups at their batch limit, then the least KV usage
+counting the space reserved for every in-flight request; `round_robin` for comparison); when
+every group is full it waits here (`pending`).
+
+Threads: the caller's threads submit and abort, the engine's receiver (a thread, or an event
+loop: `Engine.attach_loop`) delivers; one lock guards the books. Deltas for a stream are queued
+per event loop and handed over with one wake-up per loop (`deliver`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from memory.errors import PodError
+from runtime.engine.output import OutputHandler
+from runtime.engine.render import Renderer
+from runtime.model import ModelConfig, decode, encode
+from sched import LoadBalancer, SamplingParams
+
+Send = Callable[[int, str, dict], None]  # (group, message kind, body) to that group's master
+
+
+class EngineError(PodError):
+    """The engine failed (a die or a master died, or it was closed); pending requests end with
+    finish reason "error"."""
+
+
+@dataclass
+class CompletionOutput:
+    """A finished request."""
+
+    request_id: int
+    prompt: str | list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    error: str = ""
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    group: int = -1
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+
+    @property
+    def tpot_s(self) -> float:
+        n = len(self.token_ids)
+        return (self.e2e_s - self.ttft_s) / (n - 1) if n > 1 else 0.0
+
+
+@dataclass
+class Delta:
+    """New tokens of a streamed request (`finish_reason` set on the last one). A rendered
+    request's deltas carry `data` instead: the bytes for its client, `n_tokens` tokens' worth,
+    `final` on its last bytes (which may come before the Delta with the finish reason)."""
+
+    request_id: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    error: str = ""
+    data: bytes = b""
+    n_tokens: int = 0
+    final: bool = False
+    status: int = 200  # of a rendered response: 500 if the engine failed it, 503 if down
+
+
+class TrackedRequest:
+    """The engine's view of one request (times are `time.monotonic()` seconds)."""
+
+    def __init__(self, rid: int, prompt, tokens: list[int], params: SamplingParams):
+        self.id, self.prompt, self.tokens, self.params = rid, prompt, tokens, params
+        self.out: list[int] = []
+        self.group = -1
+        self.t0 = time.monotonic()
+        self.t_first = 0.0
+        self.t_done = 0.0
+        self.reason: str | None = None
+        self.error = ""
+        self.n_cached = 0
+        self.done = threading.Event()
+        self.listeners: list = []  # (loop, asyncio.Queue) of streams
+        self.keep = False  # submit(): keep it after it finished, for result()
+        self.pin: int | None = None  # a DP group chosen by the caller
+        self.render: dict | None = None  # rendered for an HTTP client (runtime.engine.render)
+        self.n_out = 0  # tokens generated (rendered: counted up to a stop string)
+        self.t_sched = 0.0  # first planned (from the master)
+        self.t_last = 0.0  # the last tokens arrived
+        self.final = False  # a rendered request's last bytes went out
+
+    @property
+    def streamed(self) -> bool:
+        """Does the master send tokens every step (else all of them with the finish)?"""
+        if not self.listeners:
+            return False
+        r = self.render
+        return r is None or bool(r.get("stream") or r.get("stop"))
+
+    def output(self) -> CompletionOutput:
+        return CompletionOutput(
+            self.id, self.prompt, list(self.out), decode(self.out), self.reason or "error",
+            self.error, len(self.tokens), self.n_cached, self.group,
+            (self.t_first - self.t0) if self.t_first else 0.0, self.t_done - self.t0,
+        )  # fmt: skip
+
+
+class RequestTracker:
+    """Every live request of an engine of `num_groups` DP groups (see the module docstring).
+
+    Arguments:
+        model: the served model (prompt checks: vocabulary, context).
+        balancer: the DP load balancer.
+        send: `send(group, kind, body)`: a message to that group's master.
+        output_procs: the groups' output processes render (else `render` here does).
+    """
+
+    def __init__(self, model: ModelConfig, num_groups: int, balancer: LoadBalancer, send: Send,
+                 output_procs: bool = False):  # fmt: skip
+        self.model, self.num_groups, self.lb, self.send = model, num_groups, balancer, send
+        self.output_procs = output_procs
+        self.lock = threading.Lock()
+        self.reqs: dict[int, TrackedRequest] = {}
+        self.finished: dict[int, TrackedRequest] = {}  # of `submit`, until `result` takes them
+        self.pending: deque[TrackedRequest] = deque()
+        self.ids = itertools.count()
+        self.render = OutputHandler()  # renders in this process when output_procs is off
+        self.observer = None  # metrics: on_tokens(t, n, now), on_finish(t), on_stats(body)
+        self.notes: dict = {}
+        self.failure: BaseException | None = None
+        self.accepting = True
+
+    # -- intake ---------------------------------------------------------------------------------
+
+    def track(self, prompt, params: SamplingParams | None, group: int | None = None,
+              ) -> TrackedRequest:  # fmt: skip
+        """A checked, not yet queued request (ValueError / TypeError for a bad one)."""
+        if group is not None and (
+            isinstance(group, bool)
+            or not isinstance(group, int)
+            or not 0 <= group < self.num_groups
+        ):
+            raise ValueError(f"group {group!r} must be a DP group in [0, {self.num_groups})")
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.validate(self.model.vocab_size)
+        tokens = self._tokens_of(prompt)
+        limit = self.model.max_seq_len
+        if len(tokens) + params.max_tokens > limit:
+            raise ValueError(
+                f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds the"
+                f" context of {limit} tokens"
+            )
+        t = TrackedRequest(next(self.ids), prompt, tokens, params)
+        t.pin = group
+        return t
+
+    def _tokens_of(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: empty (give at least one character)")
+            tokens = encode(prompt)
+        elif isinstance(prompt, list | tuple) and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in prompt
+        ):
+            tokens = list(prompt)
+        else:
+            raise TypeError("prompt must be a str or a list of token ids")
+        if not tokens:
+            raise ValueError("prompt: empty (give at least one token)")
+        bad = [x for x in tokens if not 0 <= x < self.model.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt: token ids must be in [0, {self.model.vocab_size}), got {bad[:3]}"
+            )
+        return tokens
+
+    def enqueue(self, tracked: list[TrackedRequest]) -> None:
+        """Accept the requests (EngineError if the engine is down or closed) and send what fits."""
+        with self.lock:
+            self.check_up()
+            for t in tracked:
+                self.reqs[t.id] = t
+                self.pending.append(t)
+            self.dispatch_pending()
+
+    def check_up(self) -> None:
+        if self.failure is not None:
+            raise EngineError(f"the engine is down: {self.failure}")
+        if not self.accepting:
+            raise EngineError("the engine is closed")
+
+    def dispatch_pending(self) -> None:
+        """Send waiting requests to groups while the balancer finds room (caller holds lock)."""
+        while self.pending:
+            t = self.pending[0]
+            g = t.pin if t.pin is not None else self.lb.pick(len(t.tokens), t.params.max_tokens)
+            if g is None:
+                return
+            self.pending.popleft()
+            self.lb.on_dispatch(g, t.id, len(t.tokens), t.params.max_tokens)
+            t.group = g
+            p = t.params
+            body = {"id": t.id, "prompt": t.tokens, "stream": t.streamed,
+                    "params": {"max_tokens": p.max_tokens, "temperature": p.temperature,
+                               "seed": p.seed, "stop_token_ids": list(p.stop_token_ids),
+                               "ignore_eos": p.ignore_eos}}  # fmt: skip
+            if t.render is not None:
+                if self.output_procs:
+                    body["render"] = t.render
+                else:
+                    self.render.open(t.id, t.render, len(t.tokens))
+            self.send(g, "add", body)
+
+    def abort(self, request_id: int) -> None:
+        """End a request with finish reason "abort" (no-op if unknown or finished)."""
+        with self.lock:
+            t = self.reqs.get(request_id)
+            if t is None:
+                return
+            if t in self.pending:
+                self.pending.remove(t)
+                self.reqs.pop(request_id, None)
+                self._end(t, "abort", "", time.monotonic())
+                self.deliver()
+                if t.keep:
+                    self.finished[t.id] = t
+                return
+            self.send(t.group, "abort", {"id": request_id})
+
+    def result(self, request_id: int, timeout_s: float | None = None) -> CompletionOutput:
+        """Wait for a request kept for `result` (`keep`); TimeoutError after `timeout_s`."""
+        with self.lock:
+            t = self.reqs.get(request_id) or self.finished.get(request_id)
+        if t is None:
+            raise KeyError(f"unknown request id {request_id}")
+        if not t.done.wait(timeout_s):
+            raise TimeoutError(f"request {request_id}: not finished after {timeout_s} s")
+        with self.lock:
+            self.finished.pop(request_id, None)
+        return t.output()
+
+    def wait_all(self, tracked: list[TrackedRequest], timeout_s: float | None) -> None:
+        """Until every request finished; TimeoutError after `timeout_s` (they go on)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for t in tracked:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not t.done.wait(left):
+                raise TimeoutError(f"generate: not finished after {timeout_s} s")
+
+    def open_stream(self, t: TrackedRequest) -> AsyncIterator[Delta]:
+        """Queue `t` with a stream on the running event loop; its Deltas, in order."""
+        q: asyncio.Queue = asyncio.Queue()
+        t.listeners.append((asyncio.get_running_loop(), q))
+        self.enqueue([t])
+        return self._deltas(t, q)
+
+    async def _deltas(self, t: TrackedRequest, q: asyncio.Queue) -> AsyncIterator[Delta]:
+        try:
+            while True:
+                delta = await q.get()
+                yield delta
+                if delta.finish_reason is not None or delta.final:
+                    return
+        finally:
+            if not t.done.is_set() and not t.final:
+                self.abort(t.id)
+
+    def info(self, request_id: int) -> TrackedRequest | None:
+        with self.lock:
+            return self.reqs.get(request_id)
+
+    # -- from the masters -----------------------------------------------------------------------
+
+    def on_out(self, body: dict) -> None:
+        """A master's (or output process's) `out` message: tokens, rendered bytes, finishes."""
+        now = time.monotonic()
+        with self.lock:
+            if "data" not in body:  # from a master: render here what is rendered
+                body, stops = self.render.process(body)
+                for rid in stops:
+                    t = self.reqs.get(rid)
+                    if t is not None and t.group >= 0:
+                        self.send(t.group, "abort", {"id": rid})
+            for rid, toks in body["deltas"]:
+                t = self.reqs.get(rid)
+                if t is None:
+                    continue
+                self._tokens(t, len(toks), now)
+                t.out.extend(toks)
+                self._notify(t, Delta(rid, list(toks), decode(toks)))
+            for rid, n, data, final, status in body["data"]:
+                t = self.reqs.get(rid)
+                if t is None:
+                    continue
+                self._tokens(t, n, now)
+                t.final = t.final or final
+                self._notify(t, Delta(rid, [], "", data=data, n_tokens=n, final=final,
+                                      status=status))  # fmt: skip
+            for rec in body["done"]:
+                self._done(rec, now)
+            self.dispatch_pending()
+            self.deliver()
+
+    def _done(self, rec: list, now: float) -> None:
+        rid, reason, _n_prompt, n_cached, error, first = rec[:6]
+        t = self.reqs.pop(rid, None)
+        if t is None:
+            return
+        if first and not t.streamed:  # the master sent the tokens with the finish
+            t.t_first = first
+        if len(rec) > 6:
+            t.t_sched = rec[6]
+        self.lb.on_finish(rid)
+        self._end(t, reason, error, now, n_cached)
+        if t.keep:
+            self.finished[rid] = t
+
+    def fail(self, err: BaseException) -> None:
+        """The engine is down: every request not finished ends with finish reason "error"."""
+        with self.lock:
+            if self.failure is None:
+                self.failure = err
+            now = time.monotonic()
+            for t in list(self.reqs.values()) + list(self.pending):
+                if not t.done.is_set():
+                    self._end(t, "error", str(err), now)
+                if t.keep:
+                    self.finished[t.id] = t
+            self.reqs.clear()
+            self.pending.clear()
+            self.deliver()
+
+    def _tokens(self, t: TrackedRequest, n: int, now: float) -> None:
+        if n and not t.t_first:
+            t.t_first = now
+        if n and self.observer is not None and t.streamed:
+            self.observer.on_tokens(t, n, now)
+        t.n_out += n
+        if n:
+            t.t_last = now
+
+    def _end(self, t: TrackedRequest, reason: str, error: str, now: float, n_cached: int = 0,
+             ) -> None:  # fmt: skip
+        t.reason, t.error, t.t_done, t.n_cached = reason, error, now, n_cached
+        if t.render is not None and not t.final:  # the engine ended it (error, abort, close)
+            self.render.renderers.pop(t.id, None)
+            data = Renderer(t.render, len(t.tokens)).finish(reason, error)
+            t.final = True
+            status = 503 if self.failure is not None else (500 if error else 200)
+            self._notify(t, Delta(t.id, [], "", data=data, final=True, status=status))
+        self._notify(t, Delta(t.id, [], "", reason, error))
+        t.done.set()
+        if self.observer is not None and t.id >= 0:
+            self.observer.on_finish(t)
+
+    def _notify(self, t: TrackedRequest, delta: Delta) -> None:
+        """Queue a delta for the request's streams (caller holds the lock; `deliver` sends)."""
+        for loop, q in t.listeners:
+            self.notes.setdefault(loop, []).append((q, delta))
+
+    def deliver(self) -> None:
+        """Hand the queued deltas to their event loops: one wake-up per loop, not per delta
+        (none for the loop this runs on: `Engine.attach_loop`). Caller holds the lock."""
+        notes, self.notes = self.notes, {}
+        here = _running_loop()
+        for loop, items in notes.items():
+            if loop is here:
+                _put_all(items)
+                continue
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody listens
+                loop.call_soon_threadsafe(_put_all, items)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _put_all(items: list) -> None:
+    for q, delta in items:
+        q.put_nowait(delta)
