@@ -1564,7 +1564,7 @@ class LaunchedServer:
 def set_policy(policy: int | dict[int, int]) -> dict[int, int]:
     """Every thread of this process to `policy` (one for all, or by thread id: SCHED_OTHER for
     the others); returns the policies they had. SCHED_BATCH: the client shares the 2 cores with
-    the lockstep dies, like the shell (`runtime.api_server`); threads made later inherit it."""
+    the lockstep dies, like the shell (`runtime.api.server`); threads made later inherit it."""
     old = {}
     for tid in map(int, os.listdir("/proc/self/task")):
         with contextlib.suppress(OSError, AttributeError, ValueError):

@@ -209,11 +209,11 @@ def cmd_serve(args: argparse.Namespace) -> Job:
 
     opts = serve_args.parse_options(args)  # flags and the EngineConfig, all checked
     try:
-        from runtime import api_server
+        from runtime.api import server
     except ImportError as e:
         raise ConfigError(f"xpod serve needs the serve extra ({e.name} is missing):"
                           " pip install -e '.[serve]'") from None  # fmt: skip
-    return lambda: api_server.run(opts)
+    return lambda: server.run(opts)
 
 
 def cmd_bench(args: argparse.Namespace) -> Job:

@@ -1,55 +1,14 @@
-"""`xpod serve`'s flags and their checked options (`ServerOptions`). Kept apart from
-`runtime.api_server` so that building the `xpod` parser does not import aiohttp (the `serve`
+"""`xpod serve`'s flags, checked into `runtime.api.options.ServerOptions`. Kept apart from
+`runtime.api.server` so that building the `xpod` parser does not import aiohttp (the `serve`
 extra): every other command works without it, and `xpod serve` says how to install it."""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 
 from memory.errors import ConfigError
+from runtime.api.options import ServerOptions
 from runtime.argtypes import int_range, nonneg_int, positive_float, positive_int, size
-from runtime.engine import EngineConfig
-
-
-@dataclass(frozen=True)
-class ServerOptions:
-    """A checked `xpod serve` run.
-
-    Attributes:
-        engine: the EngineConfig (valid, its PodConfig too).
-        host, port: where to listen (port 0: a free one, printed).
-        model_name: the model id clients name (`xpod-<preset>` by default).
-        max_queue: requests the shell may hold while every group is full; past it: 503.
-        drain_timeout_s: on SIGTERM / Ctrl-C, how long in-flight requests may run on.
-        health_timeout_s: a group that has not answered a heartbeat for this long is unhealthy.
-        max_body_bytes: larger request bodies get 413.
-        access_log: log every HTTP request on stderr.
-        shell_batch: run the shell's threads as SCHED_BATCH (`runtime.pod.proc.batch_scheduling`).
-        loop_receiver: the event loop reads the masters' messages (`Engine.attach_loop`), not
-            the engine's receiver thread.
-    """
-
-    engine: EngineConfig
-    host: str = "127.0.0.1"
-    port: int = 8000
-    model_name: str = ""
-    max_queue: int = 1024
-    drain_timeout_s: float = 30.0
-    health_timeout_s: float = 5.0
-    max_body_bytes: int = 1 << 20
-    access_log: bool = False
-    shell_batch: bool = True
-    loop_receiver: bool = True
-
-    @property
-    def served_name(self) -> str:
-        return self.model_name or f"xpod-{self.engine.model}"
-
-    @property
-    def heartbeat_s(self) -> float:
-        return min(1.0, self.health_timeout_s / 4)
-
 
 # -- command line ------------------------------------------------------------------------------
 

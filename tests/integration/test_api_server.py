@@ -747,9 +747,9 @@ class InProcessServer:
     thread's event loop."""
 
     def __init__(self, **engine_options):
-        from runtime.api_server import Server, bind
+        from runtime.api.options import ServerOptions
+        from runtime.api.server import Server, bind
         from runtime.engine import Engine, EngineConfig
-        from runtime.serve_args import ServerOptions
 
         self.engine = Engine.launch(EngineConfig(**engine_options))
         self.server = Server(self.engine, ServerOptions(self.engine.config, port=0))

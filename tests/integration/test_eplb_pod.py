@@ -249,9 +249,9 @@ def test_serving_with_eplb_equals_a_replay_of_schedule_and_maps():
     agree on the maps; /metrics shows the balancedness and the moves."""
     from prometheus_client import generate_latest
 
+    from runtime.api.metrics import Metrics
     from runtime.engine import Engine
     from runtime.engine.replay import replay
-    from runtime.metrics import Metrics
     from sched import SamplingParams
 
     prompts = [f"request {i}: " + "abc" * (i % 5) for i in range(12)]

@@ -1,5 +1,5 @@
-"""runtime.metrics.Metrics over a fake engine: the attention-imbalance join of the masters' stats,
-the request observer, and the Prometheus exposition (parsed with prometheus_client's parser).
+"""runtime.api.metrics.Metrics over a fake engine: the attention-imbalance join of the masters'
+stats, the request observer, and the Prometheus exposition (parsed with prometheus_client's parser).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.metrics import IMBALANCE_BUCKETS, MAX_OPEN_STEPS, Metrics
+from runtime.api.metrics import IMBALANCE_BUCKETS, MAX_OPEN_STEPS, Metrics
 
 MS = 1_000_000  # ns
 

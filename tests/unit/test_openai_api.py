@@ -1,4 +1,4 @@
-"""The OpenAI API: request checks and chat template (runtime.openai_api), rendering
+"""The OpenAI API: request checks and chat template (runtime.api.protocol), rendering
 (runtime.engine.render.Renderer, runtime.engine.output.OutputHandler).
 
 Pure tests, no processes: bad requests (status, param, code), the accepted forms and defaults,
@@ -18,10 +18,7 @@ from openai._streaming import SSEDecoder
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from runtime.engine.output import OutputHandler
-from runtime.engine.render import DONE_FRAME, Renderer
-from runtime.model import BOS, EOS, PAD, decode, encode
-from runtime.openai_api import (
+from runtime.api.protocol import (
     APIError,
     ModelInfo,
     chat_prompt,
@@ -29,6 +26,9 @@ from runtime.openai_api import (
     parse_completion,
     request_id,
 )
+from runtime.engine.output import OutputHandler
+from runtime.engine.render import DONE_FRAME, Renderer
+from runtime.model import BOS, EOS, PAD, decode, encode
 
 MODEL = ModelInfo("xpod-test", max_seq_len=64, vocab_size=300)
 USER = [{"role": "user", "content": "hi"}]

@@ -1,5 +1,5 @@
 """The OpenAI API as xpod speaks it: request checks and the chat template. Pure code: no sockets,
-no engine (the HTTP server is `runtime.api_server`; the responses are rendered by
+no engine (the HTTP server is `runtime.api.server`; the responses are rendered by
 `runtime.engine.render`, in the engine's output processes).
 
 Endpoints (`POST`, JSON body): `/v1/completions` and `/v1/chat/completions`. Every check

@@ -14,9 +14,9 @@ thread, the pod launcher), one master per DP group, one output process per group
 | route | what |
 | --- | --- |
 | `GET /v1/models`, `/v1/models/{id}` | the served model (`xpod-<preset>`) |
-| `POST /v1/completions`, `/v1/chat/completions` | `runtime.openai_api` (fields, chat template) |
+| `POST /v1/completions`, `/v1/chat/completions` | `runtime.api.protocol` (fields, chat template) |
 | `GET /health` | 200 while every group answers heartbeats; else 503 (see below) |
-| `GET /metrics` | Prometheus text (`runtime.metrics`); `?name[]=...` picks samples |
+| `GET /metrics` | Prometheus text (`runtime.api.metrics`); `?name[]=...` picks samples |
 
 Admission: a request goes to the engine, whose balancer sends it to a group or holds it while
 every group is at its limit; past `--max-queue` held requests the answer is 503 with
@@ -52,18 +52,18 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from memory.errors import ConfigError
-from runtime.engine import Engine, EngineError
-from runtime.metrics import Metrics
-from runtime.openai_api import (
+from runtime.api.metrics import Metrics
+from runtime.api.options import ServerOptions
+from runtime.api.protocol import (
     APIError,
     ModelInfo,
-    error_body,
     parse_chat,
     parse_completion,
     request_id,
 )
+from runtime.engine import Engine, EngineError
+from runtime.engine.render import error_body
 from runtime.pod.proc import batch_scheduling
-from runtime.serve_args import ServerOptions
 
 PROG = "xpod serve"
 log = logging.getLogger("xpod.serve")
