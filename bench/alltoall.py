@@ -49,16 +49,16 @@ from comm.quant import COMBINE_DTYPES, combine_dtype
 from comm.routing import Placement, get_dedup_layout, get_dispatch_layout
 from memory.errors import ConfigError
 from runtime import Pod, PodConfig
-from runtime.argtypes import (
+from runtime.cli.argtypes import (
     choice_list,
     input_file,
     int_list,
-    load_config,
     nonneg_int,
     output_file,
     positive_float,
     positive_int,
 )
+from runtime.cli.flags import load_config
 
 DEFAULT_BATCHES = "1,8,16,32,64,128"
 QUICK_BATCHES = "1,16,128"

@@ -17,7 +17,10 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from runtime.argtypes import fmt_size, parse_size  # re-exported: bench code imports them from here
+from runtime.cli.argtypes import (  # re-exported: bench code imports them from here
+    fmt_size,
+    parse_size,
+)
 
 _GIT_SHA: str | None = None
 

@@ -37,7 +37,7 @@ import numpy as np
 import psutil
 
 from bench.common import progress, run_info
-from runtime.argtypes import nonneg_int, output_file, positive_float, positive_int
+from runtime.cli.argtypes import nonneg_int, output_file, positive_float, positive_int
 from runtime.decode import DecodeOptions, make_prompts, run_decode
 from runtime.engine import Engine, EngineConfig
 from runtime.engine.replay import replay

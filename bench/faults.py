@@ -45,7 +45,7 @@ import numpy as np
 import comm
 from bench.common import print_table, progress, run_info, write_jsonl
 from runtime import DieCrashed, DieHung, Pod, PodConfig
-from runtime.argtypes import choice_list, output_file, positive_float, positive_int
+from runtime.cli.argtypes import choice_list, output_file, positive_float, positive_int
 
 PHASES = ("idle", "p2p", "dispatch", "combine", "decode")
 DIE_KINDS = [f"die-{s}-{p}" for s in ("kill", "stop") for p in PHASES]

@@ -19,17 +19,17 @@ import comm
 from bench import common
 from bench.common import parse_sizes
 from runtime import Pod, PodConfig
-from runtime.argtypes import (
+from runtime.cli.argtypes import (
     choice_list,
     input_file,
     int_list,
     int_range,
-    load_config,
     output_file,
     positive_float,
     positive_int,
     size_list,
 )
+from runtime.cli.flags import load_config
 
 DEFAULT_SIZES = "8,64,512,4K,32K,256K,1M,8M,64M"
 QUICK_SIZES = "8,4K,64K,1M,8M"

@@ -28,7 +28,7 @@ from comm.alltoall import _weighted_sum
 from comm.quant import BF16, quantize_int8
 from comm.routing import Placement, get_dispatch_layout
 from memory.layout import PULL_ROW_META
-from runtime.argtypes import nonneg_int, output_file, positive_int
+from runtime.cli.argtypes import nonneg_int, output_file, positive_int
 
 
 @dataclasses.dataclass(frozen=True)

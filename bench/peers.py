@@ -874,7 +874,7 @@ def _zmq_phase(a2a: _ZmqAllToAll, rank: int, send_b, recv_b, phase: int) -> tupl
 
 if __name__ == "__main__":
     from bench.common import print_table
-    from runtime.argtypes import Parser, choice_list, positive_float, size_list
+    from runtime.cli.argtypes import Parser, choice_list, positive_float, size_list
 
     parser = Parser(prog="python -m bench.peers", description="peer baselines of xpod bench p2p")
     parser.add_argument(

@@ -16,8 +16,9 @@ import numpy as np
 import comm
 from bench import common
 from runtime import Pod, PodConfig
-from runtime.argtypes import input_file, int_list, load_config, output_file, positive_int
-from runtime.argtypes import size as size_arg
+from runtime.cli.argtypes import input_file, int_list, output_file, positive_int
+from runtime.cli.argtypes import size as size_arg
+from runtime.cli.flags import load_config
 
 COLUMNS = [
     ("dies", "dies", "d"),

@@ -89,7 +89,7 @@ import psutil
 
 from bench.common import print_table, progress, run_info
 from memory.errors import ConfigError
-from runtime.argtypes import (
+from runtime.cli.argtypes import (
     Parser,
     float_range,
     input_file,
@@ -655,7 +655,7 @@ class _ServerArgsParser(Parser):
 
 def check_server_args(argv: tuple[str, ...]):
     """The EngineConfig `xpod serve --port 0 <argv>` would run; ConfigError naming --server-args."""
-    from runtime import serve_args
+    from runtime.cli import serve as serve_args
 
     p = _ServerArgsParser(prog="xpod serve")
     serve_args.add_args(p)

@@ -1,4 +1,4 @@
-"""`xpod generate` (runtime/generate.py) run in-process through `runtime.cli.main`.
+"""`xpod generate` (runtime/cli/generate.py) run in-process through `runtime.cli.main`.
 
 The runs start real pods (2 dies, tiny model, a few tokens per request); the autouse leak check
 of tests/conftest.py fails a test that leaves a process or a /dev/shm entry. Bad input must be
@@ -12,7 +12,8 @@ import json
 
 import pytest
 
-from runtime import cli, engine, generate
+from runtime import cli, engine
+from runtime.cli import generate
 from runtime.model import decode, encode
 from runtime.pod import Pod
 

@@ -13,8 +13,8 @@ import pytest
 
 from bench import alltoall, common, p2p, ring
 from memory.errors import ConfigError, PodError
-from runtime import argtypes, cli
-from runtime import decode_args as decode
+from runtime import cli
+from runtime.cli import argtypes, decode
 from runtime.pod import Pod
 
 NO_DIR = "/nonexistent-xpod-dir/out.json"
@@ -274,14 +274,14 @@ def test_run_defaults_and_sizes():
 def test_decode_options(tmp_path):
     args = parse("decode", "--dies", "2", "--model", "tiny", "--quant", "int8",
                  "--json", str(tmp_path / "d.jsonl"), "--temperature", "0.7")  # fmt: skip
-    opts = decode.options(args)
+    opts = decode.parse_options(args)
     assert (opts.dies, opts.batch, opts.steps, opts.prompt_len) == (2, 8, 32, 64)
     assert opts.quant == "int8" and opts.model == "tiny" and opts.temperature == 0.7
-    assert decode.options(parse("decode")).quant is None
-    cmp = decode.options(parse("decode", "--dies", "8", "--eplb", "compare"))
+    assert decode.parse_options(parse("decode")).quant is None
+    cmp = decode.parse_options(parse("decode", "--dies", "8", "--eplb", "compare"))
     assert cmp.batch == 64 and cmp.eplb == "compare" and cmp.eplb_config.redundant_per_die == 1
-    on = decode.options(parse("decode", "--eplb", "on", "--redundant", "2", "--eplb-every", "5",
-                              "--eplb-policy", "deepseek"))  # fmt: skip
+    on = decode.parse_options(parse("decode", "--eplb", "on", "--redundant", "2",
+                                    "--eplb-every", "5", "--eplb-policy", "deepseek"))  # fmt: skip
     assert (on.batch, on.eplb_config.redundant_per_die, on.eplb_config.every) == (8, 2, 5)
 
 

@@ -42,13 +42,7 @@ RUNTIME_LAYERS: dict[str, set[str]] = {
 }
 # Modules of runtime/ not yet moved into a sub-package: they may import anything of runtime,
 # and anything may import them. The layout issue empties this list one sub-package at a time.
-LEGACY: set[str] = {
-    "runtime.argtypes",
-    "runtime.cli",
-    "runtime.decode_args",
-    "runtime.generate",
-    "runtime.serve_args",
-}
+LEGACY: set[str] = set()
 # Cycles and private names the layout issue has yet to remove (each entry goes with its fix).
 KNOWN_CYCLES: set[frozenset[str]] = {
     frozenset({"comm.endpoint", "comm.p2p"}),

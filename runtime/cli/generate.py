@@ -32,58 +32,26 @@ from typing import TextIO
 
 import numpy as np
 
-import comm
-from comm.quant import COMBINE_DTYPES
 from memory.errors import ConfigError
-from runtime.argtypes import (
+from runtime.cli.argtypes import (
     flag_error,
     input_file,
     int_list,
-    int_range,
     nonneg_float,
     nonneg_int,
     output_file,
     positive_float,
     positive_int,
 )
+from runtime.cli.engine_flags import ENGINE_FLAGS, add_engine_flags, engine_config
 from runtime.engine import CompletionOutput, Engine, EngineConfig, EngineError, SamplingParams
-from runtime.model import PRESETS, SCORE_BIASES, encode
-from runtime.model.expert_balancer import EPLBConfig
-from sched.eplb import POLICIES
+from runtime.model import encode
 
 PROG = "xpod generate"
 TICK_S = 0.2  # progress redraw period (at most ~5 per second) and result poll period
 BAR_WIDTH = 20
 FINISHED_OK = ("stop", "length")
 REASONS = ("stop", "length", "abort", "error")
-
-# Fields named by EngineConfig / ModelConfig / PodConfig / SamplingParams errors -> their flags
-FLAGS = {
-    "preset": "--model",
-    "score_bias": "--score-bias",
-    "eplb": "--eplb/--redundant/--model",
-    "num_dies": "--dies",
-    "expert_dies": "--dies",
-    "num_experts": "--dies/--model",
-    "max_num_seqs": "--max-num-seqs",
-    "max_num_batched_tokens": "--max-num-batched-tokens",
-    "a2a_max_batch": "--max-num-batched-tokens",
-    "block_size": "--block-size",
-    "num_blocks": "--num-blocks",
-    "app_bytes": "--num-blocks/--block-size/--max-num-seqs/--model",
-    "serve_slot_bytes": "--max-num-seqs/--max-num-batched-tokens/--block-size",
-    "async_depth": "--async-depth",
-    "lb_policy": "--lb",
-    "queue_ahead": "--queue-ahead",
-    "stream_interval": "--stream-interval",
-    "gc_every": "--gc-every",
-    "pin": "--pin",
-    "timeout_s": "--timeout",
-    "max_tokens": "--max-tokens",
-    "temperature": "--temperature",
-    "seed": "--seed",
-    "stop_token_ids": "--stop-token-ids",
-}
 
 
 @dataclass(frozen=True)
@@ -118,7 +86,7 @@ def prompts_source(text: str) -> str:
 def add_args(p: argparse.ArgumentParser) -> None:
     _io_flags(p)
     _sampling_flags(p)
-    engine_flags(p)
+    add_engine_flags(p)
 
 
 def _io_flags(p: argparse.ArgumentParser) -> None:
@@ -169,68 +137,6 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
     add("--ignore-eos", action="store_true", help="do not stop at EOS")
 
 
-def engine_flags(p: argparse.ArgumentParser) -> None:
-    add = p.add_argument
-    add("--dies", type=positive_int, default=4, help="dies = DP groups (default 4)")
-    add("--model", default="small", choices=tuple(PRESETS), help="model preset (default small)")
-    add("--max-num-seqs", type=positive_int, default=8, help="batch limit per group (default 8)")
-    add(
-        "--max-num-batched-tokens",
-        type=positive_int,
-        default=128,
-        help="token budget of one step per die (default 128: a 64-token prompt's prefill and"
-        " the decode rows of its group fit in one step)",
-    )
-    add("--block-size", type=positive_int, default=16, help="KV block, tokens (default 16)")
-    add(
-        "--num-blocks",
-        type=nonneg_int,
-        default=0,
-        help="KV blocks per die (default 0: max-num-seqs full contexts)",
-    )
-    add(
-        "--async-depth",
-        type=int_range(1, 2),
-        default=2,
-        help="2 = plan step n+1 while step n runs (default), 1 = synchronous",
-    )
-    add("--no-prefix-cache", action="store_true", help="do not reuse the KV of prompt prefixes")
-    add(
-        "--lb",
-        default="least_kv",
-        choices=("least_kv", "round_robin"),
-        help="DP load balancing (default least_kv)",
-    )
-    add("--protocol", default="fused", choices=comm.alltoall.PROTOCOLS, help="MoE all-to-all")
-    add("--quant", default="none", choices=("none", "int8"), help="MoE dispatch quantization")
-    add("--combine-dtype", default="bfloat16", choices=COMBINE_DTYPES,
-        help="MoE combine rows in 16 bits (the paper's, default) or float32")  # fmt: skip
-    add(
-        "--gc-every",
-        type=nonneg_int,
-        default=0,
-        help="0 = automatic GC; N = freeze after warm-up, collect every N steps",
-    )
-    add("--pin", default="auto", choices=("auto", "on", "off"), help="pin dies and masters")
-    add("--score-bias", default=None, choices=SCORE_BIASES,
-        help="router correction bias (default: the preset's); skew: a few hot experts")  # fmt: skip
-    add("--eplb", default="off", choices=("off", "on"),
-        help="expert load balancing while serving (runtime.model.expert_balancer)")  # fmt: skip
-    add("--redundant", type=nonneg_int, default=1,
-        help="EPLB: redundant expert slots per die (default 1)")  # fmt: skip
-    add("--eplb-every", type=positive_int, default=64,
-        help="EPLB: busy steps per load window; a plan after each (default 64)")  # fmt: skip
-    add("--eplb-policy", default="greedy", choices=POLICIES,
-        help="EPLB placement policy (default greedy)")  # fmt: skip
-    add(
-        "--trace",
-        type=output_file,
-        default=None,
-        metavar="FILE",
-        help="write a Perfetto timeline (masters above dies) to FILE when done",
-    )
-
-
 def parse_options(args: argparse.Namespace) -> Options:
     """The checked Options of the parsed flags; nothing is launched.
 
@@ -246,37 +152,6 @@ def parse_options(args: argparse.Namespace) -> Options:
     return Options(engine, tuple(prompts), params, args.json, args.quiet, args.timeout)
 
 
-def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
-    """The EngineConfig of the engine flags (and `extra` fields); ConfigError names the flag."""
-    try:
-        cfg = EngineConfig(
-            dies=args.dies,
-            model=args.model,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            block_size=args.block_size,
-            num_blocks=args.num_blocks,
-            async_depth=args.async_depth,
-            prefix_cache=not args.no_prefix_cache,
-            lb_policy=args.lb,
-            protocol=args.protocol,
-            quant=None if args.quant == "none" else args.quant,
-            combine_dtype=args.combine_dtype,
-            gc_every=args.gc_every,
-            pin=args.pin,
-            timeout_s=args.timeout,
-            trace=args.trace or "",
-            model_overrides={"score_bias": args.score_bias} if args.score_bias else {},
-            eplb=EPLBConfig(redundant_per_die=args.redundant, every=args.eplb_every,
-                            policy=args.eplb_policy) if args.eplb == "on" else None,
-            **extra,
-        )  # fmt: skip
-        cfg.pod_config()  # the pod it sizes must be valid too
-    except ConfigError as e:
-        raise flag_error(e, FLAGS) from None
-    return cfg
-
-
 def _sampling_params(args: argparse.Namespace, vocab_size: int) -> SamplingParams:
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -288,7 +163,7 @@ def _sampling_params(args: argparse.Namespace, vocab_size: int) -> SamplingParam
     try:
         params.validate(vocab_size)
     except (ValueError, TypeError) as e:
-        raise flag_error(ConfigError(str(e)), FLAGS) from None
+        raise flag_error(ConfigError(str(e)), ENGINE_FLAGS) from None
     return params
 
 

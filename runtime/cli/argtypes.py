@@ -3,8 +3,8 @@
 A type raises `argparse.ArgumentTypeError`, so argparse itself reports the flag, e.g.
 `xpod decode: error: argument --block-size: 0 is not an integer >= 1`, and exits with status 2
 (`Parser` keeps that to one line). Checks that need several flags, or a `PodConfig` / model, run
-before any process starts and raise `ConfigError` naming the flag(s) (`flag_error`, `load_config`);
-`runtime.cli.main` prints those the same way, with status 2.
+before any process starts and raise `ConfigError` naming the flag(s) (`flag_error`;
+`runtime.cli.flags.load_config`); `runtime.cli.main` prints those the same way, with status 2.
 
 `bench/` sits above `runtime/` and imports these too; `bench.common.parse_size` is `parse_size`.
 """
@@ -18,7 +18,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import NoReturn, TypeVar
 
 from memory.errors import ConfigError
-from runtime.pod.config import PodConfig
 
 SIZE_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 T = TypeVar("T")
@@ -225,19 +224,6 @@ def flag_error(err: ConfigError, flags: Mapping[str, str], toml: str | None = No
     return ConfigError(msg)
 
 
-def load_config(toml: str | None, flags: Mapping[str, str], **values: object) -> PodConfig:
-    """`PodConfig.load(toml, **values)`; a ConfigError names the flag that set the bad field.
-
-    `flags` maps PodConfig fields to flags (see `flag_error`); a field maps only if its value
-    here is not None (an unset flag leaves the field to the TOML file or the default).
-    """
-    try:
-        return PodConfig.load(toml, **values)
-    except ConfigError as e:
-        given = {k: v for k, v in flags.items() if values.get(k) is not None}
-        raise flag_error(e, given, toml) from None
-
-
 __all__ = [
     "Parser",
     "choice_list",
@@ -248,7 +234,6 @@ __all__ = [
     "input_file",
     "int_list",
     "int_range",
-    "load_config",
     "nonneg_float",
     "nonneg_int",
     "output_file",

@@ -1,6 +1,6 @@
-"""`xpod serve`'s flags, checked into `runtime.api.options.ServerOptions`. Kept apart from
-`runtime.api.server` so that building the `xpod` parser does not import aiohttp (the `serve`
-extra): every other command works without it, and `xpod serve` says how to install it."""
+"""`xpod serve`: the flags, checked into `runtime.api.options.ServerOptions`, then the server
+(`runtime.api.server.run`). aiohttp (the `serve` extra) is imported only once the flags are
+good: every other command works without it, and `xpod serve` says how to install it."""
 
 from __future__ import annotations
 
@@ -8,14 +8,13 @@ import argparse
 
 from memory.errors import ConfigError
 from runtime.api.options import ServerOptions
-from runtime.argtypes import int_range, nonneg_int, positive_float, positive_int, size
+from runtime.cli.argtypes import int_range, nonneg_int, positive_float, positive_int, size
+from runtime.cli.engine_flags import add_engine_flags, engine_config
 
 # -- command line ------------------------------------------------------------------------------
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from runtime.generate import engine_flags
-
     add = p.add_argument
     add("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     add(
@@ -45,20 +44,31 @@ def add_args(p: argparse.ArgumentParser) -> None:
         " does not preempt a die)")  # fmt: skip
     add("--receiver", default="loop", choices=("loop", "thread"),
         help="who reads the masters' messages: the event loop (default) or a thread")  # fmt: skip
-    engine_flags(p)
+    add_engine_flags(p)
 
 
 def parse_options(args: argparse.Namespace) -> ServerOptions:
-    """Checked options; ConfigError naming the flag. Nothing is launched."""
-    from runtime.generate import engine_config
-
+    """Checked options; ConfigError naming the flag (or the missing serve extra). Nothing is
+    launched."""
     if args.queue_ahead < -1:
         raise ConfigError(f"argument --queue-ahead: {args.queue_ahead} must be >= -1")
     engine = engine_config(args, output_procs=args.output_procs, queue_ahead=args.queue_ahead,
                            stream_interval=args.stream_interval)  # fmt: skip
     if args.served_model_name and not args.served_model_name.strip():
         raise ConfigError("argument --served-model-name: must not be blank")
+    try:
+        import aiohttp  # noqa: F401 - the serve extra: checked before anything starts
+        import prometheus_client  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"xpod serve needs the serve extra ({e.name} is missing):"
+                          " pip install -e '.[serve]'") from None  # fmt: skip
     return ServerOptions(engine, args.host, args.port, args.served_model_name.strip(),
                          args.max_queue, args.drain_timeout, args.health_timeout, args.max_body,
                          args.access_log, args.shell_policy == "batch",
                          args.receiver == "loop")  # fmt: skip
+
+
+def run(opts: ServerOptions) -> int:
+    from runtime.api.server import run as serve
+
+    return serve(opts)

@@ -1,15 +1,14 @@
-"""The flags of `xpod decode`: parsed and checked (the model against the pod, prompt + steps
-against the context, the PodConfig the run will size) before any process starts."""
+"""`xpod decode`: the flags, parsed and checked (the model against the pod, prompt + steps
+against the context, the PodConfig the run will size) before any process starts; then the run
+(`runtime.decode`), its report and its exit status."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-import comm
-from comm.quant import COMBINE_DTYPES
 from memory.errors import ConfigError
-from runtime.argtypes import (
+from runtime.cli.argtypes import (
     flag_error,
     int_range,
     nonneg_float,
@@ -18,12 +17,18 @@ from runtime.argtypes import (
     positive_float,
     positive_int,
 )
+from runtime.cli.model_flags import (
+    add_alltoall_flags,
+    add_eplb_flags,
+    add_model_flags,
+    add_pin_flag,
+    eplb_config,
+    quant_of,
+)
 from runtime.decode.options import EPLB_MODES, MAX_BATCH, DecodeOptions, progress
 from runtime.decode.report import jsonable, print_eplb, print_summary
 from runtime.decode.run import pod_config, run_decode
-from runtime.model import PRESETS, SCORE_BIASES, ModelConfig
-from runtime.model.expert_balancer import EPLBConfig
-from sched.eplb import POLICIES
+from runtime.model import ModelConfig
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -39,38 +44,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--steps", type=positive_int, default=32, help="decode steps (tokens per request)"
     )
-    p.add_argument("--model", default="small", choices=tuple(PRESETS), help="model preset")
-    p.add_argument(
-        "--score-bias",
-        default=None,
-        choices=SCORE_BIASES,
-        help="router correction bias (default: the preset's); skew makes a few experts hot",
-    )
+    add_model_flags(p)
     p.add_argument(
         "--groups",
         default=None,
         metavar="N_GROUP:TOPK_GROUP",
         help="group-limited routing, e.g. 8:4 (DeepSeek-V3's); default: the preset's",
     )
-    p.add_argument(
-        "--eplb",
-        default="off",
-        choices=EPLB_MODES,
-        help="expert load balancing: off, on, or compare (both runs, same prompts, one report)",
-    )
-    p.add_argument("--redundant", type=nonneg_int, default=1,
-                   help="EPLB: redundant expert slots per die (default 1)")  # fmt: skip
-    p.add_argument("--eplb-every", type=positive_int, default=8,
-                   help="EPLB: steps per load window; a plan after each (default 8)")  # fmt: skip
-    p.add_argument("--eplb-policy", default="greedy", choices=POLICIES,
-                   help="EPLB placement policy (default greedy, 001 §4.5)")  # fmt: skip
+    add_eplb_flags(p, EPLB_MODES, every=8, window="decode")
     p.add_argument("--dies-per-node", type=nonneg_int, default=0,
                    help="EPLB: nodes of N dies; the deepseek policy keeps each expert group on"
                    " one node (0: one node)")  # fmt: skip
-    p.add_argument("--quant", default="none", choices=("none", "int8"))
-    p.add_argument("--combine-dtype", default="bfloat16", choices=COMBINE_DTYPES,
-                   help="combine rows in 16 bits (the paper's) or float32")  # fmt: skip
-    p.add_argument("--protocol", default="fused", choices=comm.alltoall.PROTOCOLS)
+    add_alltoall_flags(p)
     p.add_argument("--temperature", type=nonneg_float, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=nonneg_int, default=0, help="prompts, weights and sampling seed")
     p.add_argument("--check", action="store_true", help="compare with the reference, same run")
@@ -87,7 +72,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--block-size", type=positive_int, default=16, help="KV cache block (tokens)")
     p.add_argument("--timeout", type=positive_float, default=120.0, help="wait deadline, seconds")
-    p.add_argument("--pin", default="auto", choices=("auto", "on", "off"), help="PodConfig.pin")
+    add_pin_flag(p)
     p.add_argument(
         "--wait", default="auto", choices=("auto", "spin", "yield"), help="PodConfig.wait"
     )
@@ -113,7 +98,7 @@ _POD_FLAGS = {
 }
 
 
-def options(args: argparse.Namespace) -> DecodeOptions:
+def parse_options(args: argparse.Namespace) -> DecodeOptions:
     """DecodeOptions of the parsed flags, checked as `run_decode` will before launching: the
     model against the pod, prompt + steps against max_seq_len, the PodConfig it sizes.
 
@@ -128,7 +113,7 @@ def options(args: argparse.Namespace) -> DecodeOptions:
         prompt_len=args.prompt_len,
         steps=args.steps,
         model=args.model,
-        quant=None if args.quant == "none" else args.quant,
+        quant=quant_of(args),
         combine_dtype=args.combine_dtype,
         protocol=args.protocol,
         temperature=args.temperature,
@@ -143,12 +128,7 @@ def options(args: argparse.Namespace) -> DecodeOptions:
         pin=args.pin,
         wait=args.wait,
         eplb=args.eplb,
-        eplb_config=EPLBConfig(
-            redundant_per_die=args.redundant,
-            every=args.eplb_every,
-            policy=args.eplb_policy,
-            dies_per_node=args.dies_per_node,
-        ),
+        eplb_config=eplb_config(args, dies_per_node=args.dies_per_node),
     )
     _check_options(opts)
     return opts
@@ -204,8 +184,7 @@ def _check_options(opts: DecodeOptions) -> None:
         raise flag_error(e, _POD_FLAGS) from None
 
 
-def main(args: argparse.Namespace) -> int:
-    opts = options(args)
+def run(opts: DecodeOptions) -> int:
     s = run_decode(opts)
     if s.get("bench") == "decode-eplb":
         print_eplb(s)

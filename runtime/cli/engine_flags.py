@@ -1,0 +1,128 @@
+"""The serving engine's flags, defined once for `xpod generate`, `xpod serve` and the benchmarks
+that launch an engine, and the checked EngineConfig they make (`engine_config`: its PodConfig
+too, so a bad combination is refused before anything starts, naming the flag)."""
+
+from __future__ import annotations
+
+import argparse
+
+from memory.errors import ConfigError
+from runtime.cli.argtypes import flag_error, int_range, nonneg_int, output_file, positive_int
+from runtime.cli.model_flags import (
+    add_alltoall_flags,
+    add_eplb_flags,
+    add_model_flags,
+    add_pin_flag,
+    eplb_config,
+    quant_of,
+)
+from runtime.engine import EngineConfig
+
+# Fields named by EngineConfig / ModelConfig / PodConfig / SamplingParams errors -> their flags
+ENGINE_FLAGS = {
+    "preset": "--model",
+    "score_bias": "--score-bias",
+    "eplb": "--eplb/--redundant/--model",
+    "num_dies": "--dies",
+    "expert_dies": "--dies",
+    "num_experts": "--dies/--model",
+    "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "a2a_max_batch": "--max-num-batched-tokens",
+    "block_size": "--block-size",
+    "num_blocks": "--num-blocks",
+    "app_bytes": "--num-blocks/--block-size/--max-num-seqs/--model",
+    "serve_slot_bytes": "--max-num-seqs/--max-num-batched-tokens/--block-size",
+    "async_depth": "--async-depth",
+    "lb_policy": "--lb",
+    "queue_ahead": "--queue-ahead",
+    "stream_interval": "--stream-interval",
+    "gc_every": "--gc-every",
+    "pin": "--pin",
+    "timeout_s": "--timeout",
+    "max_tokens": "--max-tokens",
+    "temperature": "--temperature",
+    "seed": "--seed",
+    "stop_token_ids": "--stop-token-ids",
+}
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The engine's flags (`xpod generate`, `xpod serve`, `xpod bench serve --launch`)."""
+    add = p.add_argument
+    add("--dies", type=positive_int, default=4, help="dies = DP groups (default 4)")
+    add_model_flags(p)
+    add("--max-num-seqs", type=positive_int, default=8, help="batch limit per group (default 8)")
+    add(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=128,
+        help="token budget of one step per die (default 128: a 64-token prompt's prefill and"
+        " the decode rows of its group fit in one step)",
+    )
+    add("--block-size", type=positive_int, default=16, help="KV block, tokens (default 16)")
+    add(
+        "--num-blocks",
+        type=nonneg_int,
+        default=0,
+        help="KV blocks per die (default 0: max-num-seqs full contexts)",
+    )
+    add(
+        "--async-depth",
+        type=int_range(1, 2),
+        default=2,
+        help="2 = plan step n+1 while step n runs (default), 1 = synchronous",
+    )
+    add("--no-prefix-cache", action="store_true", help="do not reuse the KV of prompt prefixes")
+    add(
+        "--lb",
+        default="least_kv",
+        choices=("least_kv", "round_robin"),
+        help="DP load balancing (default least_kv)",
+    )
+    add_alltoall_flags(p)
+    add(
+        "--gc-every",
+        type=nonneg_int,
+        default=0,
+        help="0 = automatic GC; N = freeze after warm-up, collect every N steps",
+    )
+    add_pin_flag(p, "dies and masters")
+    add_eplb_flags(p, ("off", "on"), every=64, window="busy")
+    add(
+        "--trace",
+        type=output_file,
+        default=None,
+        metavar="FILE",
+        help="write a Perfetto timeline (masters above dies) to FILE when done",
+    )
+
+
+def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
+    """The EngineConfig of the engine flags (and `extra` fields); ConfigError names the flag."""
+    try:
+        cfg = EngineConfig(
+            dies=args.dies,
+            model=args.model,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            async_depth=args.async_depth,
+            prefix_cache=not args.no_prefix_cache,
+            lb_policy=args.lb,
+            protocol=args.protocol,
+            quant=quant_of(args),
+            combine_dtype=args.combine_dtype,
+            gc_every=args.gc_every,
+            pin=args.pin,
+            timeout_s=args.timeout,
+            trace=args.trace or "",
+            model_overrides={"score_bias": args.score_bias} if args.score_bias else {},
+            eplb=eplb_config(args) if args.eplb == "on" else None,
+            **extra,
+        )  # fmt: skip
+        cfg.pod_config()  # the pod it sizes must be valid too
+    except ConfigError as e:
+        raise flag_error(e, ENGINE_FLAGS) from None
+    return cfg

@@ -1,0 +1,64 @@
+"""The flag groups of every command that runs the toy model (`xpod decode`, `generate`, `serve`,
+`bench engine`, `bench serve`), defined once: the model, the MoE all-to-all, expert load
+balancing, pinning. The commands differ only in the defaults they pass."""
+
+from __future__ import annotations
+
+import argparse
+
+import comm
+from comm.quant import COMBINE_DTYPES
+from runtime.cli.argtypes import nonneg_int, positive_int
+from runtime.model import PRESETS, SCORE_BIASES, EPLBConfig
+from sched.eplb import POLICIES
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """--model, --score-bias."""
+    p.add_argument("--model", default="small", choices=tuple(PRESETS),
+                   help="model preset (default small)")  # fmt: skip
+    p.add_argument("--score-bias", default=None, choices=SCORE_BIASES,
+                   help="router correction bias (default: the preset's); skew makes a few experts"
+                   " hot")  # fmt: skip
+
+
+def add_alltoall_flags(p: argparse.ArgumentParser) -> None:
+    """--protocol, --quant, --combine-dtype: the MoE dispatch / combine."""
+    p.add_argument("--protocol", default="fused", choices=comm.alltoall.PROTOCOLS,
+                   help="MoE all-to-all protocol (default fused)")  # fmt: skip
+    p.add_argument("--quant", default="none", choices=("none", "int8"),
+                   help="MoE dispatch quantization (default none)")  # fmt: skip
+    p.add_argument("--combine-dtype", default="bfloat16", choices=COMBINE_DTYPES,
+                   help="MoE combine rows in 16 bits (the paper's, default) or"
+                   " float32")  # fmt: skip
+
+
+def quant_of(args: argparse.Namespace) -> str | None:
+    """The `quant` field of a config: None for `--quant none`."""
+    return None if args.quant == "none" else args.quant
+
+
+def add_eplb_flags(p: argparse.ArgumentParser, modes: tuple[str, ...], every: int,
+                   window: str) -> None:  # fmt: skip
+    """--eplb (one of `modes`), --redundant, --eplb-every (default `every` `window` steps),
+    --eplb-policy."""
+    p.add_argument("--eplb", default="off", choices=modes,
+                   help="expert load balancing: " + ", ".join(modes))  # fmt: skip
+    p.add_argument("--redundant", type=nonneg_int, default=1,
+                   help="EPLB: redundant expert slots per die (default 1)")  # fmt: skip
+    p.add_argument("--eplb-every", type=positive_int, default=every,
+                   help=f"EPLB: {window} steps per load window; a plan after each (default"
+                   f" {every})")  # fmt: skip
+    p.add_argument("--eplb-policy", default="greedy", choices=POLICIES,
+                   help="EPLB placement policy (default greedy, 001 §4.5)")  # fmt: skip
+
+
+def eplb_config(args: argparse.Namespace, **extra) -> EPLBConfig:
+    """The EPLBConfig of the EPLB flags (whether it is on is the caller's to say)."""
+    return EPLBConfig(redundant_per_die=args.redundant, every=args.eplb_every,
+                      policy=args.eplb_policy, **extra)  # fmt: skip
+
+
+def add_pin_flag(p: argparse.ArgumentParser, what: str = "dies") -> None:
+    p.add_argument("--pin", default="auto", choices=("auto", "on", "off"),
+                   help=f"pin {what} to cores: auto (when they fit), on, off")  # fmt: skip
