@@ -61,7 +61,7 @@ class Endpoint:
         self.rx_queue: list[list] = [[] for _ in range(n)]
         self.active: list = []  # every outstanding Request, advanced together by progress()
         self.sync_count = 0
-        self.a2a = None  # comm.alltoall.A2AState, made by the first all-to-all call
+        self.a2a = None  # comm.alltoall.state.A2AState, made by the first all-to-all call
         self.tables = _Tables(self.layout)
         # The small-message fast path sends one chunk through half of lane 0's UB.
         self.ub0 = self.ub(0)[0]

@@ -742,8 +742,8 @@ def dedup_place(flat, n, stride, eoff, src, cursor, g0, x8, bits, meta, groups,
 # At decode sizes (a few tokens per die) a dispatch moves a few KB and its cost is the numpy calls
 # around the bytes (~40 per collective, 1-5 us each): the routing's sort, the grouping by expert.
 # These kernels do each in one call; their results are equal to the numpy they replace
-# (`comm.routing.get_dispatch_layout` and `get_dedup_layout`, `_assemble`'s stable argsort, the
-# dedup combine's cuts by source), tests/unit/test_kernels.py.
+# (`comm.routing.get_dispatch_layout` and `get_dedup_layout`, the stable argsort of
+# `comm.alltoall.packets.assemble`, the dedup combine's cuts by source), tests/unit/test_kernels.py.
 
 
 _I64 = numba.types.int64[::1]
@@ -1004,7 +1004,8 @@ def assemble_place(
 ):  # pragma: no cover - compiled
     """Each of n packets to its place in the grouped output (cursor: the next row of each
     local expert, advanced): payload bytes, scale bits, source, slot, k, local expert. Called
-    per source in source order, this is `_assemble`'s stable sort by local expert."""
+    per source in source order, this is the stable sort by local expert of
+    `comm.alltoall.packets.assemble`."""
     w = stride // 4
     for i in range(n):
         m = (i + 1) * w - 4
@@ -1058,7 +1059,8 @@ def dedup_plan(src, slots, kfirst, topk, n_dies, cap, lin, starts):  # pragma: n
     come in source order (`dedup_place` is called per source, ascending), so no reordering:
     the plan is their order. Returns 0, or -1 if a source is out of range or out of order, or
     a (slot, k) outside the combine buffer of `cap` rows (nothing is sent then). The numpy it
-    replaces: `lin = slot * topk + kfirst` with `_lin_check`, and np.flatnonzero cuts of src."""
+    replaces: `lin = slot * topk + kfirst` with the bounds check of `comm.alltoall.refuse`, and
+    np.flatnonzero cuts of src."""
     n = src.shape[0]
     for d in range(n_dies + 1):
         starts[d] = 0
@@ -1110,13 +1112,13 @@ def first_bad_source(owners, refuse, events, op, event_id):  # pragma: no cover 
 
 # -- the fused protocol over every die's region in one call -------------------------------------
 # `addrs` is int64 [dies]: where every region of the pod is mapped in this process
-# (`comm.alltoall._mem`, made once per die), `nbytes` a region's size; `_region` makes a flat
-# array of any dtype over die d's region, so one call writes into every destination instead of
-# a Python loop of calls per die (~5-15 us per destination at decode sizes). (Numba typed lists
-# of views did the same, but compiling their machinery cost every launcher ~1 s.) Every polled
-# word a reader waits on is written by a LATER call than the data it guards: a call boundary
-# keeps the compiler from moving stores across it, and x86's total store order keeps them in
-# program order for the other cores (docs/protocols.md §3).
+# (`comm.alltoall.state.region_addrs`, made once per die), `nbytes` a region's size; `_region`
+# makes a flat array of any dtype over die d's region, so one call writes into every destination
+# instead of a Python loop of calls per die (~5-15 us per destination at decode sizes). (Numba
+# typed lists of views did the same, but compiling their machinery cost every launcher ~1 s.)
+# Every polled word a reader waits on is written by a LATER call than the data it guards: a call
+# boundary keeps the compiler from moving stores across it, and x86's total store order keeps
+# them in program order for the other cores (docs/protocols.md §3).
 
 
 @numba.extending.intrinsic

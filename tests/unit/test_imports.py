@@ -79,9 +79,6 @@ KNOWN_CYCLES: set[frozenset[str]] = {
     frozenset({"bench.common", "bench.plot"}),
 }
 KNOWN_PRIVATE: set[tuple[str, str]] = {
-    ("bench.alltoall", "comm.reference._dedup_sum"),
-    ("bench.ep_job", "comm.alltoall._weighted_sum"),
-    ("bench.passes", "comm.alltoall._weighted_sum"),
     ("comm.endpoint", "comm.p2p._small_rx"),
     ("comm.endpoint", "comm.p2p._small_tx"),
     ("comm.kernels", "comm.quant._row_scales"),
