@@ -274,8 +274,7 @@ def weighted_sum(contrib: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.ndar
     """out[slot] = sum over routed k, ascending, of w[slot, k] * contrib[slot, k], in float32:
     the operation order of `comm.reference.combine_ref`, so results are bit for bit the same.
     One compiled pass over the rows (`comm.kernels.weighted_sum`: bfloat16 rows widened
-    exactly on the way; 2.4x faster than the numpy passes it replaced); unrouted entries are
-    never read."""
+    exactly on the way; what it costs: docs/benchmarks.md); unrouted entries are never read."""
     return kernels().weighted_sum(contrib, idx, w)
 
 

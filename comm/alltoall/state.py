@@ -117,7 +117,7 @@ def place_info(ep: Endpoint, placement: Placement) -> _PlaceInfo:
 class _Mem:
     """Where every region of the pod is mapped in this die (int64 [dies] addresses) and a
     region's size, made once per die: the fused protocol's kernels address any die's region
-    through them (`comm.kernels._region`), so one call writes into every destination. The
+    through them (`comm.kernels.region`), so one call writes into every destination. The
     endpoint keeps every region mapped while it lives, so the addresses stay valid."""
 
     addrs: np.ndarray

@@ -81,7 +81,6 @@ KNOWN_CYCLES: set[frozenset[str]] = {
 KNOWN_PRIVATE: set[tuple[str, str]] = {
     ("comm.endpoint", "comm.p2p._small_rx"),
     ("comm.endpoint", "comm.p2p._small_tx"),
-    ("comm.kernels", "comm.quant._row_scales"),
     ("runtime.output", "runtime.master._batch_scheduling"),
     ("runtime.output", "runtime.master._die_with"),
 }
