@@ -74,13 +74,10 @@ LEGACY: set[str] = {
 }
 # Cycles and private names the layout issue has yet to remove (each entry goes with its fix).
 KNOWN_CYCLES: set[frozenset[str]] = {
-    frozenset({"comm.endpoint", "comm.p2p"}),
     frozenset({"runtime.decode", "runtime.decode_report"}),
     frozenset({"bench.common", "bench.plot"}),
 }
 KNOWN_PRIVATE: set[tuple[str, str]] = {
-    ("comm.endpoint", "comm.p2p._small_rx"),
-    ("comm.endpoint", "comm.p2p._small_tx"),
     ("runtime.output", "runtime.master._batch_scheduling"),
     ("runtime.output", "runtime.master._die_with"),
 }
