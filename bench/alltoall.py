@@ -221,13 +221,13 @@ def _dedup_weight_sums(pt: Point, idx: np.ndarray, w: np.ndarray) -> np.ndarray:
     """What a dedup combine returns in every column when every expert row is 1.0: per die the
     ascending-k sum of its weights, rounded to the combine dtype, then summed over the dies in
     order of their first k (comm.reference.combine_ref(..., dedup=True) on rows of ones)."""
-    from comm.reference import _dedup_sum
+    from comm.reference import dedup_sum
 
     placement = Placement.default(pt.num_experts, pt.expert_dies)
     routed = idx >= 0
     die_of = np.where(routed, placement.die_of[np.maximum(idx, 0)], -1)
     ones = np.ones((*idx.shape, 1), np.float32)
-    return _dedup_sum(ones, routed, die_of, w, combine_dtype(pt.combine_dtype))[:, 0]
+    return dedup_sum(ones, routed, die_of, w, combine_dtype(pt.combine_dtype))[:, 0]
 
 
 def _check(die, what: str, got_rows: int, want_rows: int, out, w, want_sums=None) -> None:

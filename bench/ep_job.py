@@ -12,7 +12,7 @@ dispatch: the routing's canonical send layout (`comm.routing.get_dispatch_layout
 combine: each expert row back to its token's rank in the order that rank sent it, rounded to
   bfloat16 on the way (the pod's default; `comm.kernels.to_bfloat16`, gathered in the same
   pass) or float32, one `Alltoallv`, and the weighted sum in ascending k in float32
-  (`comm.alltoall._weighted_sum`, the order of `comm.reference.combine_ref`).
+  (`comm.alltoall.weighted_sum`, the order of `comm.reference.combine_ref`).
 
 The inputs are `bench.alltoall`'s (tokens, routing, expert outputs of ones), so the work and the
 bytes are those of the xpod rows. As xpod's dies have pre-allocated areas, the job keeps its
@@ -28,7 +28,7 @@ from collections.abc import Callable
 import numpy as np
 
 from bench.alltoall import Point, routing, tokens
-from comm.alltoall import _weighted_sum
+from comm.alltoall import weighted_sum
 from comm.kernels import to_bfloat16
 from comm.quant import BF16, combine_dtype, quantize_int8
 from comm.reference import combine_ref, dispatch_ref
@@ -122,7 +122,7 @@ class EPJob:
         rows = recv.view(cdt).reshape(-1, pt.hidden)  # this rank's messages, in its send order
         contrib = self.buf("contrib", (*self.idx.shape, pt.hidden), cdt)
         contrib[self.lay.msg_slot, self.lay.msg_k] = rows
-        self.out = _weighted_sum(contrib, self.idx, self.w)
+        self.out = weighted_sum(contrib, self.idx, self.w)
 
     # -- check ------------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from bench import common
 from bench.alltoall import Point, default_experts, routing, tokens
-from comm.alltoall import _weighted_sum
+from comm.alltoall import weighted_sum
 from comm.quant import BF16, quantize_int8
 from comm.routing import Placement, get_dispatch_layout
 from memory.layout import PULL_ROW_META
@@ -150,7 +150,7 @@ def measure(pt: Point, reps: int) -> list[dict]:
          lambda: k.to_bfloat16(eout, own[:, :h], order), eout.nbytes, ebf.nbytes),
         ("fused: round + write rows into token's die (kernel)", scatter, eout.nbytes,
          ebf.nbytes),
-        ("weighted reduce, ascending k (kernel)", lambda: _weighted_sum(contrib, idx, w),
+        ("weighted reduce, ascending k (kernel)", lambda: weighted_sum(contrib, idx, w),
          contrib.nbytes, pt.batch * h * 4),
     ]  # fmt: skip
     rows = []

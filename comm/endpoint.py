@@ -59,20 +59,17 @@ class Endpoint:
         # Outstanding async requests per peer, in issue order (a pair carries one message at once).
         self.tx_queue: list[list] = [[] for _ in range(n)]
         self.rx_queue: list[list] = [[] for _ in range(n)]
-        self.active: list = []  # every outstanding Request, advanced together by progress()
+        self.active: list = []  # every outstanding comm.p2p Request, advanced by progress()
         self.sync_count = 0
-        self.a2a = None  # comm.alltoall.A2AState, made by the first all-to-all call
+        self.a2a = None  # comm.alltoall.state.A2AState, made by the first all-to-all call
         self.tables = _Tables(self.layout)
         # The small-message fast path sends one chunk through half of lane 0's UB.
         self.ub0 = self.ub(0)[0]
         self.small_bytes = min(self.layout.slot_bytes, len(self.ub0))
-        # Per-peer fast-path closures (comm.p2p._small_tx / _small_rx), keyed by peer id, so a
-        # bad id (self, negative, out of range) simply misses and takes the checked path.
-        from comm.p2p import _small_rx, _small_tx
-
-        peers = [p for p in range(n) if p != die_id]
-        self.small_tx = {p: _small_tx(self, p) for p in peers}
-        self.small_rx = {p: _small_rx(self, p) for p in peers}
+        # Per-peer fast-path closures, keyed by peer id: comm.p2p.sendrecv makes a peer's on
+        # the first small message to or from it.
+        self.small_tx: dict = {}
+        self.small_rx: dict = {}
 
     # -- resources ------------------------------------------------------------------------------
 
@@ -99,7 +96,7 @@ class Endpoint:
         """Advance every outstanding request once; True if any moved."""
         moved = False
         for req in list(self.active):
-            moved |= req._advance()
+            moved |= req.advance()
         return moved
 
     # -- checks ---------------------------------------------------------------------------------

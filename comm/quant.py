@@ -29,6 +29,7 @@ __all__ = [
     "dequantize_int8",
     "quantize_int8",
     "round_combine",
+    "row_scales",
 ]
 
 INT8_QMAX = 127  # symmetric range: -128 is never produced
@@ -62,8 +63,9 @@ def _as_f32_rows(x) -> np.ndarray:
     return x32
 
 
-def _row_scales(amax: np.ndarray) -> np.ndarray:
-    """float32 scale per row from float32 `amax = max|x|` (see the module docstring)."""
+def row_scales(amax: np.ndarray) -> np.ndarray:
+    """float32 scale per row from float32 `amax = max|x|` (see the module docstring); shared
+    with the compiled `comm.kernels.int8.quantize_int8`."""
     with np.errstate(over="ignore", under="ignore"):
         scale = amax / np.float32(INT8_QMAX)
         low = (amax > 0) & (scale < _F32.tiny)
@@ -91,7 +93,7 @@ def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """
     x32 = _as_f32_rows(x)
     amax = np.max(np.abs(x32), axis=1, initial=np.float32(0)).astype(np.float32)
-    scale = _row_scales(amax)
+    scale = row_scales(amax)
     q = np.clip(np.rint(x32 / scale[:, None]), -INT8_QMAX, INT8_QMAX).astype(np.int8)
     return q, scale
 

@@ -58,6 +58,7 @@ __all__ = [
     "DispatchOut",
     "a2e_ref",
     "combine_ref",
+    "dedup_sum",
     "dequantize_dispatch",
     "dispatch_ref",
     "e2a_ref",
@@ -348,7 +349,7 @@ def combine_ref(
     for rank, topk, w in zip(ranks, topks, weights, strict=True):
         rows, routed, die_of = _gather_rows(expert_outs, dispatch_outs, rank, topk, hidden)
         if dedup:
-            outs.append(_dedup_sum(rows, routed, die_of, w, cdt))
+            outs.append(dedup_sum(rows, routed, die_of, w, cdt))
             continue
         rows = round_combine(rows, cdt)
         out = np.zeros((topk.shape[0], hidden), dtype=np.float32)
@@ -360,8 +361,14 @@ def combine_ref(
     return outs
 
 
-def _dedup_sum(rows, routed, die_of, w, cdt) -> np.ndarray:
-    """The two-level sum of a dedup combine for one source (module docstring)."""
+def dedup_sum(
+    rows: np.ndarray, routed: np.ndarray, die_of: np.ndarray, w: np.ndarray, cdt: np.dtype
+) -> np.ndarray:
+    """The two-level sum of a dedup combine for one source (module docstring).
+
+    rows: float32 [batch, k, hidden], row (slot, k); routed: bool [batch, k]; die_of: int
+    [batch, k], the die of each routed (slot, k); w: float32 [batch, k]; cdt: the combine
+    dtype each die's partial sum is rounded to. Returns float32 [batch, hidden]."""
     batch, n_k, hidden = rows.shape
     first = np.zeros((batch, n_k), dtype=np.int64)  # k_d of the die of (slot, k)
     for k in range(n_k):

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 import comm
-from comm import alltoall as a2a
 from comm import reference as ref
 from comm import routing
+from comm.alltoall import pull
+from comm.alltoall.areas import area_check
 from comm.routing import Placement
 from memory.errors import ProtocolError
 from runtime import Pod, PodConfig
@@ -290,16 +291,16 @@ def test_pod_run_raises_the_bad_die_error_not_its_consequences(pod, protocol):
 def overflow_with_checks_off(die, protocol: str, seed: int):
     """Repeated experts with the routing checks switched off on every die: every token sends
     all of its k rows to expert 0, twice what die 0's areas are sized for."""
-    distinct, capacity = routing._check_distinct, a2a._check_capacity
+    distinct, capacity = routing._check_distinct, pull.check_capacity
     routing._check_distinct = lambda arr, name: None
-    a2a._check_capacity = lambda ep, lay, placement: None
+    pull.check_capacity = lambda ep, lay, placement: None  # where dispatch looks it up
     try:
         x, _, w = make_inputs(seed, die.die_id, EXPERTS, "full")
         idx = np.full((len(x), K), 0)  # all to expert 0: die 0 gets 4 x 16 x 4 = 256 rows
         d = comm.dispatch(die, x, idx, w, protocol=protocol, event_id=seed)
         comm.combine(die, d.x, d.handle, event_id=seed)
     finally:
-        routing._check_distinct, a2a._check_capacity = distinct, capacity
+        routing._check_distinct, pull.check_capacity = distinct, capacity
 
 
 @pytest.mark.timeout(120)
@@ -324,12 +325,12 @@ class _FakeEp:
 @pytest.mark.parametrize("start, count, cap", [(0, 5, 4), (3, 2, 4), (-1, 1, 4), (0, -1, 4)])
 def test_area_check_trips_outside_the_area(start, count, cap):
     with pytest.raises(ProtocolError, match="outside the area"):
-        a2a._area_check(_FakeEp(), "test area", start, count, cap)
+        area_check(_FakeEp(), "test area", start, count, cap)
 
 
 def test_area_check_passes_inside_the_area():
-    a2a._area_check(_FakeEp(), "test area", 0, 4, 4)
-    a2a._area_check(_FakeEp(), "test area", 4, 0, 4)
+    area_check(_FakeEp(), "test area", 0, 4, 4)
+    area_check(_FakeEp(), "test area", 4, 0, 4)
 
 
 # -- A2E / E2A -----------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import comm
-from comm import p2p
+from comm.p2p.lanes import Rx, TxRing
 from runtime import ProtocolError
 from tests.integration.test_p2p import assert_payload, outcome, payload, who_sent
 
@@ -192,16 +192,16 @@ def forged_lane_send(die, lane_to_forge: int | None):
     desynchronised lane would); die 1's recv must raise instead of acking it."""
     me = die.die_id
     if me == 0:
-        original = p2p._TxRing.__init__
+        original = TxRing.__init__
 
         def forged(self, ep, dst, lane, src, lo, hi, seq, *rest):
             original(self, ep, dst, lane, src, lo, hi, seq - (lane == lane_to_forge), *rest)
 
-        p2p._TxRing.__init__ = forged
+        TxRing.__init__ = forged
         try:  # the sender's own fate (ok, timeout, aborted) does not matter here
             return outcome(comm.send, die, payload(0, 1, 5, 8192), 1, 5, cores=LANES)[0]
         finally:
-            p2p._TxRing.__init__ = original
+            TxRing.__init__ = original
     if me == 1:
         buf = np.zeros(8192, np.uint8)
         comm.recv(die, buf, 0, 5, cores=LANES)
@@ -236,7 +236,7 @@ def refused_then_drained_slowly(die, kind: str, n: int, cores: int, variant: str
     import time
 
     if die.die_id == 1:
-        original = p2p._Rx.pump
+        original = Rx.pump
         slept = set()
 
         def slow_drain(self):
@@ -245,12 +245,12 @@ def refused_then_drained_slowly(die, kind: str, n: int, cores: int, variant: str
                 slept.add(id(self))
             return original(self)
 
-        p2p._Rx.pump = slow_drain
+        Rx.pump = slow_drain
     try:
         out = [refused(die, kind, 5)]
     finally:
         if die.die_id == 1:
-            p2p._Rx.pump = original
+            Rx.pump = original
     out.append(transfer(die, 0, 1, 6, n, cores, variant))
     return out
 

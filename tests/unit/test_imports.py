@@ -45,17 +45,9 @@ RUNTIME_LAYERS: dict[str, set[str]] = {
 LEGACY: set[str] = set()
 # Cycles and private names the layout issue has yet to remove (each entry goes with its fix).
 KNOWN_CYCLES: set[frozenset[str]] = {
-    frozenset({"comm.endpoint", "comm.p2p"}),
     frozenset({"bench.common", "bench.plot"}),
 }
-KNOWN_PRIVATE: set[tuple[str, str]] = {
-    ("bench.alltoall", "comm.reference._dedup_sum"),
-    ("bench.ep_job", "comm.alltoall._weighted_sum"),
-    ("bench.passes", "comm.alltoall._weighted_sum"),
-    ("comm.endpoint", "comm.p2p._small_rx"),
-    ("comm.endpoint", "comm.p2p._small_tx"),
-    ("comm.kernels", "comm.quant._row_scales"),
-}
+KNOWN_PRIVATE: set[tuple[str, str]] = {}
 
 
 # -- the walk ----------------------------------------------------------------------------------

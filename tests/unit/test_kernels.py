@@ -585,7 +585,7 @@ def test_dedup_layout_edges_by_hand():
 def test_dedup_layout_refuses_bad_ids_and_repeats_with_the_numpy_message():
     """The kernel's refusals (-1 an id out of range, -2 a repeat); through comm.alltoall, the
     same error (type and message) as the numpy get_dedup_layout, for every bad input."""
-    from comm.alltoall import _dedup_layout
+    from comm.alltoall.inputs import dedup_layout_of
     from comm.kernels import dedup_layout
     from comm.routing import Placement, get_dedup_layout
 
@@ -607,7 +607,7 @@ def test_dedup_layout_refuses_bad_ids_and_repeats_with_the_numpy_message():
         with pytest.raises((ValueError, TypeError)) as want:
             get_dedup_layout(idx, w, place)
         with pytest.raises(want.type) as got:
-            _dedup_layout(idx, w, place)
+            dedup_layout_of(idx, w, place)
         assert str(got.value) == str(want.value)
 
 
