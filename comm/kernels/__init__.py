@@ -24,9 +24,16 @@ Kernels are compiled once and cached on disk next to their files (`cache=True`; 
 cache, so dies load it instead of compiling). `warm()` compiles or loads every kernel of the
 pod's types. numba keys a kernel's cache by the kernel's own file only, while a kernel carries
 the helpers it inlines from other files (bf16.py, region.py, `packets.packet`) in its cached
-code: after editing such a helper, delete comm/kernels/__pycache__, or the kernels of the other
-files keep the old helper.
+code: `cache.drop_stale_cache` empties the cache whenever any file of the package changed.
 """
+
+from pathlib import Path
+
+from comm.kernels.cache import drop_stale_cache
+
+drop_stale_cache(Path(__file__).parent)  # before any kernel loads its cached code
+
+# ruff: noqa: E402
 
 from comm.kernels.bf16 import scatter_rows, to_bfloat16
 from comm.kernels.fused import (
