@@ -1,4 +1,6 @@
-"""The data plane: XCCL point-to-point send / recv, the wait policy, the trace.
+"""The data plane: XCCL point-to-point send / recv (`comm.p2p`), the expert-parallel all-to-all
+(`comm.alltoall`: dispatch / combine, A2E / E2A) and its compiled kernels (`comm.kernels`), the
+wait policy, the trace; `comm.reference` computes every collective in plain numpy.
 
 Every function takes the calling die first (`runtime.Die`, a `comm.Endpoint`):
 
@@ -6,6 +8,7 @@ Every function takes the calling die first (`runtime.Die`, a `comm.Endpoint`):
     comm.recv(die, buf, src, event_id, cores=1, variant="mte")
     req = comm.isend(...); req.test(); req.wait()
     comm.barrier(die)
+    d = comm.dispatch(die, x, topk_idx, topk_weights); y = comm.combine(die, rows, d.handle)
 """
 
 from comm.alltoall import A2EHandle, DispatchHandle, DispatchResult, a2e, combine, dispatch, e2a
