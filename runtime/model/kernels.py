@@ -1,23 +1,20 @@
 """Compiled matrix products of the toy model for a die's few rows (numba).
 
-A decode step gives each die one row per request, often 2-3. numpy hands `x @ W` with 2-3 rows to
-the BLAS GEMM, whose fixed cost (packing W for a blocked product) is that of 8 rows: on the 2-core
-machines xpod runs on, `[2, 256] @ [256, 512]` costs 33 us in OpenBLAS and 19 us here, `[3, ...]`
-47 against 21; one row (BLAS's GEMV) and 4 or more rows are as fast in BLAS. So `mm` uses this
-kernel for 2 to `SMALL_ROWS` rows and BLAS otherwise.
+Why: a decode step gives each die one row per request, often 2-3, and numpy hands `x @ W` of
+2-3 rows to the BLAS GEMM, whose fixed cost is that of 8 rows; numpy's ~5-20 calls per phase
+were likewise a fixed cost per call that made 4 dies of 2 rows run at half the speed of one model
+of 8 rows. So `mm` uses this kernel for 2 to `SMALL_ROWS` rows and BLAS otherwise, and RMSNorm,
+RoPE, the attention's projections (`mla_in`, `attn_out`), SwiGLU and the gate's top-k choice
+(`topk_choice`) take one call each. What they cost: docs/benchmarks.md (the figures this
+docstring carried: docs/results/2026-11-25-model-kernels.md).
 
-The kernel accumulates each output over the inner dimension in ascending order in float64 (every
-product exact) and rounds once: a row's result does not depend on the other rows of the call, and
-it is closer to the exact product than BLAS's float32 sums (max error 2e-6 against 4e-5 for
-`[2, 256] @ [256, 512]` of unit normals). It is not bit-equal to BLAS; the pod and its references
-call the same `mm` on the same rows per die, so `--check` and the schedule replays stay bit-equal.
-
-The same holds for a die's other phases: with 2-3 rows, numpy's ~5-20 calls per phase were the
-fixed per-call cost that made 4 dies of 2 rows run at half the speed of one model of 8 rows on
-one core. So: RMSNorm and RoPE (any rows, one call each), the attention's projections
-(`mla_in`, `attn_out`: `_mm`, `_rms_norm` and `_rope` in the numpy path's order, the same bits),
-SwiGLU (`swiglu`: silu through libm's expf, within an ulp of numpy's SIMD exp) and the gate's
-top-k choice (`topk_choice`, numpy's stable argsort bit for bit, any rows).
+Numerics: the products accumulate over the inner dimension in ascending order in float64 (every
+product exact) and round once: a row's result does not depend on the other rows of the call, and
+it is closer to the exact product than BLAS's float32 sums. It is not bit-equal to BLAS; the pod
+and its references call the same `mm` on the same rows per die, so `--check` and the schedule
+replays stay bit-equal. `mla_in` and `attn_out` run `_mm`, `_rms_norm` and `_rope` in the numpy
+path's order (the same bits); `swiglu`'s silu goes through libm's expf (within an ulp of numpy's
+SIMD exp); `topk_choice` is numpy's stable argsort bit for bit.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-SMALL_ROWS = 3  # rows up to which the kernel beats BLAS here (measured: 2.5-4x at 2 rows)
+SMALL_ROWS = 3  # rows up to which the kernel beats BLAS on the machines xpod runs on
 
 _F32_2D = numba.types.float32[:, ::1]
 _F32_3D = numba.types.float32[:, :, ::1]
