@@ -79,7 +79,7 @@ KNOWN_CYCLES: set[frozenset[str]] = {
     frozenset({"bench.common", "bench.plot"}),
 }
 KNOWN_PRIVATE: set[tuple[str, str]] = {
-    ("bench.alltoall", "comm.reference._dedup_sum"),
+    ("bench.alltoall.dies", "comm.reference._dedup_sum"),
     ("bench.ep_job", "comm.alltoall._weighted_sum"),
     ("bench.passes", "comm.alltoall._weighted_sum"),
     ("comm.endpoint", "comm.p2p._small_rx"),
