@@ -76,7 +76,6 @@ LEGACY: set[str] = {
 KNOWN_CYCLES: set[frozenset[str]] = {
     frozenset({"comm.endpoint", "comm.p2p"}),
     frozenset({"runtime.decode", "runtime.decode_report"}),
-    frozenset({"bench.common", "bench.plot"}),
 }
 KNOWN_PRIVATE: set[tuple[str, str]] = {
     ("bench.alltoall.dies", "comm.reference._dedup_sum"),
