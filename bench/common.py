@@ -1,4 +1,4 @@
-"""Shared pieces of every `xpod bench`: sample statistics, result rows, tables, JSON lines.
+"""Shared pieces of every `xpod bench`: sample statistics, rows, tables, JSON lines, progress.
 
 A row is a plain dict so that the JSON line, the table and the plot read the same keys. Units are
 in the key names (`p50_us`, `gbps`, `cpu_s_per_die`). Every row carries the git sha and the date so
@@ -13,6 +13,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -141,3 +142,43 @@ def write_outputs(rows: list[dict], json_path: str | None, plot_path: str | None
 def progress(msg: str) -> None:
     """A progress line on stderr, so stdout stays a clean table."""
     print(msg, file=sys.stderr, flush=True)
+
+
+class Bar:
+    """Requests done / total and output tok/s on stderr (a redrawn line on a terminal, a line
+    per quarter otherwise)."""
+
+    def __init__(self, label: str, total: int, enabled: bool):
+        self.label, self.total, self.enabled = label, total, enabled
+        self.tty = enabled and sys.stderr.isatty()
+        self.done = self.tokens = 0
+        self.t0 = time.perf_counter()
+        self.shown = 0
+
+    def add_tokens(self, n: int) -> None:
+        self.tokens += n
+
+    def finished(self) -> None:
+        self.done += 1
+        if self.enabled and not self.tty and self.done * 4 // self.total > self.shown:
+            self.shown = self.done * 4 // self.total
+            progress(self.line())
+
+    def line(self) -> str:
+        el = time.perf_counter() - self.t0
+        w = 30
+        k = w * self.done // max(self.total, 1)
+        return (
+            f"  {self.label} [{'#' * k}{'.' * (w - k)}] {self.done}/{self.total} req"
+            f"  {self.tokens / el if el > 0 else 0:.0f} tok/s  {el:.1f} s"
+        )
+
+    def draw(self) -> None:
+        if self.tty:
+            sys.stderr.write("\r" + self.line())
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\r" + self.line() + "\n")
+            sys.stderr.flush()

@@ -13,7 +13,7 @@ The all-to-all peer of `xpod bench alltoall`, run by `bench.peers.run_a2a_peer("
     mpirun -np N --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 \\
         python -m bench.mpi_peer alltoall --spec cases.json
 
-Every rank moves the dispatch bytes of each case (`bench.peers` describes a case) with one
+Every rank moves the dispatch bytes of each case (`bench.peers.a2a` describes a case) with one
 comm.Alltoallv, then the combine bytes back with another; each iteration is barrier, dispatch,
 barrier, combine, timed on every rank. Rank 0 prints one JSON line per case: the per-iteration
 maximum over ranks of both phases (`bench.peers.a2a_merge_ranks`).

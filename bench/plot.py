@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from bench.common import fmt_size
+from runtime.cli.argtypes import fmt_size
 
 MATPLOTLIB_MISSING = "--plot needs matplotlib: pip install -e '.[plot]'"
 _XPOD_COLORS = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",

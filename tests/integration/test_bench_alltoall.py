@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from bench import alltoall as A
+from bench.alltoall.inputs import hottest_over_mean
 from bench.peers import mpi_available, run_a2a_peer
 from comm.routing import Placement
 from runtime import cli
@@ -97,7 +98,7 @@ def test_xpod_rows_over_batch_dies_protocol_and_quant(tmp_path, capsys):
 def test_skew_routing_makes_hot_experts_and_dedup_counts_token_die_pairs():
     pt = A.Point(dies=4, batch=64, hidden=16, topk=4, num_experts=32, seed=3)
     skew = A.Point(**{**dataclasses.asdict(pt), "routing": "skew"})
-    assert A.hottest_over_mean(skew) > 3 * A.hottest_over_mean(pt)
+    assert hottest_over_mean(skew) > 3 * hottest_over_mean(pt)
     idx = A.routing(skew, 1)[0]
     assert all(len(set(row)) == 4 for row in idx.tolist())
     placement = Placement.default(32, (0, 1, 2, 3))

@@ -20,6 +20,12 @@ import numpy as np
 import pytest
 
 from bench import serve as bs
+from bench.serve.client import RequestResult
+from bench.serve.dataset import make_requests
+from bench.serve.flags import QUICK_MAX_PROMPTS
+from bench.serve.report import SHOW_ERRORS
+from bench.serve.scrape import parse_prometheus, server_figures, total
+from bench.serve.stats import find_knee
 from runtime import cli
 
 pytest.importorskip("aiohttp")
@@ -70,7 +76,7 @@ def test_arrival_times_inf_and_ramp():
 
 
 def _ok(ttft_ms, e2e_ms, n_out, itl_ms=()):
-    return bs.RequestResult(ok=True, prompt_len=10, output_tokens=n_out, ttft=ttft_ms / 1e3,
+    return RequestResult(ok=True, prompt_len=10, output_tokens=n_out, ttft=ttft_ms / 1e3,
                             latency=e2e_ms / 1e3, itl=[g / 1e3 for g in itl_ms])  # fmt: skip
 
 
@@ -80,7 +86,7 @@ def test_summarize_known_inputs():
         _ok(20, 200, 10, [10]),  # 20 ms
         _ok(30, 300, 10),  # 30 ms
         _ok(40, 400, 1),  # one token: no tpot
-        bs.RequestResult(ok=False, prompt_len=10, error="HTTP 500: boom"),
+        RequestResult(ok=False, prompt_len=10, error="HTTP 500: boom"),
     ]
     s = bs.summarize(results, 2.0, {"ttft": 25, "e2el": 250}, (50, 90, 99, 99.9))
     assert (s["completed"], s["failed"]) == (4, 1)
@@ -110,9 +116,9 @@ def test_find_knee():
     def rows(ttft, good):
         return [{"ttft_p50_ms": a, "goodput": b} for a, b in zip(ttft, good, strict=True)]
 
-    assert bs.find_knee(rows([10, 11, 12, 25, 90], [1, 2, 3, 4, 5])) == 3  # TTFT > 2x
-    assert bs.find_knee(rows([10, 11, 12, 13, 14], [1, 2, 3, 3.01, 3])) == 3  # goodput flat
-    assert bs.find_knee(rows([10, 11, 12], [1, 2, 3])) is None
+    assert find_knee(rows([10, 11, 12, 25, 90], [1, 2, 3, 4, 5])) == 3  # TTFT > 2x
+    assert find_knee(rows([10, 11, 12, 13, 14], [1, 2, 3, 3.01, 3])) == 3  # goodput flat
+    assert find_knee(rows([10, 11, 12], [1, 2, 3])) is None
 
 
 PROM = """# HELP x
@@ -139,7 +145,7 @@ xpod_process_cpu_seconds_total{{group="1",role="die"}} {die}
 def _snap(**kw):
     base = dict(kv0=0, kv1=0, fwd=0, queries=0, steps=0, dummy=0, bubble=0, moe=0, hits=0,
                 ssum=0, scount=0, shell=1, die=2)  # fmt: skip
-    return bs.parse_prometheus(PROM.format(**{**base, **kw}))
+    return parse_prometheus(PROM.format(**{**base, **kw}))
 
 
 def test_server_figures_from_metrics_deltas():
@@ -147,9 +153,9 @@ def test_server_figures_from_metrics_deltas():
     s1 = _snap(fwd=10, queries=100, steps=50, dummy=10, bubble=0.2, moe=4, hits=50, ssum=0.3,
                scount=30, shell=2, die=3.5)  # fmt: skip
     snaps = [_snap(kv0=0.5, kv1=0.25), _snap(), _snap(kv0=0.2, kv1=0.2)]  # idle one skipped
-    f = bs.server_figures(s0, s1, snaps, n_out=1000)
+    f = server_figures(s0, s1, snaps, n_out=1000)
     assert f["kv_balance"] == pytest.approx((0.5 / 0.375 + 1.0) / 2)
-    d = lambda name: bs.total(s1, name) - bs.total(s0, name)  # noqa: E731
+    d = lambda name: total(s1, name) - total(s0, name)  # noqa: E731
     steps, dummy = d("xpod_steps_total"), d("xpod_dummy_steps_total")  # with rows / without
     assert steps > 0 and dummy > 0
     assert f["dummy_step_share"] == pytest.approx(dummy / (dummy + steps))
@@ -161,7 +167,7 @@ def test_server_figures_from_metrics_deltas():
     assert f["cpu_s_shell"] == pytest.approx(1) and f["cpu_s_dies"] == pytest.approx(3)
     assert f["cpu_s_server"] == pytest.approx(4)
     assert f["cpu_ms_per_token_server"] == pytest.approx(4.0)
-    assert bs.server_figures(None, s1, [], 1) == {}
+    assert server_figures(None, s1, [], 1) == {}
 
 
 # -- the client's failure accounting (a scripted fake server in a thread) --------------------------
@@ -254,7 +260,7 @@ def test_failed_requests_are_counted_with_their_errors(tmp_path, capsys):
     assert res["total_output_tokens"] == 10  # usage.completion_tokens: not 2 chunks, 3 ids
     assert res["total_input_tokens"] == 10  # usage.prompt_tokens
     errs = res["errors"]
-    assert len(errs) == bs.SHOW_ERRORS
+    assert len(errs) == SHOW_ERRORS
     assert errs[0] == "HTTP 500: boom"
     assert errs[1] == "no usage in the stream"
     assert "Payload" in errs[2] or "Disconnect" in errs[2] or "Connection" in errs[2]
@@ -338,22 +344,22 @@ def test_good_flags_parse(tmp_path):
     assert (o.dies, o.max_num_seqs, o.model) == (2, 3, "small")  # ceil(5 / 2)
     assert o.goodput == {"ttft": 500.0, "tpot": 50.0}
     assert o.server_argv[-2:] == ("--async-depth", "1")
-    assert o.dataset == "prefix-repetition" and o.num_prompts == bs.QUICK_MAX_PROMPTS
+    assert o.dataset == "prefix-repetition" and o.num_prompts == QUICK_MAX_PROMPTS
     assert o.ttft is False  # --quick: off unless asked
     assert o.request_rate == math.inf
-    reqs = bs.make_requests(o, 8, 0)
+    reqs = make_requests(o, 8, 0)
     prefixes = {r.prompt[: o.pr_prefix_len] for r in reqs}
     assert len(prefixes) == 4 and all(r.prompt_len == len(r.prompt) + 1 for r in reqs)
     args = cli.build_parser().parse_args(["bench", "serve", "--launch", "--random-range-ratio",
                                           "0.5", "--random-prefix-len", "7"])  # fmt: skip
     o = bs.parse_options(args)
     assert o.ttft is True and o.max_num_seqs == 8
-    reqs = bs.make_requests(o, 200, 0)
+    reqs = make_requests(o, 200, 0)
     lens = [r.prompt_len - 7 for r in reqs]
     assert min(lens) >= 32 and max(lens) <= 96 and len(set(lens)) > 20
     assert len({r.prompt[:7] for r in reqs}) == 1
     assert all(r.prompt.isascii() and r.prompt.isprintable() for r in reqs)
-    assert {r.prompt for r in bs.make_requests(o, 5, 1)}.isdisjoint(r.prompt for r in reqs)
+    assert {r.prompt for r in make_requests(o, 5, 1)}.isdisjoint(r.prompt for r in reqs)
 
 
 # -- real runs on the tiny model -------------------------------------------------------------------

@@ -133,13 +133,13 @@ def test_plot_p2p_writes_png(tmp_path):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", ["shm-floor", "zmq-ipc", "pipe"])
 def test_failing_side_raises_and_kills_the_other(transport, monkeypatch):
-    import bench.peers
+    from bench.peers import procs
 
     def pin_or_fail(side: int) -> None:
         if side == 1:
             raise OSError("sched_setaffinity: injected failure")
 
     # Forked children inherit the patch; side 0 is then left waiting for an answer forever.
-    monkeypatch.setattr(bench.peers, "_pin_to_core", pin_or_fail)
+    monkeypatch.setattr(procs, "pin_to_core", pin_or_fail)
     with pytest.raises(RuntimeError, match="side 1 failed: OSError: sched_setaffinity: injected"):
         run_peer(transport, [8], iters_scale=ITERS_SCALE, pin=True, timeout_s=100)

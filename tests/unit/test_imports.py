@@ -40,13 +40,6 @@ RUNTIME_LAYERS: dict[str, set[str]] = {
     "runtime.api": {"memory", "comm", "sched", "runtime.pod", "runtime.model", "runtime.engine"},
     "runtime.cli": {"memory", "comm", "sched", "runtime"},
 }
-# Modules of runtime/ not yet moved into a sub-package: they may import anything of runtime,
-# and anything may import them. The layout issue empties this list one sub-package at a time.
-LEGACY: set[str] = set()
-# Cycles the layout issue has yet to remove (each entry goes with its fix).
-KNOWN_CYCLES: set[frozenset[str]] = {
-    frozenset({"bench.common", "bench.plot"}),
-}
 
 
 # -- the walk ----------------------------------------------------------------------------------
@@ -194,10 +187,8 @@ def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
     return found
 
 
-def layer_of(module: str) -> str | None:
-    """The RUNTIME_LAYERS key a runtime module belongs to (None for a legacy module)."""
-    if module in LEGACY:
-        return None
+def layer_of(module: str) -> str:
+    """The RUNTIME_LAYERS key a runtime module belongs to."""
     parts = module.split(".")
     if len(parts) >= 2 and ".".join(parts[:2]) in RUNTIME_LAYERS:
         return ".".join(parts[:2])
@@ -207,13 +198,14 @@ def layer_of(module: str) -> str | None:
 def runtime_violations(modules: dict[str, Path], root: Path = ROOT) -> list[str]:
     bad = []
     for mod, path in sorted(modules.items()):
-        if mod.split(".")[0] != "runtime" or (layer := layer_of(mod)) is None:
+        if mod.split(".")[0] != "runtime":
             continue
+        layer = layer_of(mod)
         allowed = RUNTIME_LAYERS[layer] | {layer}
         for a in arrows(path, modules, root):
             if a.dst.split(".")[0] not in ("memory", "comm", "sched", "runtime"):
                 continue  # between packages: test_import_direction
-            if a.dst in LEGACY or a.dst == "runtime._packages":
+            if a.dst == "runtime._packages":
                 continue
             if not any(a.dst == p or a.dst.startswith(p + ".") for p in allowed):
                 bad.append(f"{path.relative_to(root)}:{a.line} ({layer}) imports {a.dst}")
@@ -250,7 +242,7 @@ def test_no_import_cycle():
     graph: dict[str, set[str]] = {}
     for mod, path in MODULES.items():
         graph[mod] = {a.dst for a in arrows(path, MODULES) if a.dst in MODULES}
-    found = [c for c in cycles(graph) if frozenset(c) not in KNOWN_CYCLES]
+    found = cycles(graph)
     assert not found, "import cycles:\n" + "\n".join(str(sorted(c)) for c in found)
 
 
@@ -265,9 +257,9 @@ def test_no_private_name_crosses_a_module():
     )
 
 
-def test_legacy_modules_exist():
-    # an entry that names a module already moved must go (so the list only shrinks)
-    assert not LEGACY - set(MODULES), sorted(LEGACY - set(MODULES))
+def test_every_runtime_module_lives_in_a_sub_package():
+    loose = [m for m in MODULES if layer_of(m) == "runtime" and m.split(".")[0] == "runtime"]
+    assert sorted(loose) == ["runtime", "runtime._packages"], loose
 
 
 # -- the checker checks itself ------------------------------------------------------------------

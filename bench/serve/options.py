@@ -1,0 +1,65 @@
+"""What one `xpod bench serve` run was asked for: `Options`, every flag already checked (the
+parts read it and never argparse), and `BenchError`, which stops a run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PROG = "xpod bench serve"
+
+
+class BenchError(Exception):
+    """The benchmark cannot go on (the server failed, did not answer, refused the prompts)."""
+
+
+@dataclass(frozen=True)
+class Options:
+    url: str | None
+    launch: bool
+    server_argv: tuple[str, ...]  # `xpod serve` flags after `serve` (launch)
+    dies: int  # of the launched server (0 with --url: read from /metrics)
+    model: str
+    max_num_seqs: int
+    protocol: str
+    quant: str | None
+    max_model_len: int  # 0 with --url: read from /v1/models
+    endpoint: str
+    num_prompts: int
+    request_rate: float
+    burstiness: float
+    ramp: tuple[str, float, float] | None
+    max_concurrency: int | None
+    dataset: str
+    input_len: int
+    output_len: int
+    range_ratio: float
+    prefix_len: int
+    pr_prefix_len: int
+    pr_suffix_len: int
+    pr_num_prefixes: int
+    pr_output_len: int
+    dataset_path: str | None
+    file_rows: tuple[tuple[str, int | None], ...]
+    ignore_eos: bool
+    temperature: float
+    goodput: dict
+    percentile_metrics: tuple[str, ...]
+    metric_percentiles: tuple[float, ...]
+    seed: int
+    json: str | None
+    plot: str | None
+    rate_sweep: tuple[float, ...]
+    quick: bool
+    ttft: bool
+    ttft_probes: int
+    save_detailed: bool
+    show_progress: bool
+    request_timeout_s: float
+    client_batch: bool = True
+    repeat: int = 1
+    lb_compare: bool = False
+
+    @property
+    def load_concurrency(self) -> int:
+        """Requests in flight in the TTFT phase's loaded part (probe included)."""
+        return self.max_concurrency or self.dies * self.max_num_seqs
