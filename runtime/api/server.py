@@ -43,10 +43,12 @@ import contextlib
 import errno
 import json
 import logging
+import os
 import signal
 import socket
 import sys
 import time
+from typing import TextIO
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -256,13 +258,14 @@ class Server:
 
     def on_signal(self, name: str) -> None:
         self.signals += 1
-        if self.signals == 1:
-            print(f"{PROG}: {name}: draining {len(self.inflight)} request(s) (up to"
-                  f" {self.opts.drain_timeout_s:g} s; again to stop now)", file=sys.stderr,
-                  flush=True)  # fmt: skip
         self.draining = True
         if self.stop_event is not None:
             self.stop_event.set()
+        if self.signals == 1:
+            say(
+                f"{name}: draining {len(self.inflight)} request(s) (up to"
+                f" {self.opts.drain_timeout_s:g} s; again to stop now)"
+            )
 
     def stop(self) -> None:
         """Drain and stop, as a signal does (from any thread)."""
@@ -274,7 +277,7 @@ class Server:
             with contextlib.suppress(EngineError):
                 self.engine.ping()
             if self.engine.failure is not None:
-                print(f"{PROG}: error: {self.engine.failure}", file=sys.stderr, flush=True)
+                say(f"error: {self.engine.failure}")
                 self.exit_status = 1
                 self.draining = True
                 self.stop_event.set()
@@ -298,9 +301,9 @@ class Server:
         host, port = sock.getsockname()[:2]
         self.url = f"http://{host}:{port}"
         e = self.opts.engine
-        print(f"{PROG}: serving {self.model.name} on {self.url}  ({e.dies} dies, max-num-seqs"
-              f" {e.max_num_seqs}, lb {e.lb_policy}, output procs"
-              f" {'on' if e.output_procs else 'off'})", flush=True)  # fmt: skip
+        say(f"serving {self.model.name} on {self.url}  ({e.dies} dies, max-num-seqs"
+            f" {e.max_num_seqs}, lb {e.lb_policy}, output procs"
+            f" {'on' if e.output_procs else 'off'})", sys.stdout)  # fmt: skip
         if self.opts.loop_receiver:
             self.engine.attach_loop(loop)
         beat = asyncio.create_task(self._heartbeat())
@@ -328,9 +331,24 @@ class Server:
         end = time.monotonic() + 5.0
         while self.inflight and time.monotonic() < end:  # the aborts' last chunks go out
             await asyncio.sleep(0.02)
-        print(f"{PROG}: drained {n - len(left)} of {n} in-flight request(s) in"
-              f" {time.monotonic() - t0:.2f} s, aborted {len(left)}; {self.served} served"
-              " in all", file=sys.stderr, flush=True)  # fmt: skip
+        say(
+            f"drained {n - len(left)} of {n} in-flight request(s) in"
+            f" {time.monotonic() - t0:.2f} s, aborted {len(left)}; {self.served} served in all"
+        )
+
+
+def say(text: str, stream: TextIO | None = None) -> None:
+    """A status line (stderr by default). A stream whose reader is gone (a closed terminal, a
+    pipe whose reader exited) must not keep the server from draining and stopping: from then on
+    it writes to /dev/null (what Python's docs advise for a broken pipe)."""
+    stream = stream or sys.stderr
+    try:
+        print(f"{PROG}: {text}", file=stream, flush=True)
+    except (OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())
+            os.close(devnull)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -363,14 +381,13 @@ def run(opts: ServerOptions) -> int:
                         level=logging.INFO if opts.access_log else logging.WARNING)  # fmt: skip
     bind(opts.host, opts.port).close()  # a busy port fails before anything starts
     e = opts.engine
-    print(f"{PROG}: launching {e.dies} dies, model {e.model} ...", file=sys.stderr, flush=True)
+    say(f"launching {e.dies} dies, model {e.model} ...")
     t0 = time.monotonic()
     engine = Engine.launch(e)
     if opts.shell_batch:  # the event loop, the engine's threads and zmq's I/O thread
         batch_scheduling(all_threads=True)
     try:
-        print(f"{PROG}: engine ready in {time.monotonic() - t0:.1f} s", file=sys.stderr,
-              flush=True)  # fmt: skip
+        say(f"engine ready in {time.monotonic() - t0:.1f} s")
         sock = bind(opts.host, opts.port if opts.port else 0)
         server = Server(engine, opts)
         status = uvloop.run(server.serve(sock))
@@ -381,5 +398,5 @@ def run(opts: ServerOptions) -> int:
         finally:
             for s, h in zip((signal.SIGINT, signal.SIGTERM), old, strict=True):
                 signal.signal(s, h)
-    print(f"{PROG}: stopped", file=sys.stderr, flush=True)
+    say("stopped")
     return status

@@ -24,6 +24,7 @@ import http.client
 import json
 import os
 import queue
+import select
 import signal
 import socket
 import struct
@@ -66,13 +67,19 @@ class ServerProc:
                          daemon=True).start()  # fmt: skip
         threading.Thread(target=self._read, args=(self.proc.stderr, self.err.append),
                          daemon=True).start()  # fmt: skip
+        try:
+            self._wait_until_serving()
+        except BaseException:
+            self.kill()  # a server that started but failed a check must not outlive the test
+            raise
+
+    def _wait_until_serving(self) -> None:
         deadline = time.monotonic() + START_S
         self.url = ""
         while not self.url:
             try:
                 line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
-                self.kill()
                 raise AssertionError(f"no URL after {START_S} s: {''.join(self.err)}") from None
             if " on http://" in line:
                 self.url = line.split(" on ", 1)[1].split()[0]
@@ -836,3 +843,34 @@ def test_concurrent_streams_equal_the_schedule_replay(output_procs):
 def _subsequence(short: list[int], long: list[int]) -> bool:
     it = iter(long)
     return all(any(x == y for y in it) for x in short)
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_stops_a_server_whose_terminal_is_gone():
+    """The server's stdout and stderr lose their reader (a closed terminal, a pipe whose reader
+    exited): SIGTERM still drains and stops it, exit status 0, no process or segment left."""
+    cmd = [sys.executable, "-m", "runtime.cli", "serve", "--port", "0", "--model", "tiny",
+           "--dies", "2"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline, line = time.monotonic() + START_S, b""
+        while b" on http://" not in line:
+            assert proc.poll() is None and time.monotonic() < deadline, "xpod serve did not start"
+            if select.select([proc.stdout], [], [], 0.5)[0]:
+                line = proc.stdout.readline()
+        pids = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        pods = {n.split(".")[1] for n in _segments() if n.endswith(".ctl")
+                and _launcher(n) == proc.pid}  # fmt: skip
+        assert pods and pids
+        proc.stdout.close()  # nobody reads the server's output any more
+        proc.stderr.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(40) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    time.sleep(0.1)
+    assert not [p for p in pids if psutil.pid_exists(p)
+                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]  # fmt: skip
+    assert not {n for n in _segments() if n.split(".")[1] in pods}
