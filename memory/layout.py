@@ -65,6 +65,8 @@ Serving fields (only in a pod launched with `serve_slot_bytes`), after the all-t
    pong                              writer: this die   the last ping it saw, echoed from its loop
    attn_ns, moe_ns, step_ns          writer: this die   cumulative attention, MoE wait (dispatch
                                                         + combine) and forward time of its steps
+   progress                          writer: this die   where it is (`progress_word`): the
+                                                        supervisor's hang detector samples it
 ```
 Expert load balancing fields (only in a pod launched with `eplb_layers`), after the serving
 words (runtime.model.expert_balancer):
@@ -134,7 +136,8 @@ SV_RES_PUB, SV_RES_TAKEN, SV_DUMMY_STEPS, SV_CMD_LEN = 6, 7, 8, 9  # then the sl
 SERVE_SLOTS = 4
 SV_PING = SV_CMD_LEN + 2 * SERVE_SLOTS  # then the heartbeat and the cumulative phase times
 SV_PONG, SV_ATTN_NS, SV_MOE_NS, SV_STEP_NS = SV_PING + 1, SV_PING + 2, SV_PING + 3, SV_PING + 4
-SERVE_WORDS = SV_STEP_NS + 1
+SV_PROGRESS = SV_STEP_NS + 1  # step << 24 | (layer + 1) << 12 | phase << 4 | state (progress_word)
+SERVE_WORDS = SV_PROGRESS + 1
 # Expert load balancing words (word index inside the eplb block), see the diagram.
 EP_PLAN_SEQ, EP_PLAN_STEP, EP_READY, EP_SWITCHED, EP_COUNT_STEP = range(5)
 EP_MOVED_BYTES, EP_MOVE_NS, EP_BALANCE_PPM, EP_ROWS = range(5, 9)
@@ -544,3 +547,19 @@ def _a2a_sizes(
 def _check(name: str, value: int, lo: int, hi: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
         raise ConfigError(f"{name}: {value!r} is out of range [{lo}, {hi}]")
+
+
+# Die progress word (SV_PROGRESS): one store per phase change, read by the serving supervisor.
+PROGRESS_STATES = ("compute", "wait", "vote", "park")
+
+
+def progress_word(step: int, layer: int, phase: int, state: int) -> int:
+    """Pack where a die is: its step, layer (-1: outside the layers), the phase it last ended
+    (`runtime.model.forward.PHASES` index) and its state (PROGRESS_STATES index)."""
+    return (step << 24) | ((layer + 1) & 0xFFF) << 12 | (phase & 0xFF) << 4 | (state & 0xF)
+
+
+def unpack_progress(word: int) -> tuple[int, int, int, int]:
+    """(step, layer, phase, state) of a progress word."""
+    w = int(word)
+    return w >> 24, ((w >> 12) & 0xFFF) - 1, (w >> 4) & 0xFF, w & 0xF

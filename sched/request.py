@@ -5,7 +5,8 @@ Counters (positions are token positions in `all_tokens`, 0-based):
 - `num_scheduled`: positions [0, num_scheduled) have their KV written by planned rows (in flight
   included); `num_computed` <= `num_scheduled` counts those whose result arrived (and prefix hits).
 - `pending_samples`: planned rows that will sample, result not arrived; the next sampled token
-  has output index `len(output) + pending_samples`.
+  has output index `index_base + len(output) + pending_samples` (`index_base`: the tokens a
+  resumed request had delivered before a restart; they are part of its prompt now).
 - `epoch`: bumped on preemption; a row carries its epoch and results of an older one are dropped.
 """
 
@@ -35,11 +36,13 @@ def _is_int(x: object) -> bool:
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How to sample one request. `temperature` 0 is greedy; `seed` seeds the per-token rng."""
+    """How to sample one request. `temperature` 0 is greedy; `seed` seeds the per-token rng
+    (draws keyed on (seed, token index) only). `seed` None: the engine draws one when it accepts
+    the request and records it (`RequestTracker.track`); a scheduler used alone takes 0."""
 
     max_tokens: int = 16
     temperature: float = 0.0
-    seed: int = 0
+    seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
@@ -55,9 +58,9 @@ class SamplingParams:
             raise TypeError(f"temperature must be a float, got {type(self.temperature).__name__}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
-        if not _is_int(self.seed):
+        if self.seed is not None and not _is_int(self.seed):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
-        if self.seed < 0:
+        if self.seed is not None and self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
         if not isinstance(self.stop_token_ids, tuple | list):
             raise TypeError(f"stop_token_ids must be a tuple of ints, got {self.stop_token_ids!r}")
@@ -89,6 +92,7 @@ class Request:
     num_preemptions: int = 0
     pending_samples: int = 0
     last_plan: int = -1
+    index_base: int = 0  # a resumed request: tokens delivered before (its output indices go on)
 
     @property
     def all_tokens(self) -> list[int]:

@@ -284,11 +284,13 @@ class Scheduler:
         self, step: _Step, req: Request, tokens: list[int] | None, n: int, sample: bool
     ) -> None:
         assert n >= 1 and n <= step.budget and req.request_id not in step.planned
-        index = len(req.output) + req.pending_samples if sample else -1
-        assert index < req.params.max_tokens, f"request {req.request_id}: sample past max_tokens"
+        index = req.index_base + len(req.output) + req.pending_samples if sample else -1
+        assert index - req.index_base < req.params.max_tokens, (
+            f"request {req.request_id}: sample past max_tokens"
+        )
         row = Row(req.request_id, req.epoch, req.num_scheduled, tokens, n,
                   self.kv.block_table(req.request_id), sample, index,
-                  req.params.temperature, req.params.seed)  # fmt: skip
+                  req.params.temperature, req.params.seed or 0)  # fmt: skip
         req.num_scheduled += n
         req.pending_samples += sample
         req.last_plan = step.plan_id

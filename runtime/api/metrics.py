@@ -14,6 +14,11 @@ Two sources:
   rows in a step counts 0).
 - process CPU seconds of every xpod process by role (shell, master, output, die), for the CPU
   breakdown of `xpod bench serve`.
+- reliability (`Engine.reliability`, runtime.engine.supervisor): faults injected / verified /
+  detected by kind, recovered by tier, given up; recovery seconds by part (detect, teardown,
+  launch, recompute); the ledger: requests accepted / ended / recomputed, tokens a stream had
+  already (trimmed), token gaps (a bug: 0), stale messages of a dead incarnation; the
+  incarnation and whether a restart is under way.
 
 Names follow vLLM's with an `xpod_` prefix (`xpod_time_to_first_token_seconds`, ...).
 """
@@ -25,7 +30,7 @@ import threading
 
 import psutil
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 # Buckets sized for this machine's steps (~2-20 ms) and few enough to keep a scrape cheap:
 # prometheus-client renders ~12 us per sample, and every bucket is a sample per group.
@@ -224,6 +229,43 @@ class Metrics:
         for name, fn in self.extra.items():
             yield GaugeMetricFamily(name, fn.__doc__ or name, value=fn())
         yield from self._processes()
+        yield from self._reliability()
+
+    def _reliability(self):
+        rel = self.engine.reliability() if hasattr(self.engine, "reliability") else {}
+        counts = rel.get("counts", {})
+        for what, label, doc in (
+            ("injected", "kind", "Faults injected (fault plan), by kind-target."),
+            ("verified", "kind", "Injected faults verified to have fired."),
+            ("detected", "kind", "Faults detected, by how (exit, stall, heartbeat)."),
+            ("recovered", "tier", "Faults recovered from, by tier."),
+            ("failed", "kind", "Faults the engine gave up on (or recovery was off)."),
+        ):
+            m = CounterMetricFamily(f"xpod_faults_{what}", doc, labels=[label])
+            for k, v in sorted(counts.get(what, {}).items()):
+                m.add_metric([k], v)
+            yield m
+        m = SummaryMetricFamily("xpod_recovery_seconds", "Recovery time by part (detect:"
+                                " injection to detection; teardown; launch; recompute: launch to"
+                                " the first resumed token).", labels=["part"])  # fmt: skip
+        for part, vals in sorted(rel.get("recovery_s", {}).items()):
+            m.add_metric([part], len(vals), float(sum(vals)))
+        yield m
+        ledger = rel.get("ledger", {})
+        for key, doc in (
+            ("accepted", "Requests the engine accepted."),
+            ("ended", "Accepted requests that ended (each exactly once)."),
+            ("requests_recomputed", "Requests re-admitted after a restart (token recomputation)."),
+            ("tokens_replayed", "Tokens a stream already had, trimmed (never sent twice)."),
+            ("token_gaps", "Token deltas that did not start where the stream was (a bug: 0)."),
+            ("stale_messages", "Messages of a dead incarnation dropped after a restart."),
+        ):
+            name = key if key.startswith(("requests", "tokens", "token")) else f"requests_{key}"
+            yield CounterMetricFamily(f"xpod_{name}", doc, value=ledger.get(key, 0))
+        yield GaugeMetricFamily("xpod_engine_incarnation", "Restarts so far (0 at launch).",
+                                value=rel.get("gen", 0))  # fmt: skip
+        yield GaugeMetricFamily("xpod_recovering", "1 while a restart is under way.",
+                                value=1.0 if rel.get("recovering") else 0.0)  # fmt: skip
 
     def _processes(self):
         m = CounterMetricFamily("xpod_process_cpu_seconds", "CPU time (user + system) of every"

@@ -28,6 +28,13 @@ every master; the master writes the ping into its die's serving words and rings 
 echoes it from its step loop (or its park loop); the master answers once it sees the echo. A
 hung die or master stops answering, and `/health` turns 503 within `--health-timeout`.
 
+Recovery (on by default, `--no-recover` for the old behaviour): a die, master or output
+process that dies or hangs is restarted by the engine's supervisor with every accepted request
+kept; `/health` answers 503 `{"status": "recovering"}` meanwhile, new requests wait in the
+shell (up to `--max-queue`), and every stream continues from the tokens its client has. A fault
+the engine gives up on (too many restarts) ends the in-flight requests with an error and the
+server exits 1, as before (`runtime.engine.supervisor`).
+
 Shutdown (SIGTERM, SIGINT / Ctrl-C, SIGHUP): `/health` turns 503 and new requests get 503;
 in-flight requests run to their end for up to `--drain-timeout` seconds, then the rest are
 aborted (`finish_reason` "abort"); the listener closes, the engine stops every process and
@@ -170,6 +177,8 @@ class Server:
     def health(self) -> tuple[int, dict]:
         h = self.engine.health(self.opts.health_timeout_s)
         status = "ok" if h["ok"] else ("down" if not h["up"] else "unhealthy")
+        if h["up"] and getattr(self.engine, "recovering", False):
+            status = "recovering"  # a restart: requests are held, then resumed
         if self.draining:
             status = "draining"
         body = {"status": status, "groups": {str(g): v for g, v in h["groups"].items()}}

@@ -7,7 +7,14 @@ from __future__ import annotations
 import argparse
 
 from memory.errors import ConfigError
-from runtime.cli.argtypes import flag_error, int_range, nonneg_int, output_file, positive_int
+from runtime.cli.argtypes import (
+    flag_error,
+    int_range,
+    nonneg_int,
+    output_file,
+    positive_float,
+    positive_int,
+)
 from runtime.cli.model_flags import (
     add_alltoall_flags,
     add_eplb_flags,
@@ -44,6 +51,10 @@ ENGINE_FLAGS = {
     "temperature": "--temperature",
     "seed": "--seed",
     "stop_token_ids": "--stop-token-ids",
+    "inject": "--inject",
+    "stall_timeout_s": "--stall-timeout",
+    "heartbeat_timeout_s": "--heartbeat-timeout",
+    "max_restarts": "--max-restarts",
 }
 
 
@@ -96,6 +107,27 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="write a Perfetto timeline (masters above dies) to FILE when done",
     )
+    add_reliability_flags(p)
+
+
+def add_reliability_flags(p: argparse.ArgumentParser) -> None:
+    """Fault detection, recovery and injection (runtime.engine.supervisor / faults)."""
+    g = p.add_argument_group("reliability")
+    add = g.add_argument
+    add("--no-recover", action="store_true",
+        help="a die / master / output process that dies or hangs ends the engine (every request"
+        " fails) instead of a restart that resumes every request")  # fmt: skip
+    add("--stall-timeout", type=positive_float, default=1.0, metavar="S",
+        help="no die progress for S seconds under load = hang (default 1)")  # fmt: skip
+    add("--heartbeat-timeout", type=positive_float, default=1.5, metavar="S",
+        help="a group silent to the heartbeat for S seconds = hang (default 1.5)")  # fmt: skip
+    add("--max-restarts", type=positive_int, default=3, metavar="N",
+        help="more than N restarts in 60 s: give up (default 3)")  # fmt: skip
+    add("--inject", default="", metavar="PLAN",
+        help="fault plan, e.g. 'kill:die=2,step=300; stop:master=1,at=5s,for=0.3s'"
+        " (kinds kill, stop; targets die, master, output; when step=S and / or at=T)")  # fmt: skip
+    add("--fault-log", type=output_file, default=None, metavar="FILE",
+        help="append every fault injected, detected, recovered to FILE as JSON lines")  # fmt: skip
 
 
 def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
@@ -120,6 +152,12 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
             trace=args.trace or "",
             model_overrides={"score_bias": args.score_bias} if args.score_bias else {},
             eplb=eplb_config(args) if args.eplb == "on" else None,
+            recover=not args.no_recover,
+            stall_timeout_s=args.stall_timeout,
+            heartbeat_timeout_s=args.heartbeat_timeout,
+            max_restarts=args.max_restarts,
+            inject=args.inject,
+            fault_log=args.fault_log or "",
             **extra,
         )  # fmt: skip
         cfg.pod_config()  # the pod it sizes must be valid too

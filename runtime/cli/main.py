@@ -58,6 +58,8 @@ BENCHES: dict[str, tuple[str, str]] = {
                " against `xpod decode`."),
     "serve": ("bench.serve", "`xpod bench serve`: a vLLM-style serving benchmark against xpod's"
               " OpenAI-compatible server."),
+    "chaos": ("bench.chaos", "`xpod bench chaos`: HTTP load while faults fire, against a"
+              " fault-free baseline."),
 }  # fmt: skip
 
 

@@ -48,6 +48,16 @@ class EngineConfig:
             bytes straight to the caller; off: the caller's receiver thread renders them.
         eplb: expert load balancing while serving (`runtime.model.EPLBConfig`), or None; a
             window is `every` busy steps of the pod (idle votes do not count).
+        recover: a die, master or output process that dies or hangs is restarted with every
+            accepted request kept and resumed from its delivered tokens
+            (`runtime.engine.supervisor`); False: the engine fails and every request ends
+            with an error (the behaviour before recovery existed).
+        stall_timeout_s: no die's progress word changes this long while requests run = hang.
+        heartbeat_timeout_s: a group silent to the heartbeat this long = hang.
+        max_restarts, restart_window_s: more restarts than this in the window give up (every
+            request ends with an error, the engine is down).
+        inject: a fault plan (`runtime.engine.faults`), "" = none.
+        fault_log: a file: every injection, detection and recovery as a JSON line.
     """
 
     dies: int = 4
@@ -75,6 +85,13 @@ class EngineConfig:
     output_procs: bool = False
     stream_interval: int = 1
     eplb: EPLBConfig | None = None
+    recover: bool = True
+    stall_timeout_s: float = 1.0
+    heartbeat_timeout_s: float = 1.5
+    max_restarts: int = 3
+    restart_window_s: float = 60.0
+    inject: str = ""
+    fault_log: str = ""
 
     def __post_init__(self) -> None:
         m = self.model_config()
@@ -98,6 +115,23 @@ class EngineConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"{name}: {v!r} must be an int >= {lo}")  # fmt: skip
+        for name in ("stall_timeout_s", "heartbeat_timeout_s", "restart_window_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0.05 <= v <= 3600:
+                raise ConfigError(f"{name}: {v!r} must be a number of seconds in [0.05, 3600]")
+        if (
+            isinstance(self.max_restarts, bool)
+            or not isinstance(self.max_restarts, int)
+            or (self.max_restarts < 1)
+        ):
+            raise ConfigError(f"max_restarts: {self.max_restarts!r} must be an int >= 1")
+        if self.inject:
+            from runtime.engine.faults import FaultSpecError, parse_faults
+
+            try:
+                parse_faults(self.inject, self.dies, self.output_procs)
+            except FaultSpecError as e:
+                raise ConfigError(f"inject: {e}") from None
         if self.combine_dtype not in COMBINE_DTYPES:
             raise ConfigError(f"combine_dtype: {self.combine_dtype!r} must be bfloat16 or float32")
         if self.async_depth not in (1, 2):

@@ -42,9 +42,11 @@ from memory.errors import PodError
 from runtime.engine import wire
 from runtime.engine.config import EngineConfig
 from runtime.engine.executor import ServeSpec, serve_main
+from runtime.engine.faults import FaultPlan, parse_faults
 from runtime.engine.master import MasterSpec, master_main
 from runtime.engine.output import OutputSpec, output_main
 from runtime.engine.step_ring import Bell, bell_path
+from runtime.engine.supervisor import Supervisor
 from runtime.engine.tracker import (
     CompletionOutput,
     Delta,
@@ -102,6 +104,10 @@ class Engine:
         self.ping_seq = 0
         self.started_at = time.monotonic()
         self.pongs: dict[int, tuple[int, float, int]] = {}  # group -> (seq, when, die step)
+        self.pod_id: str | None = None  # kept across restarts (the run directory is named so)
+        self.recovering = False  # a restart is under way (admissions held, /health 503)
+        self.alive_since = time.monotonic()  # the current incarnation's start (health ages)
+        self.supervisor: Supervisor | None = None
 
     # -- launch ---------------------------------------------------------------------------------
 
@@ -125,14 +131,43 @@ class Engine:
 
     def _start(self) -> None:
         cfg = self.config
-        pcfg = cfg.pod_config()
-        with prepared_for_fork(cfg.model_config()):  # kernels and one copy of the weights
-            self.pod = Pod.launch(pcfg)
+        self._launch_pod()
         self.run_dir = f"/dev/shm/xpod.{self.pod.pod_id}.run"
         os.mkdir(self.run_dir, 0o700)
         for r in range(cfg.dies):
             Bell.create(bell_path(self.run_dir, f"d{r}"))
             Bell.create(bell_path(self.run_dir, f"m{r}"))
+        self._fork_group_processes()
+        self.ctx = zmq.Context()  # after the forks: a forked child must not inherit a context
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.bind(engine_socket(self.run_dir))
+        self._connect_and_run()
+        if cfg.warmup:
+            warm = [self.tracker.track([1], SamplingParams(max_tokens=1), g)
+                    for g in range(cfg.dies)]  # fmt: skip
+            for g, t in enumerate(warm):
+                t.id = -1 - g  # the caller's request ids start at 0
+            self.tracker.ids = itertools.count()
+            self.tracker.enqueue(warm)
+            for t in warm:
+                if not t.done.wait(READY_TIMEOUT_S) or t.reason == "error":
+                    raise EngineError(f"warm-up request failed: {t.error or 'timed out'}")
+        plan = None
+        if cfg.inject:
+            plan = FaultPlan(parse_faults(cfg.inject, cfg.dies, cfg.output_procs))
+        self.started_at = time.monotonic()
+        if cfg.recover or plan is not None:
+            self.supervisor = Supervisor(self, plan, cfg.fault_log)
+            self.supervisor.start()
+
+    def _launch_pod(self) -> None:
+        with prepared_for_fork(self.config.model_config()):  # kernels, one copy of the weights
+            self.pod = Pod.launch(self.config.pod_config(), pod_id=self.pod_id)
+        self.pod_id = self.pod.pod_id
+
+    def _fork_group_processes(self) -> None:
+        """The output processes and the masters of the current incarnation (`gen`)."""
+        cfg, pcfg = self.config, self.config.pod_config()
         ctx = mp.get_context("fork")
         for g in range(cfg.dies if cfg.output_procs else 0):
             p = ctx.Process(target=output_main, args=(OutputSpec(g, self.run_dir), os.getpid()),
@@ -148,44 +183,41 @@ class Engine:
                             name=f"xpod-{self.pod.pod_id}-master{g}", daemon=True)  # fmt: skip
             p.start()
             self.masters.append(p)
-        self.ctx = zmq.Context()  # after the forks: a forked child must not inherit a context
-        self.inbox = self.ctx.socket(zmq.PULL)
-        self.inbox.bind(engine_socket(self.run_dir))
-        for g in range(cfg.dies):
-            s = self.ctx.socket(zmq.PUSH)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(master_socket(self.run_dir, g))
-            self.to_master.append(s)
-        for g in range(len(self.outputs)):
-            s = self.ctx.socket(zmq.PUSH)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(output_socket(self.run_dir, g))
-            self.to_output.append(s)
+
+    def _connect_and_run(self) -> None:
+        """Sockets to the masters and output processes, the pod run and (first time) the
+        receiver thread; wait until every master of this incarnation is ready."""
+        cfg = self.config
+        with self.lock:  # the lock guards the sockets to the masters
+            for g in range(cfg.dies):
+                s = self.ctx.socket(zmq.PUSH)
+                s.setsockopt(zmq.LINGER, 0)
+                s.connect(master_socket(self.run_dir, g))
+                self.to_master.append(s)
+            for g in range(len(self.outputs)):
+                s = self.ctx.socket(zmq.PUSH)
+                s.setsockopt(zmq.LINGER, 0)
+                s.connect(output_socket(self.run_dir, g))
+                self.to_output.append(s)
         serve = ServeSpec(self.model, cfg.protocol, cfg.quant, cfg.blocks, cfg.block_size,
                           self.run_dir, cfg.keep_logits, cfg.gc_every, cfg.eplb)  # fmt: skip
-        self._thread(self._pod_loop, serve, name="xpod-pod-run")
-        self._thread(self._receive, name="xpod-engine-receive")
+        self._thread(self._pod_loop, serve, self.gen, name="xpod-pod-run")
+        if not any(t.name == "xpod-engine-receive" for t in self._threads) and not (
+            self.rx_handover
+        ):
+            self._thread(self._receive, name="xpod-engine-receive")
         deadline = time.monotonic() + READY_TIMEOUT_S
         for _ in range(cfg.dies):
             if not self.ready.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 raise EngineError(f"masters not ready after {READY_TIMEOUT_S:g} s")
             if self.failure is not None:
                 raise EngineError(f"engine failed while starting: {self.failure}")
-        if cfg.warmup:
-            warm = [self.tracker.track([1], SamplingParams(max_tokens=1), g)
-                    for g in range(cfg.dies)]  # fmt: skip
-            for g, t in enumerate(warm):
-                t.id = -1 - g  # the caller's request ids start at 0
-            self.tracker.ids = itertools.count()
-            self.tracker.enqueue(warm)
-            for t in warm:
-                if not t.done.wait(READY_TIMEOUT_S) or t.reason == "error":
-                    raise EngineError(f"warm-up request failed: {t.error or 'timed out'}")
 
     def _master_spec(self, g: int, pcfg: PodConfig, cpu: int) -> MasterSpec:
         cfg, m = self.config, self.model
         return MasterSpec(
             group=g, pod_id=self.pod.pod_id, run_dir=self.run_dir, config=pcfg.to_dict(),
+            gen=self.gen,
             vocab_size=m.vocab_size, eos_token_id=EOS, num_blocks=cfg.blocks,
             block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_seq_len=m.max_seq_len,
@@ -202,12 +234,21 @@ class Engine:
 
     # -- background threads ---------------------------------------------------------------------
 
-    def _pod_loop(self, serve: ServeSpec) -> None:
+    def _pod_loop(self, serve: ServeSpec, gen: int) -> None:
+        pod = self.pod
         try:
-            self.pod_result = self.pod.run(serve_main, serve)
-        except BaseException as e:  # noqa: BLE001 - every failure ends the engine, named
-            if not self.closing:
-                self._fail(EngineError(f"the pod failed: {type(e).__name__}: {e}"))
+            self.pod_result = pod.run(serve_main, serve)
+        except BaseException as e:  # noqa: BLE001 - every failure is named: a restart or the end
+            if not self.closing and gen == self.gen:
+                self._fault(f"the pod failed: {type(e).__name__}: {e}", gen)
+
+    def _fault(self, detail: str, gen: int) -> None:
+        """A process of incarnation `gen` died: the supervisor restarts, or the engine fails."""
+        sup = self.supervisor
+        if sup is not None and self.config.recover:
+            sup.report("exit", detail, gen)
+        elif gen == self.gen:
+            self._fail(EngineError(detail))
 
     def _receive(self) -> None:
         poller = zmq.Poller()
@@ -277,18 +318,22 @@ class Engine:
         self._thread(self._receive, name="xpod-engine-receive")
 
     def _watch(self) -> None:
-        if self.closing or self.failure is not None:
+        if self.closing or self.failure is not None or self.recovering:
             return
+        if self.supervisor is not None and self.config.recover:
+            return  # it waits on the processes' sentinels itself
         for g, p in enumerate(self.masters):
             if p.exitcode is not None:
-                self._fail(EngineError(f"master {g} (pid {p.pid}) exited ({p.exitcode})"))
+                self._fault(f"master {g} (pid {p.pid}) exited ({p.exitcode})", self.gen)
                 return
         for g, p in enumerate(self.outputs):
             if p.exitcode is not None:
-                self._fail(EngineError(f"output process {g} (pid {p.pid}) exited ({p.exitcode})"))
+                self._fault(f"output process {g} (pid {p.pid}) exited ({p.exitcode})", self.gen)
                 return
 
     def _on_message(self, kind: str, body: dict) -> None:
+        if body.get("gen", 0) != self.gen and kind != "out":  # the tracker counts stale `out`
+            return
         if kind == "ready":
             self.ready.release()
         elif kind == "out":
@@ -306,8 +351,10 @@ class Engine:
 
     def _send(self, group: int, kind: str, body: dict) -> None:
         """A message to `group`'s master (caller holds the lock: zmq sockets are not shared
-        between threads)."""
-        self.to_master[group].send(wire.pack(kind, body))
+        between threads). Dropped while a restart replaces the masters (what it said is in the
+        tracker's books: an abort marks its request, a dispatch waits for the new masters)."""
+        if group < len(self.to_master):
+            self.to_master[group].send(wire.pack(kind, body))
 
     def _fail(self, err: BaseException) -> None:
         self.tracker.fail(err)
@@ -426,6 +473,130 @@ class Engine:
                 return {}
         return out
 
+    # -- supervision (runtime.engine.supervisor) ------------------------------------------------
+
+    @property
+    def gen(self) -> int:
+        """The incarnation: 0 at launch, +1 per restart."""
+        return self.tracker.gen
+
+    def sentinels(self) -> dict:
+        """sentinel -> ("master" | "output", group, process) of the current incarnation."""
+        out = {}
+        for what, procs in (("master", self.masters), ("output", self.outputs)):
+            for g, p in enumerate(list(procs)):
+                with contextlib.suppress(ValueError):  # closed by a teardown meanwhile
+                    out[p.sentinel] = (what, g, p)
+        return out
+
+    def processes(self) -> list[tuple[str, int, int]]:
+        """(kind, index, pid) of every die, master and output process now."""
+        out = []
+        pod = self.pod
+        if pod is not None and not pod.closed:
+            out += [("die", r, p.pid) for r, p in enumerate(list(pod.procs))]
+        out += [("master", g, p.pid) for g, p in enumerate(list(self.masters))]
+        out += [("output", g, p.pid) for g, p in enumerate(list(self.outputs))]
+        return out
+
+    def pid_of(self, what: str, index: int) -> int:
+        """The pid of die / master / output `index` now (0 if there is none)."""
+        return next((pid for w, i, pid in self.processes() if w == what and i == index), 0)
+
+    def _serve_words(self, word: int) -> list[int]:
+        pod = self.pod
+        if pod is None or pod.closed or self.recovering:
+            return []
+        i = pod.layout.serve_word(word)
+        try:
+            return [int(pod.region(g).words[i]) for g in range(self.config.dies)]
+        except (PodError, IndexError, ValueError, TypeError):
+            return []
+
+    def progress_words(self) -> list[int]:
+        """Every die's progress word (`memory.layout.unpack_progress`); [] while down."""
+        return self._serve_words(L.SV_PROGRESS)
+
+    def die_step(self) -> int:
+        """Die 0's step in the current incarnation (0 while down)."""
+        steps = self._serve_words(L.SV_VOTE_STEP)
+        return steps[0] if steps else 0
+
+    def busy(self) -> bool:
+        """Do the masters have requests (so the dies must be making progress)?"""
+        t = self.tracker
+        return not self.recovering and len(t.reqs) > len(t.pending)
+
+    def fail_now(self, detail: str) -> None:
+        """Give up (the supervisor): every request ends with an error, the engine is down."""
+        self.recovering = False
+        self._fail(EngineError(detail))
+
+    def begin_recovery(self) -> None:
+        """Hold dispatches (requests wait in the tracker) and report "recovering"."""
+        with self.lock:
+            self.recovering = True
+            self.tracker.hold = True
+
+    def teardown_processes(self) -> None:
+        """SIGKILL every die, master and output process (their state is rebuilt from the
+        tracker's books) and close the pod; the run directory, the inbox and the threads of
+        the shell stay."""
+        with self.lock:
+            for s in [*self.to_master, *self.to_output]:
+                s.close(linger=0)
+            self.to_master, self.to_output = [], []
+        pod = self.pod
+        procs = list(self.masters) + list(self.outputs)
+        if pod is not None and not pod.closed:
+            pod.abort()
+            procs += list(pod.procs)
+        for p in procs:
+            with contextlib.suppress(Exception):
+                p.kill()  # a stopped process dies of SIGKILL too
+        for p in procs:
+            with contextlib.suppress(Exception):
+                p.join(5)
+        runs = [t for t in self._threads if t.name == "xpod-pod-run"]
+        for t in runs:
+            t.join(CLOSE_TIMEOUT_S)
+            self._threads.remove(t)
+        if pod is not None:
+            pod.close(fast=True)
+        for p in list(self.masters) + list(self.outputs):
+            with contextlib.suppress(Exception):
+                p.close()
+        self.masters, self.outputs = [], []
+
+    def readmit(self) -> list[TrackedRequest]:
+        """Bump the incarnation and re-queue every request the masters had (held)."""
+        with self.lock:
+            self.pongs = {}
+            return self.tracker.readmit(self.gen + 1)
+
+    def launch_processes(self) -> None:
+        """A new pod under the same id, new masters and output processes; wait until ready."""
+        while self.ready.acquire(blocking=False):  # readies of the old incarnation
+            pass
+        self._launch_pod()
+        self._fork_group_processes()
+        self._connect_and_run()
+
+    def end_recovery(self) -> None:
+        """Dispatch again: the re-queued requests first."""
+        with self.lock:
+            self.recovering = False
+            self.alive_since = time.monotonic()
+            self.tracker.hold = False
+            self.tracker.dispatch_pending()
+            self.tracker.deliver()
+
+    def reliability(self) -> dict:
+        """The supervisor's counters and the ledger's (`/metrics`, summaries, bench chaos)."""
+        snap = self.supervisor.snapshot() if self.supervisor is not None else {}
+        return {**snap, "ledger": dict(self.tracker.ledger), "gen": self.gen,
+                "recovering": self.recovering}  # fmt: skip
+
     # -- heartbeat ------------------------------------------------------------------------------
 
     def ping(self) -> int:
@@ -444,7 +615,7 @@ class Engine:
         now = time.monotonic()
         groups = {}
         for g in range(self.config.dies):
-            seq, when, step = self.pongs.get(g, (0, self.started_at, 0))
+            seq, when, step = self.pongs.get(g, (0, self.alive_since, 0))
             age = now - when
             groups[g] = {"age_s": round(age, 3), "ok": age <= timeout_s, "seq": seq,
                          "die_step": step}  # fmt: skip
@@ -459,6 +630,8 @@ class Engine:
         if self.closed:
             return
         self.closing = True
+        if self.supervisor is not None:
+            self.supervisor.quiesce()  # a restart under way finishes first
         with self.lock, contextlib.suppress(zmq.ZMQError):
             self.tracker.accepting = False
             for s in self.to_master:
@@ -497,6 +670,8 @@ class Engine:
         if self.pod is not None:
             self.pod.close(fast=True)
         self.closed = True
+        if self.supervisor is not None:  # its thread forked the processes of a restart: it
+            self.supervisor.close()  # ends only now that they are gone
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(2)

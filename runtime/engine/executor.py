@@ -106,6 +106,9 @@ class _Loop:
             die, spec.model, spec.num_blocks, spec.block_size, spec.eplb
         )
         self.clock = Clock(die, spec.model.n_layers)
+        # Where this die is, for the shell's hang detector (runtime.engine.supervisor): the
+        # clock stores (step, layer, phase ended) at every phase, the loop its vote / park.
+        self.clock.progress = (self.words[self.me], lo.serve_word(L.SV_PROGRESS))
         # Early votes need a pod-wide collective in every busy step (an MoE layer).
         self.early = spec.model.n_dense_layers < spec.model.n_layers
         self.last: dict[int, int] = {}  # request -> its last sampled token (fed to decode rows)
@@ -147,6 +150,8 @@ class _Loop:
         """
         w = self.words[self.me]
         t0 = time.perf_counter_ns()
+        self.clock.step = s
+        self.clock.mark(-1, 0, L.PROGRESS_STATES.index("vote"))
         w[self.vote_rows + (s & 1)] = rows | (EXIT if self.exiting else 0)
         w[self.vote_step] = s  # LAST
         if rows and self.early:
@@ -185,6 +190,8 @@ class _Loop:
         """Sleep until there is work for step s+1; True if this die's own work woke it (it must
         then ring its peers after voting)."""
         self.stats["parks"] += 1
+        self.clock.step = s
+        self.clock.mark(-1, 0, L.PROGRESS_STATES.index("park"))
         t0 = time.perf_counter_ns()
         abort = self.die.ctx.abort
         try:

@@ -82,6 +82,7 @@ class MasterSpec:
     trace: bool = False
     output_proc: bool = False
     stream_interval: int = 1
+    gen: int = 0  # the engine's incarnation (restarts): on every message, stale ones dropped
 
 
 class Master:
@@ -138,6 +139,7 @@ class Master:
         self.step_new: list[float] = []  # step times (ms) since the last stats message
         self.attn_new: list[list[int]] = []  # [step, attention ns] since the last stats
         self.done: list[list] = []
+        self.sent_n: dict[int, int] = {}  # request -> output index of its next delta's token
         self.steps: list[dict] = []  # the replay log
         self.counters = {"results": 0, "busy_steps": 0, "empty_plans": 0, "bubble_ns": 0,
                          "dummy_steps": 0,
@@ -194,13 +196,18 @@ class Master:
                 raise ValueError("prompt must be a non-empty list of token ids")
             if any(not isinstance(t, int) or not 0 <= t < self.spec.vocab_size for t in prompt):
                 raise ValueError(f"prompt: token ids must be ints in [0, {self.spec.vocab_size})")
+            base = body.get("base", 0)  # a resumed request: tokens it had delivered
+            if not isinstance(base, int) or isinstance(base, bool) or not 0 <= base < len(prompt):
+                raise ValueError(f"base {base!r} must be an int in [0, {len(prompt)})")
             self.sched.add(Request(rid, list(prompt), params, self.spec.eos_token_id,
-                                   time.monotonic()))  # fmt: skip
+                                   time.monotonic(), index_base=base))  # fmt: skip
+            self.sent_n[rid] = base
             if body.get("stream", True):
                 self.streamed.add(rid)
             if self.spec.output_proc:
-                self.tokens_out.send(wire.pack("open", {"id": rid, "n_prompt": len(prompt),
-                                                        "render": body.get("render")}))  # fmt: skip
+                self.tokens_out.send(wire.pack("open", {
+                    "id": rid, "n_prompt": len(prompt) - base, "render": body.get("render"),
+                    "replay": prompt[len(prompt) - base:] if base else []}))  # fmt: skip
         except (ValueError, TypeError) as e:
             self.counters["bad_requests"] += 1
             if isinstance(rid, int):
@@ -308,13 +315,20 @@ class Master:
     # -- output --------------------------------------------------------------------------------
 
     def send(self, kind: str, body: dict) -> None:
-        self.outbox.send(wire.pack(kind, body))
+        self.outbox.send(wire.pack(kind, {**body, "gen": self.spec.gen}))
 
     def flush(self) -> None:
         send = self._due()
         if send or self.done:
+            deltas = []  # [id, output index of the first token, tokens]: the shell's ledger
+            for rid, toks in send.items():  # checks each start against what it has delivered
+                start = self.sent_n.get(rid, 0)
+                self.sent_n[rid] = start + len(toks)
+                deltas.append([rid, start, toks])
+            for rec in self.done:
+                self.sent_n.pop(rec[0], None)
             self.tokens_out.send(wire.pack("out", {
-                "group": self.spec.group, "deltas": [[i, t] for i, t in send.items()],
+                "group": self.spec.group, "gen": self.spec.gen, "deltas": deltas,
                 "done": self.done}))  # fmt: skip
             self.done = []
         now = time.monotonic()

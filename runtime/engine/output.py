@@ -1,11 +1,12 @@
 """Output handling: a request's tokens -> the bytes its HTTP client reads (001 4.1).
 
 `OutputHandler` keeps a `Renderer` (`runtime.engine.render`) per rendered request and turns a
-master's `out` message (token deltas and finishes) into the shell's: `data` entries
-`[id, tokens, bytes, final, status]` for rendered requests, token deltas for the others, the
-finishes unchanged (a stop string's finish says "stop"). A stop string found in the tokens ends the
-request at once for the client (`final` data) and is returned so that the caller aborts it in
-its master (abort-as-stop).
+master's `out` message (token deltas `[id, start, tokens]`, `start` the output index of the
+first, and finishes) into the shell's: `data` entries `[id, tokens counted, bytes, final,
+status, start, token ids]` for rendered requests (the ids keep the shell's ledger: what each
+client has), token deltas for the others, the finishes unchanged (a stop string's finish says
+"stop"). A stop string found in the tokens ends the request at once for the client (`final`
+data) and is returned so that the caller aborts it in its master (abort-as-stop).
 
 Where it runs (`EngineConfig.output_procs`):
 - off: in the shell, on the engine's receiver thread;
@@ -42,31 +43,48 @@ class OutputHandler:
 
     def __init__(self) -> None:
         self.renderers: dict[int, Renderer] = {}
+        self.fed: dict[int, int] = {}  # rendered request -> tokens fed (output index of the next)
+        self.replayed = 0  # tokens dropped because a renderer had them already
 
-    def open(self, rid: int, spec: dict | None, n_prompt: int) -> None:
+    def open(self, rid: int, spec: dict | None, n_prompt: int, replay: list[int] = ()) -> None:
+        """Render request `rid`; `replay`: the tokens its client already has (a request resumed
+        after a restart): fed to the new renderer with its bytes dropped, so that it goes on in
+        the state the lost one was in (rendering is a function of the tokens)."""
         if spec:
-            self.renderers[rid] = Renderer(spec, n_prompt)
+            r = self.renderers[rid] = Renderer(spec, n_prompt)
+            if replay:
+                r.feed(list(replay), last=False)
+                r.take_count()
+                self.fed[rid] = len(replay)
 
     def process(self, body: dict) -> tuple[dict, list[int]]:
         """A master's `out` body -> (the shell's `out` body, ids a stop string ended)."""
         raw, data, stops = [], [], []
         done = body.get("done", [])
         ending = {rec[0] for rec in done if not rec[4]}  # their last chunk carries the text
-        for rid, toks in body.get("deltas", ()):
+        for rid, start, toks in body.get("deltas", ()):
             r = self.renderers.get(rid)
             if r is None:
-                raw.append([rid, toks])
+                raw.append([rid, start, toks])
                 continue
+            fed = self.fed.get(rid, 0)
+            if start < fed:  # a token the renderer has had (never twice to a client)
+                self.replayed += min(len(toks), fed - start)
+                toks, start = toks[fed - start :], fed
+            self.fed[rid] = start + len(toks)
             if r.finished:
                 continue  # tokens planned before the stop's abort landed: dropped
             chunk, stopped = r.feed(toks, last=rid in ending)
             if stopped:
                 stops.append(rid)
-                data.append([rid, r.take_count(), chunk + r.finish("stop"), True, 200])
+                data.append([rid, r.take_count(), chunk + r.finish("stop"), True, 200, start, toks])
             elif chunk or (r.stream and rid not in ending):
-                data.append([rid, r.take_count(), chunk, False, 200])
+                data.append([rid, r.take_count(), chunk, False, 200, start, toks])
+            elif toks:  # no bytes yet: the ids alone, for the shell's ledger
+                data.append([rid, 0, b"", False, 200, start, toks])
         for rec in done:
             r = self.renderers.pop(rec[0], None)
+            start = self.fed.pop(rec[0], 0)
             if r is None:
                 continue
             if r.stopped:
@@ -74,8 +92,10 @@ class OutputHandler:
                 rec[4] = ""
                 continue
             fin = r.finish(rec[1], rec[4])
-            data.append([rec[0], r.take_count(), fin, True, 500 if rec[4] else 200])
-        return {"group": body.get("group", -1), "deltas": raw, "done": done, "data": data}, stops
+            data.append([rec[0], r.take_count(), fin, True, 500 if rec[4] else 200, start, []])
+        out = {"group": body.get("group", -1), "gen": body.get("gen", 0), "deltas": raw,
+               "done": done, "data": data}  # fmt: skip
+        return out, stops
 
 
 @dataclass(frozen=True)
@@ -104,7 +124,8 @@ def output_main(spec: OutputSpec, engine_pid: int) -> None:
         while True:
             kind, body = wire.unpack(inbox.recv(), {"open", "out", "eof", "shutdown"})
             if kind == "open":
-                handler.open(body["id"], body.get("render"), body.get("n_prompt", 0))
+                handler.open(body["id"], body.get("render"), body.get("n_prompt", 0),
+                             body.get("replay") or [])  # fmt: skip
             elif kind == "out":
                 out, stops = handler.process(body)
                 for rid in stops:

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
+import logging
+import secrets
 import threading
 import time
 from collections import deque
@@ -27,9 +30,10 @@ from dataclasses import dataclass
 from memory.errors import PodError
 from runtime.engine.output import OutputHandler
 from runtime.engine.render import Renderer
-from runtime.model import ModelConfig, decode, encode
+from runtime.model import EOS, ModelConfig, decode, encode
 from sched import LoadBalancer, SamplingParams
 
+log = logging.getLogger(__name__)
 Send = Callable[[int, str, dict], None]  # (group, message kind, body) to that group's master
 
 
@@ -99,6 +103,9 @@ class TrackedRequest:
         self.t_sched = 0.0  # first planned (from the master)
         self.t_last = 0.0  # the last tokens arrived
         self.final = False  # a rendered request's last bytes went out
+        self.resumed = 0  # times it was re-admitted after a restart (token recomputation)
+        self.t_resumed = 0.0  # its first token after the latest re-admission
+        self.aborted = False  # the caller aborted it (a restart must not resume it)
 
     @property
     def streamed(self) -> bool:
@@ -140,6 +147,12 @@ class RequestTracker:
         self.notes: dict = {}
         self.failure: BaseException | None = None
         self.accepting = True
+        self.hold = False  # a restart is under way: accepted requests wait in `pending`
+        self.gen = 0  # the engine's incarnation: `out` messages of an older one are dropped
+        # The ledger's counters: tokens a stream had already (trimmed: never sent twice), gaps
+        # (a bug: must stay 0), requests re-admitted after a restart, stale messages dropped.
+        self.ledger = {"tokens_replayed": 0, "token_gaps": 0, "requests_recomputed": 0,
+                       "stale_messages": 0, "accepted": 0, "ended": 0}  # fmt: skip
 
     # -- intake ---------------------------------------------------------------------------------
 
@@ -163,6 +176,9 @@ class RequestTracker:
                 f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds the"
                 f" context of {limit} tokens"
             )
+        if params.seed is None:  # drawn once, here, and recorded: a recomputation after a
+            # restart continues the same stream (draws are keyed on (seed, token index))
+            params = dataclasses.replace(params, seed=secrets.randbelow(1 << 31))
         t = TrackedRequest(next(self.ids), prompt, tokens, params)
         t.pin = group
         return t
@@ -194,6 +210,8 @@ class RequestTracker:
             for t in tracked:
                 self.reqs[t.id] = t
                 self.pending.append(t)
+                if t.id >= 0:
+                    self.ledger["accepted"] += 1
             self.dispatch_pending()
 
     def check_up(self) -> None:
@@ -204,7 +222,7 @@ class RequestTracker:
 
     def dispatch_pending(self) -> None:
         """Send waiting requests to groups while the balancer finds room (caller holds lock)."""
-        while self.pending:
+        while self.pending and not self.hold:
             t = self.pending[0]
             g = t.pin if t.pin is not None else self.lb.pick(len(t.tokens), t.params.max_tokens)
             if g is None:
@@ -212,15 +230,18 @@ class RequestTracker:
             self.pending.popleft()
             self.lb.on_dispatch(g, t.id, len(t.tokens), t.params.max_tokens)
             t.group = g
-            p = t.params
-            body = {"id": t.id, "prompt": t.tokens, "stream": t.streamed,
-                    "params": {"max_tokens": p.max_tokens, "temperature": p.temperature,
+            p, base = t.params, len(t.out)
+            # A resumed request (token recomputation): its prompt is the prompt and the tokens
+            # it delivered, its output indices go on from there (`base`: the seeded draws of
+            # the continuation are those of the lost stream), and the rest of its max_tokens.
+            body = {"id": t.id, "prompt": t.tokens + t.out, "stream": t.streamed, "base": base,
+                    "params": {"max_tokens": p.max_tokens - base, "temperature": p.temperature,
                                "seed": p.seed, "stop_token_ids": list(p.stop_token_ids),
                                "ignore_eos": p.ignore_eos}}  # fmt: skip
             if t.render is not None:
                 if self.output_procs:
                     body["render"] = t.render
-                else:
+                elif t.id not in self.render.renderers:  # a resumed one keeps its renderer
                     self.render.open(t.id, t.render, len(t.tokens))
             self.send(g, "add", body)
 
@@ -238,6 +259,7 @@ class RequestTracker:
                 if t.keep:
                     self.finished[t.id] = t
                 return
+            t.aborted = True
             self.send(t.group, "abort", {"id": request_id})
 
     def result(self, request_id: int, timeout_s: float | None = None) -> CompletionOutput:
@@ -285,34 +307,69 @@ class RequestTracker:
     # -- from the masters -----------------------------------------------------------------------
 
     def on_out(self, body: dict) -> None:
-        """A master's (or output process's) `out` message: tokens, rendered bytes, finishes."""
+        """A master's (or output process's) `out` message: tokens, rendered bytes, finishes.
+
+        The ledger: every token delta carries the output index of its first token; tokens a
+        request already has are trimmed (counted in `tokens_replayed`), a delta that starts
+        past them is a gap (`token_gaps`, logged: a bug). Messages of an older incarnation of
+        the engine (before a restart) are dropped: their requests were re-admitted."""
         now = time.monotonic()
         with self.lock:
+            if body.get("gen", 0) != self.gen:
+                self.ledger["stale_messages"] += 1
+                return
+            body["deltas"] = [d for d in map(self._fresh, body["deltas"]) if d is not None]
             if "data" not in body:  # from a master: render here what is rendered
                 body, stops = self.render.process(body)
                 for rid in stops:
                     t = self.reqs.get(rid)
                     if t is not None and t.group >= 0:
                         self.send(t.group, "abort", {"id": rid})
-            for rid, toks in body["deltas"]:
+            for rid, _start, toks in body["deltas"]:
                 t = self.reqs.get(rid)
-                if t is None:
+                if t is None or not toks:
                     continue
                 self._tokens(t, len(toks), now)
                 t.out.extend(toks)
                 self._notify(t, Delta(rid, list(toks), decode(toks)))
-            for rid, n, data, final, status in body["data"]:
+            for rid, n, data, final, status, start, ids in body["data"]:
                 t = self.reqs.get(rid)
                 if t is None:
                     continue
+                if ids:  # rendered ones: the renderer trimmed what its client had
+                    if start != len(t.out):
+                        self._gap(t, start)
+                    t.out.extend(ids)
                 self._tokens(t, n, now)
                 t.final = t.final or final
-                self._notify(t, Delta(rid, [], "", data=data, n_tokens=n, final=final,
-                                      status=status))  # fmt: skip
+                if data or final or n:
+                    self._notify(t, Delta(rid, [], "", data=data, n_tokens=n, final=final,
+                                          status=status))  # fmt: skip
             for rec in body["done"]:
                 self._done(rec, now)
             self.dispatch_pending()
             self.deliver()
+
+    def _fresh(self, delta: list) -> list | None:
+        """A token delta `[id, start, tokens]` cut to the tokens its request does not have yet
+        (None if nothing is left, or the request is not live)."""
+        rid, start, toks = delta
+        t = self.reqs.get(rid)
+        if t is None:
+            return None
+        have = len(t.out)
+        if start < have:
+            cut = min(len(toks), have - start)
+            self.ledger["tokens_replayed"] += cut
+            toks, start = toks[cut:], start + cut
+        elif start > have:
+            self._gap(t, start)
+        return [rid, start, toks] if toks else None
+
+    def _gap(self, t: TrackedRequest, start: int) -> None:
+        self.ledger["token_gaps"] += 1
+        log.error("request %d: tokens from output index %d arrived after %d delivered (a gap)",
+                  t.id, start, len(t.out))  # fmt: skip
 
     def _done(self, rec: list, now: float) -> None:
         rid, reason, _n_prompt, n_cached, error, first = rec[:6]
@@ -327,6 +384,52 @@ class RequestTracker:
         self._end(t, reason, error, now, n_cached)
         if t.keep:
             self.finished[rid] = t
+
+    def readmit(self, gen: int) -> list[TrackedRequest]:
+        """A restart (caller holds the lock; `hold` is set): from now on only messages of
+        incarnation `gen` count. Every request a master had is re-queued, first and in order,
+        to be resumed from what it delivered (token recomputation); one whose delivered tokens
+        already end it (its last token, a stop string sent, max_tokens) ends now, once.
+        Returns the re-queued requests."""
+        self.gen = gen
+        now = time.monotonic()
+        queued = set(map(id, self.pending))
+        back = []
+        for t in sorted(self.reqs.values(), key=lambda r: r.id):
+            if id(t) in queued:
+                continue
+            self.lb.on_finish(t.id)
+            t.group = -1
+            reason = self._over(t)
+            if reason:
+                self.reqs.pop(t.id, None)
+                self._end(t, reason, "", now)
+                if t.keep:
+                    self.finished[t.id] = t
+                continue
+            t.resumed += 1
+            t.t_resumed = 0.0
+            if t.id >= 0:
+                self.ledger["requests_recomputed"] += 1
+            back.append(t)
+        self.pending.extendleft(reversed(back))
+        self.deliver()
+        return back
+
+    def _over(self, t: TrackedRequest) -> str:
+        """The finish reason a request's delivered tokens already imply ("" if none)."""
+        p = t.params
+        if t.aborted:
+            return "abort"
+        if t.final:
+            return "stop"  # a stop string: its client has its last bytes
+        if t.out and (t.out[-1] in p.stop_token_ids or (t.out[-1] == EOS and not p.ignore_eos)):
+            return "stop"
+        return "length" if len(t.out) >= p.max_tokens else ""
+
+    def live(self) -> int:
+        """Accepted requests not ended yet."""
+        return len(self.reqs)
 
     def fail(self, err: BaseException) -> None:
         """The engine is down: every request not finished ends with finish reason "error"."""
@@ -346,6 +449,8 @@ class RequestTracker:
     def _tokens(self, t: TrackedRequest, n: int, now: float) -> None:
         if n and not t.t_first:
             t.t_first = now
+        if n and t.resumed and not t.t_resumed:
+            t.t_resumed = now
         if n and self.observer is not None and t.streamed:
             self.observer.on_tokens(t, n, now)
         t.n_out += n
@@ -356,13 +461,19 @@ class RequestTracker:
              ) -> None:  # fmt: skip
         t.reason, t.error, t.t_done, t.n_cached = reason, error, now, n_cached
         if t.render is not None and not t.final:  # the engine ended it (error, abort, close)
-            self.render.renderers.pop(t.id, None)
-            data = Renderer(t.render, len(t.tokens)).finish(reason, error)
+            r = self.render.renderers.pop(t.id, None)
+            if r is None:  # rendered in an output process, or never opened: the state of a
+                r = Renderer(t.render, len(t.tokens))  # renderer that had these tokens
+                if t.out:
+                    r.feed(list(t.out))
+            data = r.finish(reason, error)
             t.final = True
             status = 503 if self.failure is not None else (500 if error else 200)
             self._notify(t, Delta(t.id, [], "", data=data, final=True, status=status))
         self._notify(t, Delta(t.id, [], "", reason, error))
         t.done.set()
+        if t.id >= 0:
+            self.ledger["ended"] += 1
         if self.observer is not None and t.id >= 0:
             self.observer.on_finish(t)
 

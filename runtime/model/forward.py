@@ -17,6 +17,7 @@ import comm
 from comm.quant import dequantize_int8
 from comm.routing import Placement
 from comm.trace import STEP_NAMES, TRACK_NAMES
+from memory.layout import progress_word
 from runtime.model.config import ModelConfig
 from runtime.model.die_model import DieModel, batch_rows, last_rows
 from runtime.model.expert_balancer import EPLBConfig, ExpertBalancer
@@ -51,11 +52,21 @@ class Clock:
         self.other_ns = 0
         self.counting = False
         self.cur = [0] * len(PHASES)  # this step's ns per phase (serving: reset every step)
+        self.progress = None  # serving: (words, index) of the die's progress word
+
+    def mark(self, layer: int, phase: int, state: int = 0) -> None:
+        """Store where this die is in its progress word (serving; one int64 store)."""
+        if self.progress is not None:
+            words, i = self.progress
+            words[i] = progress_word(self.step, layer, phase, state)
 
     def span(self, phase: int, layer: int, t0: int) -> int:
         t1 = time.perf_counter_ns()
         self.trace.rec(t0, t1 - t0, TRACE_OP, phase, layer, MODEL_LANE, self.step, 0)
         self.cur[phase] += t1 - t0
+        if self.progress is not None:
+            words, i = self.progress
+            words[i] = progress_word(self.step, layer, phase, 0)
         if self.counting:
             if layer >= 0:
                 self.layer_ns[layer, phase] += t1 - t0

@@ -19,8 +19,8 @@ def sample(
         temperature: 0 -> greedy (argmax; the first maximum on ties); > 0 -> categorical over
             `softmax(logits / temperature)` (computed in float64).
         rngs: one generator per row when temperature > 0, made by the caller as
-            `np.random.default_rng([seed, req_id, step])` so a request's draws do not depend on
-            which die or batch it is in.
+            `np.random.default_rng([seed, token_index])` (`sample_rows`) so a request's draws
+            do not depend on which die, batch or step it is in, nor on its request id.
 
     Returns:
         tokens: int64 `[m]`.
@@ -42,11 +42,16 @@ def sample(
 
 
 def sample_rows(logits: np.ndarray, rows: list[dict]) -> list[int]:
-    """One token per sampling row: greedy, or `rng([seed, request, token_index])` categorical
-    (the draw depends on the request and the token's index only, not on batch or step)."""
+    """One token per sampling row: greedy, or `rng([seed, token_index])` categorical.
+
+    The draw depends on the seed and the token's output index only (vLLM's f(seed, position);
+    OpenAI's `seed`: the same seed, prompt and parameters give the same stream): not on the
+    request id, the batch mates, the step, or whether it was streamed. A request recomputed
+    after a restart continues at `token_index = len(delivered)` with the same seed, hence the
+    same draws."""
     out = np.argmax(logits, axis=-1).tolist() if len(rows) else []
     for i, r in enumerate(rows):
         if r["temperature"] > 0:
-            rng = [np.random.default_rng([r["seed"], r["id"], r["index"]])]
+            rng = [np.random.default_rng([r["seed"], r["index"]])]
             out[i] = int(sample(logits[i : i + 1], r["temperature"], rng)[0])
     return out

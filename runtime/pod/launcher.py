@@ -130,9 +130,9 @@ _SIGTERM = _SigtermGuard()
 class Pod:
     """A running pod. Build with `Pod.launch`; use as a context manager."""
 
-    def __init__(self, config: PodConfig):
+    def __init__(self, config: PodConfig, pod_id: str | None = None):
         self.config = config
-        self.pod_id = secrets.token_hex(4)
+        self.pod_id = pod_id or secrets.token_hex(4)
         self.layout = config.layout()
         self.ctl: C.Control | None = None
         self.regions: list[Region] = []
@@ -145,11 +145,14 @@ class Pod:
     # -- launch ---------------------------------------------------------------------------------
 
     @classmethod
-    def launch(cls, config: PodConfig | None = None, **overrides: Any) -> Pod:
+    def launch(cls, config: PodConfig | None = None, pod_id: str | None = None,
+               **overrides: Any) -> Pod:  # fmt: skip
         """Create the segments, start `config.num_dies` dies and wait until all are ready.
 
         Arguments:
             config: the pod configuration (default PodConfig()).
+            pod_id: the id of a closed pod to launch again under (a serving engine's restart
+                keeps its run directory); default a new random one.
             overrides: PodConfig fields to change (`Pod.launch(num_dies=8)`).
         Raises:
             ConfigError for a bad configuration (before anything is created), ShmError if a
@@ -163,7 +166,13 @@ class Pod:
             from comm import kernels
 
             kernels.warm()  # compiled once here (or loaded from the disk cache): dies fork with it
-        pod = cls(config)
+        if pod_id is not None and (
+            not isinstance(pod_id, str)
+            or C.list_pods().get(pod_id)
+            and f"xpod.{pod_id}.ctl" in C.list_pods()[pod_id]
+        ):
+            raise PodError(f"pod id {pod_id!r}: in use (or not a str)")
+        pod = cls(config, pod_id)
         try:
             pod._start()
         except BaseException:

@@ -11,7 +11,8 @@
 - overload: 503 with Retry-After past the admission bound, then recovery;
 - /health sees a hung die and a hung master (SIGSTOP) and recovers (SIGCONT);
 - SIGTERM under load drains (exit 0), Ctrl-C past --drain-timeout aborts (exit 0), a killed
-  die makes the server answer errors and exit 1; nothing is left behind in any case.
+  die with `--no-recover` makes the server answer errors and exit 1 (with recovery:
+  tests/integration/test_reliability.py); nothing is left behind in any case.
 
 Servers run as `xpod serve` subprocesses (tiny model, 2 dies) except the replay one.
 """
@@ -607,7 +608,7 @@ def _wait_health(server: ServerProc, want: int, within_s: float) -> float:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("role", ["die", "master"])
 def test_health_sees_a_hung_die_or_master(role):
-    s = ServerProc("--health-timeout", "1", "--timeout", "30")
+    s = ServerProc("--health-timeout", "1", "--timeout", "30", "--no-recover")
     try:
         _wait_health(s, 200, 5)
         pid = _pid(s, role, 1)
@@ -707,7 +708,7 @@ def test_ctrl_c_past_the_drain_timeout_aborts_and_exits_0():
 
 @pytest.mark.timeout(120)
 def test_a_killed_die_ends_requests_with_an_error_and_exit_1():
-    s = ServerProc("--model", "small")
+    s = ServerProc("--model", "small", "--no-recover")  # the control of recovery
     t, out = _run_streams(s.url, 2, 400, "xpod-small")  # ~1 s each
     try:
         _wait_running(s, 2)

@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent(
     from sched import SamplingParams
 
     mode = sys.argv[1]
-    with Engine.launch(dies=2, model="tiny", timeout_s=20.0) as eng:
+    with Engine.launch(dies=2, model="tiny", timeout_s=20.0, recover=False) as eng:
         info = dict(pod=eng.pod.pod_id, run_dir=eng.run_dir,
                     dies=[p.pid for p in eng.pod.procs], masters=[p.pid for p in eng.masters])
         print(json.dumps(info), flush=True)
@@ -123,7 +123,7 @@ def _load(eng: Engine, n: int = 6) -> list[int]:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("victim", ["die", "master"])
 def test_a_killed_die_or_master_fails_every_request_and_closes_clean(victim):
-    eng = Engine.launch(dies=2, model="tiny", timeout_s=5.0)
+    eng = Engine.launch(dies=2, model="tiny", timeout_s=5.0, recover=False)
     try:
         ids = _load(eng)
         time.sleep(0.1)

@@ -742,25 +742,39 @@ def spec_of(kind: str = "completion", **fields) -> tuple[dict, int]:
     return {**req.render, "id": request_id(kind)}, len(req.tokens)
 
 
+def feed(h: OutputHandler, body: dict) -> tuple[dict, list[int]]:
+    """`h.process` of a master's message written with deltas `[id, tokens]`: each gets its
+    output index (as a master sends it), and the raw deltas come back without it."""
+    n = h.__dict__.setdefault("test_sent", {})
+    deltas = []
+    for rid, toks in body.get("deltas", ()):
+        deltas.append([rid, n.get(rid, 0), toks])
+        n[rid] = n.get(rid, 0) + len(toks)
+    out, stops = h.process({**body, "deltas": deltas})
+    out["deltas"] = [[rid, toks] for rid, _, toks in out["deltas"]]
+    out["data"] = [e for e in out["data"] if e[2] or e[3]]  # id-only entries: the ledger's
+    return out, stops
+
+
 def test_output_handler_rendered_and_raw():
     h = OutputHandler()
     spec, n_prompt = spec_of(stream=True)
     h.open(1, spec, n_prompt)
     h.open(2, None, 5)  # not rendered
     ab = encode("ab", bos=False)
-    out, stops = h.process({"group": 3, "deltas": [[1, ab], [2, [7, 8]]], "done": []})
+    out, stops = feed(h, {"group": 3, "deltas": [[1, ab], [2, [7, 8]]], "done": []})
     assert stops == []
     assert out["group"] == 3 and out["done"] == []
     assert out["deltas"] == [[2, [7, 8]]]
-    ((rid, n, data, final, status),) = out["data"]
+    ((rid, n, data, final, status, *_),) = out["data"]
     assert (rid, n, final, status) == (1, 2, False, 200)
     (ev,) = [json.loads(p) for p in frames(data)]
     assert ev["choices"][0]["text"] == "ab" and ev["choices"][0]["finish_reason"] is None
     done = [done_rec(1), done_rec(2, "stop")]
-    out, stops = h.process({"group": 3, "deltas": [[1, encode("c", bos=False)]], "done": done})
+    out, stops = feed(h, {"group": 3, "deltas": [[1, encode("c", bos=False)]], "done": done})
     assert stops == [] and out["deltas"] == []
     assert out["done"] == [done_rec(1), done_rec(2, "stop")]  # unchanged
-    ((rid, n, data, final, status),) = out["data"]  # the last tokens ride with the finish
+    ((rid, n, data, final, status, *_),) = out["data"]  # the last tokens ride with the finish
     assert (rid, n, final, status) == (1, 1, True, 200)
     choices = choice_events(stream_events([data]), False, "completion")
     assert "".join(c["text"] for c in choices) == "c"
@@ -772,10 +786,10 @@ def test_output_handler_non_stream():
     h = OutputHandler()
     spec, n_prompt = spec_of()
     h.open(4, spec, n_prompt)
-    out, _ = h.process({"deltas": [[4, encode("x", bos=False)]], "done": []})
+    out, _ = feed(h, {"deltas": [[4, encode("x", bos=False)]], "done": []})
     assert out["data"] == [] and out["deltas"] == [] and out["group"] == -1
-    out, _ = h.process({"deltas": [[4, encode("yz", bos=False)]], "done": [done_rec(4)]})
-    ((rid, n, data, final, status),) = out["data"]
+    out, _ = feed(h, {"deltas": [[4, encode("yz", bos=False)]], "done": [done_rec(4)]})
+    ((rid, n, data, final, status, *_),) = out["data"]
     assert (rid, n, final, status) == (4, 3, True, 200)
     obj = body_of([data], "completion")
     assert obj["choices"][0]["text"] == "xyz" and obj["usage"] == usage_of(n_prompt, 3)
@@ -791,9 +805,9 @@ def test_output_handler_stop_string(same_message):
     first = {"deltas": [[9, toks[:8]]], "done": []}  # "hi STOP " : stop at token index 6
     if same_message:
         first["done"] = [done_rec(9, "length")]
-    out, stops = h.process(first)
+    out, stops = feed(h, first)
     assert stops == [9]
-    ((rid, n, data, final, status),) = out["data"]
+    ((rid, n, data, final, status, *_),) = out["data"]
     assert (rid, n, final, status) == (9, 7, True, 200)
     events = stream_events([data])
     choices = choice_events(events, True, "chat")
@@ -802,7 +816,7 @@ def test_output_handler_stop_string(same_message):
     assert events[-1]["usage"]["completion_tokens"] == 7
     if not same_message:
         # tokens planned before the abort landed are dropped; the abort's finish says "stop"
-        out, stops = h.process({"deltas": [[9, toks[8:]]], "done": [done_rec(9, "abort")]})
+        out, stops = feed(h, {"deltas": [[9, toks[8:]]], "done": [done_rec(9, "abort")]})
         assert stops == [] and out["deltas"] == [] and out["data"] == []
     assert out["done"] == [[9, "stop", 3, 0, "", 0.0, 0.0]]
     assert 9 not in h.renderers
@@ -812,9 +826,9 @@ def test_output_handler_stop_then_error_record():
     h = OutputHandler()
     spec, n_prompt = spec_of(stop=["b"])
     h.open(1, spec, n_prompt)
-    out, stops = h.process({"deltas": [[1, encode("ab", bos=False)]], "done": []})
+    out, stops = feed(h, {"deltas": [[1, encode("ab", bos=False)]], "done": []})
     assert stops == [1] and out["data"][0][3] is True
-    out, _ = h.process({"deltas": [], "done": [done_rec(1, "abort", "killed")]})
+    out, _ = feed(h, {"deltas": [], "done": [done_rec(1, "abort", "killed")]})
     assert out["done"][0][1:5] == ["stop", 3, 0, ""] and out["data"] == []
 
 
@@ -823,11 +837,11 @@ def test_output_handler_error(stream):
     h = OutputHandler()
     spec, n_prompt = spec_of(stream=stream)
     h.open(5, spec, n_prompt)
-    out, stops = h.process({"deltas": [[5, encode("ab", bos=False)]],
+    out, stops = feed(h, {"deltas": [[5, encode("ab", bos=False)]],
                             "done": [done_rec(5, "error", "die 2 failed")]})  # fmt: skip
     assert stops == []
     assert out["done"] == [done_rec(5, "error", "die 2 failed")]
-    assert out["data"][-1][3:] == [True, 500]
+    assert out["data"][-1][3:5] == [True, 500]
     assert sum(e[1] for e in out["data"]) == 2
     data = b"".join(e[2] for e in out["data"])
     if stream:
@@ -865,7 +879,7 @@ def test_output_handler_token_counts(data, kind, ts, use_stop, stream, include_u
     for i, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
         deltas = [[1, c] for c in chunks[a:b]] + [[2, [i]]]
         done = [done_rec(1, "length"), done_rec(2)] if b == len(chunks) else []
-        out, ended = h.process({"group": 0, "deltas": deltas, "done": done})
+        out, ended = feed(h, {"group": 0, "deltas": deltas, "done": done})
         assert out["deltas"] == [[2, [i]]]
         entries += out["data"]
         stops_seen += ended

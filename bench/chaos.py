@@ -1,0 +1,388 @@
+"""`xpod bench chaos`: HTTP load while faults fire, against a fault-free baseline.
+
+Same arrivals for both, alternated; the accounting of every client stream.
+
+```
+xpod bench chaos [--dies 4] [--model small] [--duration 60] [--fault-every 20] \\
+    [--kinds kill-die,stop-die,kill-master,stop-master] [--request-rate 6] \\
+    [--max-concurrency 8] [--max-tokens 64] [--seed 7] [--repeat 1] [--json F]
+```
+
+Each repeat launches two servers in turn (baseline first on even repeats, chaos first on odd
+ones) and sends both the same seeded Poisson arrivals: each request streamed, seeded
+(temperature 0.8, its own seed) or greedy, `ignore_eos`, `return_token_ids`. The chaos server
+gets a fault plan (`--inject`): one fault every `--fault-every` seconds, kinds in turn, targets
+drawn from `--seed`; its fault log (JSON lines of the supervisor) gives, per fault: verified,
+how and how fast it was detected, the recovery parts (teardown, launch, recompute: launch to the
+first resumed token) and the requests resumed.
+
+Accounting, per request of the chaos run against the same request of the baseline:
+- lost: an accepted request (HTTP 200) that did not end with its `max_tokens` tokens;
+- duplicated / skipped: tokens beyond `max_tokens`, or missing from a stream that says
+  "length"; a usage count different from the ids received;
+- differing: a full stream whose ids differ from the baseline's (recomputation is bit-equal to
+  its schedule replay, not necessarily to another batch order: see the note in the README).
+Also the server's own ledger (`xpod_token_gaps_total` must be 0) and leaks (processes and
+/dev/shm entries of the server left after it stopped).
+
+Throughput: output tokens over the span from the first send to the last end; the ratio chaos
+over baseline per pair, the median over pairs. Not built (reported as null): rollback stalls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import struct
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import psutil
+
+from bench.common import print_table, progress, run_info, write_jsonl
+from bench.serve.scrape import parse_prometheus
+from bench.serve.server import LaunchedServer
+from runtime.cli.argtypes import choice_list, output_file, positive_float, positive_int
+
+KINDS = ("kill-die", "stop-die", "kill-master", "stop-master", "kill-output")
+DEFAULT_KINDS = "kill-die,stop-die,kill-master,stop-master"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add = p.add_argument
+    add("--dies", type=positive_int, default=4, help="dies = DP groups (default 4)")
+    add("--model", default="small", help="model preset (default small)")
+    add("--duration", type=positive_float, default=60.0,
+        help="seconds of arrivals per run (default 60)")  # fmt: skip
+    add("--fault-every", type=positive_float, default=20.0,
+        help="a fault every S seconds of the chaos run (default 20)")  # fmt: skip
+    add("--kinds", type=choice_list(KINDS), default=DEFAULT_KINDS,
+        help=f"fault kinds, in turn (default {DEFAULT_KINDS}; kill-output adds"
+        " --output-procs)")  # fmt: skip
+    add("--request-rate", type=positive_float, default=6.0, help="arrivals per second (default 6)")
+    add("--max-concurrency", type=positive_int, default=8, help="requests in flight (default 8)")
+    add("--max-tokens", type=positive_int, default=64, help="tokens per request (default 64)")
+    add("--input-len", type=positive_int, default=32, help="prompt bytes (default 32)")
+    add("--seed", type=int, default=7, help="arrivals, prompts, fault targets (default 7)")
+    add("--repeat", type=positive_int, default=1, help="baseline / chaos pairs (default 1)")
+    add("--stall-timeout", type=positive_float, default=1.0,
+        help="the servers' --stall-timeout (default 1)")  # fmt: skip
+    add("--json", type=output_file, default=None, help="write the summary (and faults) as JSON")
+
+
+@dataclass(frozen=True)
+class Options:
+    dies: int
+    model: str
+    duration: float
+    fault_every: float
+    kinds: tuple[str, ...]
+    rate: float
+    concurrency: int
+    max_tokens: int
+    input_len: int
+    seed: int
+    repeat: int
+    stall_timeout: float
+    json: str | None
+
+
+def parse_options(args: argparse.Namespace) -> Options:
+    return Options(args.dies, args.model, args.duration, args.fault_every, tuple(args.kinds),
+                   args.request_rate, args.max_concurrency, args.max_tokens, args.input_len,
+                   args.seed, args.repeat, args.stall_timeout, args.json)  # fmt: skip
+
+
+# -- the load ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Req:
+    i: int
+    at: float
+    prompt: str
+    temperature: float
+    seed: int
+
+
+@dataclass
+class Seen:
+    """What the client saw of one request."""
+
+    status: int = 0
+    reason: str = ""
+    ids: list[int] = field(default_factory=list)
+    usage: int = -1
+    ttft: float = 0.0
+    end: float = 0.0
+    error: str = ""
+
+
+def arrivals(o: Options) -> list[Req]:
+    rng = np.random.default_rng([o.seed, 1])
+    t, out = 0.0, []
+    words = "the pod serves a toy model across its dies while faults fire and streams go on"
+    words = words.split()
+    while True:
+        t += float(rng.exponential(1.0 / o.rate))
+        if t >= o.duration:
+            return out
+        text = " ".join(rng.choice(words, size=o.input_len // 4 + 1))[: o.input_len]
+        i = len(out)
+        out.append(Req(i, t, text, 0.8 if i % 2 else 0.0, 1000 + i))
+
+
+async def drive(url: str, model: str, reqs: list[Req], o: Options) -> tuple[list[Seen], float]:
+    import aiohttp
+
+    sem = asyncio.Semaphore(o.concurrency)
+    seen = [Seen() for _ in reqs]
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        t0 = time.monotonic()
+
+        async def one(r: Req) -> None:
+            await asyncio.sleep(max(0.0, t0 + r.at - time.monotonic()))
+            async with sem:
+                s = seen[r.i]
+                body = {"model": model, "prompt": r.prompt, "max_tokens": o.max_tokens,
+                        "temperature": r.temperature, "seed": r.seed, "ignore_eos": True,
+                        "stream": True, "return_token_ids": True,
+                        "stream_options": {"include_usage": True}}  # fmt: skip
+                start = time.monotonic()
+                try:
+                    async with http.post(url + "/v1/completions", json=body) as resp:
+                        s.status = resp.status
+                        buf = b""
+                        async for chunk in resp.content.iter_any():
+                            buf += chunk
+                            while b"\n\n" in buf:
+                                frame, buf = buf.split(b"\n\n", 1)
+                                _event(s, frame, start)
+                except (TimeoutError, aiohttp.ClientError) as e:
+                    s.error = f"{type(e).__name__}: {e}"
+                s.end = time.monotonic()
+
+        await asyncio.gather(*[one(r) for r in reqs])
+    return seen, t0
+
+
+def _event(s: Seen, frame: bytes, start: float) -> None:
+    if not frame.startswith(b"data: "):
+        return
+    payload = frame[6:]
+    if payload == b"[DONE]":
+        return
+    ev = json.loads(payload)
+    if "error" in ev:
+        s.error = ev["error"].get("message", "error")
+        return
+    if ev.get("usage") and not ev.get("choices"):
+        s.usage = ev["usage"]["completion_tokens"]
+        return
+    ch = ev["choices"][0]
+    ids = ch.get("token_ids") or []
+    if ids and not s.ids:
+        s.ttft = time.monotonic() - start
+    s.ids += ids
+    if ch.get("finish_reason"):
+        s.reason = ch["finish_reason"]
+
+
+# -- one run ----------------------------------------------------------------------------------
+
+
+def fault_plan(o: Options, rng: np.random.Generator) -> str:
+    out, k, t = [], 0, o.fault_every
+    while t < o.duration:
+        kind, target = o.kinds[k % len(o.kinds)].split("-")
+        out.append(f"{kind}:{target}={int(rng.integers(0, o.dies))},at={t:g}s")
+        k, t = k + 1, t + o.fault_every
+    return "; ".join(out)
+
+
+@dataclass
+class Run:
+    chaos: bool
+    seen: list[Seen]
+    t0: float
+    metrics: dict
+    events: list[dict]
+    leaks: list[str]
+    exit: int
+
+
+def one_run(o: Options, reqs: list[Req], plan: str) -> Run:
+    log = tempfile.NamedTemporaryFile(prefix="xpod-chaos-", suffix=".jsonl", delete=False)  # noqa: SIM115
+    log.close()
+    argv = ["--dies", str(o.dies), "--model", o.model, "--max-num-seqs", str(o.concurrency),
+            "--stall-timeout", str(o.stall_timeout), "--fault-log", log.name]  # fmt: skip
+    if any(k.endswith("output") for k in o.kinds):
+        argv.append("--output-procs")
+    if plan:
+        argv += ["--inject", plan]
+    srv = LaunchedServer(tuple(argv))
+    pods: set[str] = set()
+    procs: list[psutil.Process] = []
+    try:
+        url = srv.start()
+        model = f"xpod-{o.model}"
+        pods = pods_of(srv.proc.pid)
+        seen, t0 = asyncio.run(drive(url, model, reqs, o))
+        import urllib.request
+
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            metrics = parse_prometheus(r.read().decode())
+        procs = psutil.Process(srv.proc.pid).children(recursive=True)
+        code = srv.stop()
+    finally:
+        srv.kill()
+        srv.close()
+    time.sleep(0.2)
+    leaks = [f"pid {p.pid}" for p in procs if p.is_running() and p.status() != "zombie"]
+    leaks += [n for n in os.listdir("/dev/shm") if n.split(".")[1:2] and n.split(".")[1] in pods]
+    with open(log.name) as fh:
+        events = [json.loads(line) for line in fh if line.strip()]
+    os.unlink(log.name)
+    return Run(bool(plan), seen, t0, metrics, events, leaks, code)
+
+
+def pods_of(pid: int) -> set[str]:
+    """Ids of the pods whose control segment names `pid` as their launcher."""
+    out = set()
+    for n in os.listdir("/dev/shm"):
+        if n.startswith("xpod.") and n.endswith(".ctl"):
+            try:
+                with open(f"/dev/shm/{n}", "rb") as fh:
+                    head = fh.read(24)
+            except OSError:
+                continue
+            if len(head) == 24 and struct.unpack("<3q", head)[2] == pid:
+                out.add(n.split(".")[1])
+    return out
+
+
+# -- the report -------------------------------------------------------------------------------
+
+
+def throughput(r: Run) -> float:
+    ends = [s.end for s in r.seen if s.end]
+    toks = sum(len(s.ids) for s in r.seen)
+    return toks / max(1e-9, max(ends) - r.t0) if ends else 0.0
+
+
+def account(chaos: Run, base: Run, max_tokens: int) -> dict:
+    acc = {"requests_accepted": 0, "requests_lost": 0, "tokens_duplicated": 0,
+           "tokens_skipped": 0, "streams_differing": 0, "requests_refused": 0}  # fmt: skip
+    for c, b in zip(chaos.seen, base.seen, strict=True):
+        if c.status != 200:
+            acc["requests_refused"] += 1
+            continue
+        acc["requests_accepted"] += 1
+        if c.error or c.reason != "length":
+            acc["requests_lost"] += 1
+            continue
+        n = len(c.ids)
+        acc["tokens_duplicated"] += max(0, n - max_tokens) + max(0, n - c.usage)
+        acc["tokens_skipped"] += max(0, max_tokens - n) + max(0, c.usage - n)
+        if n == max_tokens and b.reason == "length" and c.ids != b.ids:
+            acc["streams_differing"] += 1
+    return acc
+
+
+def faults_of(r: Run) -> list[dict]:
+    """One row per injected fault, joined with its detection and recovery records."""
+    rows = []
+    inj = [e for e in r.events if e["event"] == "injected"]
+    for e in inj:
+        det = next((d for d in r.events if d["event"] == "detected" and d["fault"] == e["fault"]),
+                   None)  # fmt: skip
+        rec = next((d for d in r.events if d["event"] == "recovered"
+                    and d.get("fault") == e["fault"]), None)  # fmt: skip
+        res = next((d for d in r.events if d["event"] == "resumed"
+                    and d.get("fault") == e["fault"]), None)  # fmt: skip
+        parts = dict(rec["parts"]) if rec else {}
+        if res:
+            parts["recompute"] = res["recompute_s"]
+        row = {"fault": e["fault"], "kind": f"{e['kind']}-{e['target']}",
+               "verified": e["verified"], "detected": det["kind"] if det else "",
+               "detect_s": det["detect_s"] if det else None,
+               "tier": rec["tier"] if rec else "", "resumed": rec["requests_resumed"] if rec
+               else 0, **{f"{k}_s": v for k, v in parts.items() if k != "detect"}}  # fmt: skip
+        if det and rec and res:
+            row["restart_s"] = (det["detect_s"] or 0) + sum(
+                v for k, v in parts.items() if k != "detect" and v is not None
+            )
+        rows.append(row)
+    return rows
+
+
+def _pct(vals: list[float], q: float) -> float | None:
+    vals = [v for v in vals if v is not None]
+    return float(np.percentile(vals, q)) if vals else None
+
+
+def run(o: Options) -> int:
+    reqs = arrivals(o)
+    progress(f"chaos: {len(reqs)} requests over {o.duration:g} s, a fault every"
+             f" {o.fault_every:g} s ({', '.join(o.kinds)}), {o.repeat} pair(s)")  # fmt: skip
+    pairs = []
+    for k in range(o.repeat):
+        plan = fault_plan(o, np.random.default_rng([o.seed, 2, k]))
+        order = [False, True] if k % 2 == 0 else [True, False]
+        runs = {}
+        for chaos in order:
+            progress(f"  pair {k + 1}/{o.repeat}: {'chaos: ' + plan if chaos else 'baseline'}")
+            runs[chaos] = one_run(o, reqs, plan if chaos else "")
+        pairs.append((runs[True], runs[False]))
+    faults, ratios, accs, leaks, gaps, ttft, base_ttft = [], [], [], [], 0.0, [], []
+    for c, b in pairs:
+        faults += faults_of(c)
+        ratios.append(throughput(c) / max(1e-9, throughput(b)))
+        accs.append(account(c, b, o.max_tokens))
+        leaks += c.leaks + b.leaks
+        gaps += sum(v for _, v in c.metrics.get("xpod_token_gaps_total", []))
+        ttft += [s.ttft for s in c.seen if s.ids]
+        base_ttft += [s.ttft for s in b.seen if s.ids]
+    print_table(faults, [("fault", "fault", ""), ("verified", "ok", ""),
+                         ("detected", "by", ""), ("detect_s", "detect s", ".3f"),
+                         ("teardown_s", "teardown s", ".3f"), ("launch_s", "launch s", ".3f"),
+                         ("recompute_s", "recompute s", ".3f"), ("restart_s", "restart s", ".3f"),
+                         ("resumed", "resumed", "d")])  # fmt: skip
+    acc = {k: sum(a[k] for a in accs) for k in accs[0]}
+    kills = [f["detect_s"] for f in faults if f["kind"].startswith("kill")]
+    restarts = [f.get("restart_s") for f in faults]
+    summary = {
+        "bench": "chaos", **run_info(), "dies": o.dies, "model": o.model,
+        "duration_s": o.duration, "fault_every_s": o.fault_every, "kinds": list(o.kinds),
+        "pairs": o.repeat, "requests": len(reqs),
+        "faults_injected": len(faults),
+        "faults_verified": sum(f["verified"] for f in faults),
+        "faults_detected": sum(bool(f["detected"]) for f in faults),
+        "faults_recovered": sum(bool(f["tier"]) for f in faults),
+        **acc,
+        "token_gaps_server": gaps,
+        "throughput_ratio": float(np.median(ratios)), "throughput_ratios": ratios,
+        "detect_kill_p50_s": _pct(kills, 50), "detect_kill_max_s": _pct(kills, 100),
+        "restart_p50_s": _pct(restarts, 50), "restart_max_s": _pct(restarts, 100),
+        "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+        "baseline_ttft_p50_s": _pct(base_ttft, 50), "baseline_ttft_p99_s": _pct(base_ttft, 99),
+        "rollback_stall_max_steps": None,  # iteration rollback (T1) is not built
+        "leaks": leaks, "faults": faults,
+    }  # fmt: skip
+    for key in ("faults_injected", "faults_verified", "faults_detected", "faults_recovered",
+                "requests_accepted", "requests_lost", "tokens_duplicated", "tokens_skipped",
+                "streams_differing", "throughput_ratio", "detect_kill_p50_s", "restart_p50_s",
+                "restart_max_s", "ttft_p50_s", "baseline_ttft_p50_s"):  # fmt: skip
+        v = summary[key]
+        print(f"  {key:22s} {v:.3f}" if isinstance(v, float) else f"  {key:22s} {v}")
+    print(f"  leaks                  {len(leaks)}{': ' + ', '.join(leaks) if leaks else ''}")
+    if o.json:
+        write_jsonl(o.json, [summary])
+    bad = (summary["faults_verified"] < len(faults) or acc["requests_lost"] or leaks
+           or acc["tokens_duplicated"] or acc["tokens_skipped"] or gaps)  # fmt: skip
+    return 1 if bad else 0

@@ -1,0 +1,201 @@
+"""Serving that survives its dies (runtime.engine.supervisor, runtime.engine.faults): every
+accepted request ends exactly once, each stream continues from what it delivered, with no token
+repeated or skipped, after a die, master or output process is killed or stopped.
+
+Every fault here is injected by the engine's own fault plan (`inject=`), so each firing is
+verified (a fault that did not fire fails the test), and has a control: recovery off -> the
+requests fail (today's error path, also in test_serve_faults.py); a stop shorter than the stall
+deadline -> no recovery; too many restarts -> the engine gives up cleanly.
+
+The continuations are checked three ways: against the fault-free run of the same requests
+(same seeds: draws keyed on (seed, token index)), against the schedule replay of the new
+incarnation (bit for bit, logits included), and by the ledger (0 gaps).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from runtime.engine import Engine, EngineConfig, EngineError
+from runtime.engine.faults import FaultSpecError, parse_faults
+from runtime.engine.replay import replay
+from sched import SamplingParams
+
+SHM = Path("/dev/shm")
+TINY = dict(dies=2, model="tiny", timeout_s=20.0, max_num_batched_tokens=32)
+PROMPTS = [f"request {i} asks" for i in range(5)]
+
+
+def _params(i: int) -> SamplingParams:
+    # greedy and seeded sampling mixed; long enough that a fault lands mid-stream
+    if i % 2:
+        return SamplingParams(max_tokens=200, temperature=0.8, seed=100 + i, ignore_eos=True)
+    return SamplingParams(max_tokens=200, ignore_eos=True)
+
+
+def _run(eng: Engine) -> list:
+    ids = [eng.submit(p, _params(i)) for i, p in enumerate(PROMPTS)]
+    return [eng.result(i, timeout_s=60) for i in ids]
+
+
+@pytest.fixture(scope="module")
+def fault_free() -> list[list[int]]:
+    with Engine.launch(**TINY) as eng:
+        return [o.token_ids for o in _run(eng)]
+
+
+def _left(pod_id: str) -> list[str]:
+    return [p.name for p in SHM.iterdir() if p.name.startswith(f"xpod.{pod_id}.")]
+
+
+def _check_replay(eng: Engine) -> None:
+    c = eng.config
+    rep = replay(eng.model, c.dies, c.quant, c.blocks, c.block_size, eng.step_log,
+                 c.combine_dtype)  # fmt: skip
+    assert rep.sampled > 0 and rep.token_mismatches == [] and rep.logit_mismatches == [], rep
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "plan, detected",
+    [
+        ("kill:die=1,step=3", "exit"),  # during the prefills (32-token budget: several steps)
+        ("kill:die=1,step=60", "exit"),  # during decode
+        ("kill:master=0,step=60", "exit"),
+        ("stop:die=0,step=60", "stall"),  # stopped for good: a hang under load
+        ("stop:master=1,step=60", "stall"),
+    ],
+)
+def test_a_fault_restarts_and_every_stream_continues(fault_free, tmp_path, plan, detected):
+    log = tmp_path / "faults.jsonl"
+    eng = Engine.launch(**TINY, inject=plan, fault_log=str(log), log_steps=True,
+                        keep_logits=True)  # fmt: skip
+    try:
+        pids0 = {p for _, _, p in eng.processes()}
+        outs = _run(eng)
+        rel = eng.reliability()
+        pids1 = {p for _, _, p in eng.processes()}
+    finally:
+        eng.close()
+    assert [o.finish_reason for o in outs] == ["length"] * len(PROMPTS), outs
+    assert [o.token_ids for o in outs] == fault_free  # same seeds, same streams
+    assert rel["counts"]["verified"] == {"-".join(plan.split(":")[0:1] + [plan.split(":")[1]
+                                         .split("=")[0]]): 1}  # fmt: skip
+    assert rel["counts"]["detected"] == {detected: 1}, rel
+    assert rel["counts"]["recovered"] == {"restart": 1} and rel["gen"] == 1, rel
+    led = rel["ledger"]
+    assert led["token_gaps"] == 0 and led["requests_recomputed"] >= 1, led
+    assert led["accepted"] == led["ended"] == len(PROMPTS), led
+    assert pids0.isdisjoint(pids1), "a restart replaces every process"
+    _check_replay(eng)  # the new incarnation computed what the schedule says, bit for bit
+    events = [json.loads(line)["event"] for line in log.read_text().splitlines()]
+    assert events == ["injected", "detected", "recovered"], events
+    assert _left(eng.pod_id) == []
+
+
+@pytest.mark.timeout(120)
+def test_recovery_off_fails_every_request_once():
+    eng = Engine.launch(**TINY, inject="kill:die=1,step=40", recover=False)
+    try:
+        outs = _run(eng)
+        rel = eng.reliability()
+        with pytest.raises(EngineError, match="down"):
+            eng.submit("after the fault")
+    finally:
+        eng.close()
+    assert any(o.finish_reason == "error" and "die 1" in o.error for o in outs), outs
+    assert rel["counts"]["verified"] == {"kill-die": 1}
+    assert rel["counts"]["recovered"] == {} and rel["gen"] == 0
+    assert rel["ledger"]["accepted"] == rel["ledger"]["ended"] == len(PROMPTS)
+    assert _left(eng.pod_id) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_stop_shorter_than_the_deadline_is_not_a_fault(fault_free):
+    eng = Engine.launch(**TINY, inject="stop:die=1,step=40,for=0.3s")
+    try:
+        outs = _run(eng)
+        rel = eng.reliability()
+    finally:
+        eng.close()
+    assert rel["counts"]["verified"] == {"stop-die": 1}, rel  # it fired: the die was stopped
+    assert rel["counts"]["detected"] == {} and rel["gen"] == 0, rel
+    assert [o.token_ids for o in outs] == fault_free
+
+
+@pytest.mark.timeout(150)
+def test_too_many_restarts_give_up_cleanly():
+    plan = "kill:die=1,step=30; kill:die=0,step=20,gen=1"  # the second one after the restart
+    eng = Engine.launch(**TINY, inject=plan, max_restarts=1)
+    try:
+        ids = [eng.submit(p, _params(i)) for i, p in enumerate(PROMPTS)]
+        outs = [eng.result(i, timeout_s=60) for i in ids]
+        rel = eng.reliability()
+        assert eng.failure is not None and "giving up" in str(eng.failure)
+    finally:
+        eng.close()
+    assert all(o.finish_reason == "error" for o in outs), outs
+    assert rel["counts"]["recovered"] == {"restart": 1} and rel["counts"]["failed"], rel
+    assert rel["ledger"]["accepted"] == rel["ledger"]["ended"] == len(PROMPTS)
+    assert _left(eng.pod_id) == []
+
+
+@pytest.mark.timeout(120)
+def test_an_aborted_request_is_not_resumed():
+    eng = Engine.launch(**TINY, inject="stop:die=1,step=40")
+    try:
+        ids = [eng.submit(p, _params(i)) for i, p in enumerate(PROMPTS)]
+        deadline = time.monotonic() + 20
+        while eng.die_step() < 41 and time.monotonic() < deadline:  # stopped: aborts are held
+            time.sleep(0.01)
+        eng.abort(ids[0])
+        outs = [eng.result(i, timeout_s=60) for i in ids]
+        rel = eng.reliability()
+    finally:
+        eng.close()
+    assert outs[0].finish_reason == "abort" and len(outs[0].token_ids) < 200
+    assert [o.finish_reason for o in outs[1:]] == ["length"] * 4
+    assert rel["counts"]["recovered"] == {"restart": 1}
+    assert rel["ledger"]["accepted"] == rel["ledger"]["ended"]
+
+
+# -- fault plans ------------------------------------------------------------------------------
+
+
+def test_fault_plans_parse_and_bad_ones_are_named():
+    (f,) = parse_faults("kill:die=2,step=300", 4)
+    assert (f.kind, f.target, f.index, f.step, f.at_s, f.for_s) == (
+        "kill",
+        "die",
+        2,
+        300,
+        0.0,
+        None,
+    )
+    a, b = parse_faults(" stop:master=1,at=5s,for=300ms ; kill:output=0,step=7 ", 2, True)
+    assert (a.kind, a.target, a.at_s, a.for_s) == ("stop", "master", 5.0, 0.3)
+    assert (b.target, b.index, b.step, b.gen) == ("output", 0, 7, None)
+    assert parse_faults("kill:die=0,step=20,gen=1", 2)[0].gen == 1
+    assert parse_faults("", 2) == []
+    for bad, match in [
+        ("kill:die=4,step=1", r"die=4: must be an index in \[0, 4\)"),
+        ("kill:die=1", "say when"),
+        ("boom:die=1,step=2", "KIND:TARGET"),
+        ("err:die=1,step=2", "rollback"),
+        ("kill:die=1,master=1,step=2", "two targets"),
+        ("kill:die=1,step=2,for=1s", "stop only"),
+        ("stop:die=1,step=x", "step=x"),
+        ("stop:die=1,at=soon", "not a time"),
+        ("kill:output=1,step=2", "output processes are off"),
+        ("kill:die=1,step=2,color=red", "unknown key"),
+        ("kill:die=1,step=2,gen=x", "gen=x"),
+        ("kill:step=2", "no target"),
+    ]:
+        with pytest.raises(FaultSpecError, match=match):
+            parse_faults(bad, 4)
+    with pytest.raises(Exception, match="inject"):
+        EngineConfig(dies=2, model="tiny", inject="kill:die=9,step=1")
