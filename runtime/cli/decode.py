@@ -139,6 +139,8 @@ def _model_overrides(args: argparse.Namespace) -> dict:
     out: dict = {"seed": args.seed}
     if args.score_bias is not None:
         out["score_bias"] = args.score_bias
+    if args.batch_invariant:
+        out["batch_invariant"] = True
     if args.groups is not None:
         try:
             n_group, topk_group = (int(v) for v in args.groups.split(":"))

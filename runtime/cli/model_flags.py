@@ -14,12 +14,16 @@ from sched.eplb import POLICIES
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    """--model, --score-bias."""
+    """--model, --score-bias, --batch-invariant."""
     p.add_argument("--model", default="small", choices=tuple(PRESETS),
                    help="model preset (default small)")  # fmt: skip
     p.add_argument("--score-bias", default=None, choices=SCORE_BIASES,
                    help="router correction bias (default: the preset's); skew makes a few experts"
                    " hot")  # fmt: skip
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="every row computed independently of its batch mates (fixed reduction"
+                   " order for any row count): output does not change under load, a recomputed"
+                   " stream equals the fault-free one bit for bit; slower")  # fmt: skip
 
 
 def add_alltoall_flags(p: argparse.ArgumentParser) -> None:

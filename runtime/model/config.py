@@ -64,6 +64,11 @@ class ModelConfig:
         score_bias_scale: the skew offset of the hottest expert (default 1.0).
         rope_theta: RoPE base; max_seq_len: positions 0..max_seq_len-1 are valid.
         seed: root of every weight's seed (>= 0); norm_eps: RMSNorm epsilon.
+        batch_invariant: every row computed independently of its batch mates, prefill and
+            decode alike (`runtime.model.ops.set_batch_invariant`): the compiled products
+            (ascending inner dimension, float64 sums) for any row count and a per-row
+            attention kernel; greedy output does not change under load and a recomputed
+            stream equals the fault-free one bit for bit. Costs speed (docs/benchmarks.md).
 
     Die-independent fields are checked on construction; `validate(num_dies)` adds the checks
     that need the pod's die count. Every error is a `ConfigError` naming the field.
@@ -94,6 +99,7 @@ class ModelConfig:
     max_seq_len: int = 512
     seed: int = 0
     norm_eps: float = 1e-6
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         self._check_fields()
@@ -171,6 +177,8 @@ class ModelConfig:
                 f"topk: {self.topk} is more than num_experts={self.num_experts} (1 <= topk <= "
                 f"num_experts)"
             )
+        if not isinstance(self.batch_invariant, bool):
+            raise ConfigError(f"batch_invariant: expected a bool, got {self.batch_invariant!r}")
         if self.gating not in _GATINGS:
             raise ConfigError(f"gating: expected one of {_GATINGS}, got {self.gating!r}")
         self._check_groups()

@@ -40,6 +40,7 @@ from runtime.model.ops import (
     rms_norm,
     rope_tables,
     route_topk,
+    set_batch_invariant,
     swiglu,
 )
 from runtime.model.weights import Weights, expert_bias
@@ -116,6 +117,7 @@ class DieModel:
         self.cos, self.sin = rope_tables(cfg)
         self._bias = {layer: expert_bias(cfg, layer) for layer in range(cfg.n_layers)}
         self._attn_ok: dict[int, bool] = {}
+        set_batch_invariant(cfg.batch_invariant)
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         """int `[n]` token ids in `[0, vocab)` -> float32 `[n, hidden]` (a copy of the rows)."""
@@ -147,7 +149,8 @@ class DieModel:
             raise ValueError(f"segments: position {positions.max()} >= max_seq_len")
         cos, sin = self.cos[positions], self.sin[positions]
         K = kernels()
-        small = 2 <= n <= K.SMALL_ROWS and h.dtype == F32 and self._compiled_attention(layer)
+        rows_ok = n >= 1 if self.cfg.batch_invariant else 2 <= n <= K.SMALL_ROWS
+        small = rows_ok and h.dtype == F32 and self._compiled_attention(layer)
         if small:
             h = np.ascontiguousarray(h)
             w_q = lw.wq_b if lw.wq is None else lw.wq

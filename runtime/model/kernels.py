@@ -60,11 +60,15 @@ def _bmm(x, w, out):  # pragma: no cover - compiled
         _mm(x[h], w[h], out[h])
 
 
-def mm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+def mm(x: np.ndarray, w: np.ndarray, invariant: bool = False) -> np.ndarray:
     """`x @ w` for float32 x `[m, k]` (or `[h, m, k]` with w `[h, k, n]`): the kernel for 2 to
     SMALL_ROWS rows of C-contiguous float32 weights, BLAS otherwise (one row is BLAS's GEMV,
-    which is as fast)."""
-    if not 2 <= x.shape[-2] <= SMALL_ROWS or x.dtype != np.float32 or w.dtype != np.float32 or (
+    which is as fast). `invariant` (batch-invariant mode): the kernel for any row count, so a
+    row's result never depends on how many rows came with it."""
+    rows_ok = x.shape[-2] >= 1 if invariant else 2 <= x.shape[-2] <= SMALL_ROWS
+    if invariant and x.dtype == np.float32 and w.dtype == np.float32:
+        w = np.ascontiguousarray(w)
+    if not rows_ok or x.dtype != np.float32 or w.dtype != np.float32 or (
         not w.flags.c_contiguous or x.ndim != w.ndim or x.ndim not in (2, 3)
     ):  # fmt: skip
         return x @ w
@@ -335,6 +339,51 @@ def topk_choice(choice: np.ndarray, n_group: int, topk_group: int, topk: int) ->
     return idx
 
 
+_F32_3W = numba.types.Array(numba.types.float32, 3, "A")
+
+
+@numba.njit(numba.types.void(_RO_F32_3A, _RO_F32_2A, numba.types.int64, numba.types.float32,
+                             _F32_3W), cache=True, nogil=True, boundscheck=False)  # fmt: skip
+def attend_rows(q, cache, start, scale, out):  # pragma: no cover - compiled
+    """Batch-invariant latent attention of one segment: row i (position start + i) of head h
+    scores exactly cache rows 0..start+i (`(q . row)` summed in float64 over ascending k, rounded
+    once, times `scale`), softmax in float32 with the sum in float64 over ascending t, and the
+    weighted sum of the rows' first `out.shape[2]` columns in float64 over ascending t. Every
+    row's bits depend on its own query and context only (not on s, T or the other rows).
+
+    q: float32 `[H, s, R+P]`; cache: float32 `[T, R+P]` (T >= start + s); out: `[H, s, R]`."""
+    n_h, s, kk = q.shape
+    r = out.shape[2]
+    sc = np.empty(cache.shape[0], np.float32)
+    acc = np.empty(r, np.float64)
+    for h in range(n_h):
+        for i in range(s):
+            t_n = start + i + 1
+            mx = np.float32(-np.inf)
+            for t in range(t_n):
+                a = 0.0
+                for k in range(kk):
+                    a += np.float64(q[h, i, k]) * np.float64(cache[t, k])
+                v = np.float32(a) * scale
+                sc[t] = v
+                if v > mx:
+                    mx = v
+            tot = 0.0
+            for t in range(t_n):
+                e = np.float32(np.exp(np.float32(sc[t] - mx)))
+                sc[t] = e
+                tot += np.float64(e)
+            for c in range(r):
+                acc[c] = 0.0
+            for t in range(t_n):
+                p = np.float64(np.float32(np.float64(sc[t]) / tot))
+                row = cache[t]
+                for c in range(r):
+                    acc[c] += p * np.float64(row[c])
+            for c in range(r):
+                out[h, i, c] = np.float32(acc[c])
+
+
 def warm() -> None:
     """Compile or load the kernels (a pod calls it before its dies fork)."""
     mm(np.zeros((2, 4), np.float32), np.zeros((4, 3), np.float32))
@@ -351,3 +400,5 @@ def warm() -> None:
     swiglu(f((2, 8), np.float32), f((8, 4), np.float32), f((8, 4), np.float32),
            f((4, 8), np.float32))  # fmt: skip
     topk_choice(f((2, 8), np.float32), 2, 1, 2)
+    attend_rows(f((2, 2, 6), np.float32), f((3, 6), np.float32), 1, np.float32(0.5),
+                np.empty((2, 2, 4), np.float32))  # fmt: skip

@@ -30,11 +30,27 @@ def kernels():
     return _KERNELS
 
 
+_INVARIANT = [False]  # batch-invariant mode of this process (set by every DieModel)
+
+
+def set_batch_invariant(on: bool) -> None:
+    """Batch-invariant mode (`ModelConfig.batch_invariant`): `mm`, `swiglu` and the attention
+    compute each row independently of the others (the compiled kernels for every row count,
+    `kernels.attend_rows` per row over exactly its causal context), so a row's bits depend on
+    the row alone: not on batch mates, chunking, or prefill against decode."""
+    _INVARIANT[0] = bool(on)
+
+
+def batch_invariant() -> bool:
+    return _INVARIANT[0]
+
+
 def mm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """`x @ w` of float32 rows by a weight matrix (or per head, 3-D): up to a few rows a compiled
     kernel (`runtime.model.kernels`: BLAS GEMM's fixed cost dominates a die's 2-3 decode rows),
-    BLAS above. Every matrix product of the model with its weights goes through here."""
-    return kernels().mm(x, w)
+    BLAS above (batch-invariant mode: the kernel always). Every matrix product of the model
+    with its weights goes through here."""
+    return kernels().mm(x, w, _INVARIANT[0])
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -62,7 +78,10 @@ def swiglu(x: np.ndarray, w: FFNWeights) -> np.ndarray:
     (`runtime.model.kernels.swiglu`: the same products as `mm`, silu with libm's expf, which
     is within an ulp of numpy's SIMD exp but not always its bits); numpy's 8 calls otherwise."""
     K = kernels()
-    if 2 <= x.shape[0] <= K.SMALL_ROWS and x.dtype == F32 and _ffn_ok(w):
+    lo = 1 if _INVARIANT[0] else 2
+    if lo <= x.shape[0] and (x.shape[0] <= K.SMALL_ROWS or _INVARIANT[0]) and x.dtype == F32 and (
+        _ffn_ok(w)
+    ):  # fmt: skip
         return K.swiglu(np.ascontiguousarray(x), w.w_gate, w.w_up, w.w_down)
     return mm(silu(mm(x, w.w_gate)) * mm(x, w.w_up), w.w_down)
 
@@ -198,6 +217,11 @@ def attend(
     r = cfg.kv_lora_rank
     scale = F32(1.0 / np.sqrt(cfg.qk_head_dim))
     o_lat = np.empty((cfg.n_heads, q_cat.shape[1], r), dtype=F32)
+    if _INVARIANT[0] and q_cat.dtype == F32:
+        K = kernels()
+        for cache, (lo, hi, start) in zip(caches, bounds, strict=True):
+            K.attend_rows(q_cat[:, lo:hi], cache, start, scale, o_lat[:, lo:hi])
+        return o_lat
     for cache, (lo, hi, start) in zip(caches, bounds, strict=True):
         scores = np.matmul(q_cat[:, lo:hi], cache.T) * scale  # [H, s, T]
         if hi - lo > 1:
