@@ -4,7 +4,7 @@ Same arrivals for both, alternated; the accounting of every client stream.
 
 ```
 xpod bench chaos [--dies 4] [--model small] [--duration 60] [--fault-every 20] \\
-    [--kinds kill-die,stop-die,kill-master,stop-master] [--request-rate 6] \\
+    [--kinds kill-die,stop-die,kill-master,stop-master,kvfault-die] [--request-rate 6] \\
     [--max-concurrency 8] [--max-tokens 64] [--seed 7] [--repeat 1] [--json F]
 ```
 
@@ -48,8 +48,8 @@ from bench.serve.scrape import parse_prometheus
 from bench.serve.server import LaunchedServer
 from runtime.cli.argtypes import choice_list, output_file, positive_float, positive_int
 
-KINDS = ("kill-die", "stop-die", "kill-master", "stop-master", "kill-output")
-DEFAULT_KINDS = "kill-die,stop-die,kill-master,stop-master"
+KINDS = ("kill-die", "stop-die", "kill-master", "stop-master", "kvfault-die", "kill-output")
+DEFAULT_KINDS = "kill-die,stop-die,kill-master,stop-master,kvfault-die"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

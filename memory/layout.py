@@ -67,6 +67,10 @@ Serving fields (only in a pod launched with `serve_slot_bytes`), after the all-t
                                                         + combine) and forward time of its steps
    progress                          writer: this die   where it is (`progress_word`): the
                                                         supervisor's hang detector samples it
+   kv_fault                          writer: the shell  a memory fault report (what the runtime's
+                                                        UCE report is to 001 §6.3): seq << 32 |
+                                                        (block + 1), 0 = a block of the die's next
+                                                        rows; the die polls it at each step
 ```
 Expert load balancing fields (only in a pod launched with `eplb_layers`), after the serving
 words (runtime.model.expert_balancer):
@@ -137,7 +141,8 @@ SERVE_SLOTS = 4
 SV_PING = SV_CMD_LEN + 2 * SERVE_SLOTS  # then the heartbeat and the cumulative phase times
 SV_PONG, SV_ATTN_NS, SV_MOE_NS, SV_STEP_NS = SV_PING + 1, SV_PING + 2, SV_PING + 3, SV_PING + 4
 SV_PROGRESS = SV_STEP_NS + 1  # step << 24 | (layer + 1) << 12 | phase << 4 | state (progress_word)
-SERVE_WORDS = SV_PROGRESS + 1
+SV_KV_FAULT = SV_PROGRESS + 1  # seq << 32 | (block + 1): a KV block reported faulty (0: pick)
+SERVE_WORDS = SV_KV_FAULT + 1
 # Expert load balancing words (word index inside the eplb block), see the diagram.
 EP_PLAN_SEQ, EP_PLAN_STEP, EP_READY, EP_SWITCHED, EP_COUNT_STEP = range(5)
 EP_MOVED_BYTES, EP_MOVE_NS, EP_BALANCE_PPM, EP_ROWS = range(5, 9)

@@ -53,6 +53,7 @@ class KVManager:
         self._cached: OrderedDict[int, None] = OrderedDict()  # first = least recently freed
         self._tables: dict[int, list[int]] = {}
         self._chain: dict[int, list[int]] = {}  # request -> hashes of its full blocks so far
+        self._masked: set[int] = set()  # faulty blocks, out of service for good (`mask`)
 
     def block_table(self, request_id: int) -> list[int]:
         return list(self._table(request_id))
@@ -135,7 +136,7 @@ class KVManager:
             h = block_hash(parent, chunk)
             chain.append(h)
             b = table[i]
-            if self._hash[b] is None and h not in self._index:
+            if self._hash[b] is None and h not in self._index and b not in self._masked:
                 self._hash[b], self._parent[b], self._tokens[b] = h, parent, chunk
                 self._index[h] = b
 
@@ -149,16 +150,50 @@ class KVManager:
             self._ref[b] -= 1
             if self._ref[b] == 0:
                 released.append(b)
+                if b in self._masked:
+                    continue  # out of service for good
                 if self._hash[b] is None:
                     self._free.append(b)
                 else:
                     self._cached[b] = None
         return released
 
+    def mask(self, block: int) -> bool:
+        """Take a faulty block out of service for good (a memory fault, 001 §6.3): never
+        allocated or prefix-matched again; a table that holds it keeps it until freed (the
+        caller recomputes those requests), then it goes nowhere. The pool shrinks by one.
+        Returns False if it was masked already."""
+        if (
+            not isinstance(block, int)
+            or isinstance(block, bool)
+            or not 0 <= block < self.num_blocks
+        ):
+            raise ValueError(f"block {block!r} must be in [0, {self.num_blocks})")
+        if block in self._masked:
+            return False
+        self._masked.add(block)
+        if self._hash[block] is not None:
+            del self._index[self._hash[block]]
+            self._hash[block] = self._parent[block] = self._tokens[block] = None
+        self._cached.pop(block, None)
+        if block in self._free:
+            self._free.remove(block)
+        return True
+
+    @property
+    def masked(self) -> list[int]:
+        return sorted(self._masked)
+
+    def holders(self, block: int) -> list[int]:
+        """Request ids whose table holds `block`."""
+        return [rid for rid, table in self._tables.items() if block in table]
+
     def usage(self) -> dict:
-        used = self.num_blocks - self.num_free()
-        return {"total": self.num_blocks, "used": used, "cached": len(self._cached),
-                "free": len(self._free), "usage": used / self.num_blocks}  # fmt: skip
+        total = self.num_blocks - len(self._masked)
+        used = total - self.num_free()
+        return {"total": total, "used": used, "cached": len(self._cached),
+                "free": len(self._free), "usage": used / max(total, 1),
+                "masked": len(self._masked)}  # fmt: skip
 
     def check(self) -> None:
         """Internal invariants (tests): raises AssertionError naming the first broken one."""
@@ -173,7 +208,9 @@ class KVManager:
         cached, free = set(self._cached), set(self._free)
         _expect(len(free) == len(self._free), "a block twice in the free list")
         _expect(not (used & cached or used & free or cached & free), "block states overlap")
-        _expect(len(used | cached | free) == self.num_blocks, "a block in no state")
+        masked = self._masked - used
+        _expect(not (masked & (cached | free)), "a masked block is free or cached")
+        _expect(len(used | cached | free | masked) == self.num_blocks, "a block in no state")
         _expect(all(self._hash[b] is not None for b in cached), "a cached block has no hash")
         _expect(all(self._hash[b] is None for b in free), "a free block has a hash")
         hashed = {b for b in range(self.num_blocks) if self._hash[b] is not None}

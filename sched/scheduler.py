@@ -151,6 +151,18 @@ class Scheduler:
         self._free(req)
         return req
 
+    def mask_block(self, block: int) -> list[int]:
+        """A faulty KV block (001 §6.3, "masking a faulty memory region"): out of service for
+        good (`KVManager.mask`), and every running request that holds it is preempted to
+        recompute (its output kept; rows of its in-flight plans are dropped by epoch).
+        Returns their ids."""
+        if not self.kv.mask(block):
+            return []
+        hit = [r for r in list(self.running) if r.request_id in self.kv.holders(block)]
+        for req in hit:
+            self._preempt(req)
+        return [r.request_id for r in hit]
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -184,6 +184,7 @@ class Metrics:
             "xpod_kv_blocks_total": ("KV blocks of a group.", "total"),
             "xpod_kv_blocks_free": ("KV blocks not in use (cached ones included).", "unused"),
             "xpod_kv_blocks_cached": ("Free KV blocks that still hold a cached prefix.", "cached"),
+            "xpod_kv_blocks_masked": ("KV blocks masked for good (memory faults).", "masked"),
         }
         for name, (doc, key) in kv.items():
             m = GaugeMetricFamily(name, doc, labels=["group"])
@@ -203,6 +204,8 @@ class Metrics:
             "xpod_prefix_cache_hits": ("Prompt tokens found in the prefix cache.",
                                        "prefix_hit_tokens", 1),
             "xpod_num_preemptions": ("Preemptions (recompute).", "num_preemptions", 1),
+            "xpod_kv_fault_recomputed": ("Requests recomputed because a KV block they held was"
+                                         " masked.", "kv_recomputed", 1),
             "xpod_steps": ("Steps the group's die ran with rows.", "busy_steps", 1),
             "xpod_dummy_steps": ("Steps the group's die ran with no rows (pod-wide lockstep).",
                                  "dummy_steps", 1),

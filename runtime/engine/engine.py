@@ -108,6 +108,7 @@ class Engine:
         self.recovering = False  # a restart is under way (admissions held, /health 503)
         self.alive_since = time.monotonic()  # the current incarnation's start (health ages)
         self.supervisor: Supervisor | None = None
+        self.kv_fault_seq = 0
 
     # -- launch ---------------------------------------------------------------------------------
 
@@ -527,6 +528,20 @@ class Engine:
         t = self.tracker
         return not self.recovering and len(t.reqs) > len(t.pending)
 
+    def masked_blocks(self, group: int) -> list[int]:
+        """KV blocks group's master masked (memory faults), from its latest stats."""
+        return list((self.stats.get(group) or {}).get("kv_masked_blocks", []))
+
+    def report_kv_fault(self, die: int, block: int = -1) -> None:
+        """A memory fault report in die's `kv_fault` serving word (`block` -1: a block its next
+        rows hold): the die drops the rows that hold it, its master masks it for good."""
+        pod = self.pod
+        if pod is None or pod.closed:
+            raise EngineError("the pod is down")
+        self.kv_fault_seq += 1
+        i = pod.layout.serve_word(L.SV_KV_FAULT)
+        pod.region(die).words[i] = (self.kv_fault_seq << 32) | (block + 1)
+
     def fail_now(self, detail: str) -> None:
         """Give up (the supervisor): every request ends with an error, the engine is down."""
         self.recovering = False
@@ -571,7 +586,7 @@ class Engine:
     def readmit(self) -> list[TrackedRequest]:
         """Bump the incarnation and re-queue every request the masters had (held)."""
         with self.lock:
-            self.pongs = {}
+            self.pongs, self.stats = {}, {}
             return self.tracker.readmit(self.gen + 1)
 
     def launch_processes(self) -> None:

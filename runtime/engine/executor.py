@@ -31,6 +31,8 @@ import gc
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from comm.trace import STEP_NAMES, TRACK_NAMES
 from memory import layout as L
 from memory.errors import PodAborted, ProtocolError
@@ -109,6 +111,10 @@ class _Loop:
         # Where this die is, for the shell's hang detector (runtime.engine.supervisor): the
         # clock stores (step, layer, phase ended) at every phase, the loop its vote / park.
         self.clock.progress = (self.words[self.me], lo.serve_word(L.SV_PROGRESS))
+        self.kvf_word = lo.serve_word(L.SV_KV_FAULT)
+        self.kvf_seq = 0
+        self.bad: set[int] = set()  # KV blocks reported faulty: rows that hold one are dropped
+        self.bad_new: list[int] = []  # not reported to the master yet
         # Early votes need a pod-wide collective in every busy step (an MoE layer).
         self.early = spec.model.n_dense_layers < spec.model.n_layers
         self.last: dict[int, int] = {}  # request -> its last sampled token (fed to decode rows)
@@ -223,8 +229,32 @@ class _Loop:
         w[self.pong] = p
         return True
 
+    def kv_faults(self, rows: list[dict]) -> list[dict]:
+        """A memory fault report in this die's `kv_fault` word (its own region): the block is
+        poisoned (NaN in every layer: what reading it would give) and out of service here;
+        rows whose table holds a bad block are dropped from the step (their requests are
+        recomputed by the master, which masks the block when the result reports it)."""
+        f = int(self.words[self.me][self.kvf_word])
+        if f >> 32 != self.kvf_seq:
+            block = (f & 0xFFFFFFFF) - 1
+            if block < 0 and rows:
+                block = rows[0]["table"][0]  # "a block in use": the first row's first block
+            if block >= 0:
+                self.kvf_seq = f >> 32
+                self.bad.add(block)
+                self.bad_new.append(block)
+                self.pool[:, block] = np.nan
+        if not self.bad:
+            return rows
+        return [r for r in rows if self.bad.isdisjoint(r["table"])]
+
     def run_step(self, s: int, cmd: dict | None) -> None:
         rows = cmd["rows"] if cmd else []
+        dropped = []
+        if self.bad or self.words[self.me][self.kvf_word]:
+            kept = self.kv_faults(rows)
+            dropped = [r["id"] for r in rows if r not in kept]
+            rows = kept
         for r in cmd["released"] if cmd else ():
             self.last.pop(r, None)
         segments, kv_rows, fed = [], [], []
@@ -271,6 +301,10 @@ class _Loop:
                     "bubble_ns": self.bubble, "attn_ns": cur[0]}  # fmt: skip
             if self.spec.keep_logits and samp:
                 body["logits"] = wire.pack_array(logits[samp])
+            if dropped:
+                body["dropped"] = dropped
+            if self.bad_new:
+                body["kv_fault"], self.bad_new = self.bad_new, []
             self.publish(body)
 
     def publish(self, body: dict) -> None:

@@ -9,9 +9,15 @@ stop:die=1,at=4s,for=0.3s    SIGSTOP die 1 four seconds after launch, SIGCONT 0.
 stop:master=0,at=2s          SIGSTOP master 0 for good (a hang: detected, then a restart)
 kill:output=3,step=50        SIGKILL output process 3 (needs output processes)
 kill:die=0,step=20,gen=1     SIGKILL die 0 at step 20 of the first restarted incarnation
+kvfault:die=0,step=80        a memory fault in die 0's KV: a block its next rows hold
+kvfault:die=1,at=3s,block=5  a memory fault in block 5 of die 1 (in use or not)
 ```
 
-- KIND: `kill` (SIGKILL) or `stop` (SIGSTOP; `for=T` sends SIGCONT after T, else never).
+- KIND: `kill` (SIGKILL), `stop` (SIGSTOP; `for=T` sends SIGCONT after T, else never) or
+  `kvfault` (die targets only: the shell writes a fault report into the die's `kv_fault` serving
+  word, as a runtime reports an uncorrectable memory error; `block=B`, else a block the die's
+  next rows hold; the die poisons it and drops the rows that hold it, the master masks it for
+  good and recomputes its holders: the KV-masking tier).
 - TARGET: `die`, `master` or `output` and its index (a die index = its DP group).
 - WHEN: `step=S` (the pod's current incarnation reached step S: die 0's vote word, read from
   the shell's mapping of the regions) and / or `at=T` (seconds since the engine launched);
@@ -19,10 +25,10 @@ kill:die=0,step=20,gen=1     SIGKILL die 0 at step 20 of the first restarted inc
   default any). Each fault fires once; a fault due while a restart is under way waits.
 
 Every firing is verified, and a fault that did not fire is a failure of the run: a killed
-process must be gone (or a zombie) within `VERIFY_S`, a stopped one in state `T` (procfs).
-Kinds of 001 §6 that need hooks inside the dies (a collective's link error, a dropped or late
-completion word, a poisoned KV block) are refused with a clear error: they need the iteration
-rollback and KV masking tiers, which this build does not have.
+process must be gone (or a zombie) within `VERIFY_S`, a stopped one in state `T` (procfs), a
+KV fault reported back by the die's master (the block masked). Kinds of 001 §6 that need hooks
+inside the collectives (a link error, a dropped or late completion word) are refused with a
+clear error: they need the iteration-rollback tier, which this build does not have.
 """
 
 from __future__ import annotations
@@ -34,9 +40,9 @@ import signal
 import time
 from dataclasses import dataclass, field
 
-KINDS = ("kill", "stop")
+KINDS = ("kill", "stop", "kvfault")
 TARGETS = ("die", "master", "output")
-NOT_BUILT = ("err", "drop", "delay", "kvfault", "random")
+NOT_BUILT = ("err", "drop", "delay", "random")
 VERIFY_S = 0.5  # a fired fault must show (process gone / stopped) within this
 _TIME = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)(ms|s)?$")
 
@@ -56,6 +62,7 @@ class Fault:
     at_s: float = 0.0
     for_s: float | None = None
     gen: int | None = None
+    block: int = -1  # kvfault: the block (-1: one the die's next rows hold)
     text: str = ""
     fired_at: float = 0.0  # time.monotonic() of the signal
     pid: int = 0
@@ -93,8 +100,8 @@ def parse_faults(text: str, num_groups: int, output_procs: bool = False) -> list
         kind = kind.strip()
         if kind in NOT_BUILT:
             raise FaultSpecError(
-                f"fault {part!r}: kind {kind!r} needs die-side hooks and the iteration rollback /"
-                " KV masking tiers, which this build does not have (kinds: kill, stop)"
+                f"fault {part!r}: kind {kind!r} needs hooks in the collectives and the iteration"
+                " rollback tier, which this build does not have (kinds: kill, stop, kvfault)"
             )
         if kind not in KINDS or not sep:
             raise FaultSpecError(f"fault {part!r}: expected KIND:TARGET=N,... with KIND one of"
@@ -116,6 +123,10 @@ def parse_faults(text: str, num_groups: int, output_procs: bool = False) -> list
                 if not val.isdigit() or int(val) < 1:
                     raise FaultSpecError(f"fault {part!r}: step={val}: must be an int >= 1")
                 f.step = int(val)
+            elif key == "block":
+                if kind != "kvfault" or not val.isdigit():
+                    raise FaultSpecError(f"fault {part!r}: block={val}: an int >= 0, for kvfault")
+                f.block = int(val)
             elif key == "gen":
                 if not val.isdigit():
                     raise FaultSpecError(f"fault {part!r}: gen={val}: must be an int >= 0")
@@ -128,9 +139,11 @@ def parse_faults(text: str, num_groups: int, output_procs: bool = False) -> list
                 f.for_s = _seconds(val, f"fault {part!r}: for")
             else:
                 raise FaultSpecError(f"fault {part!r}: unknown key {key!r} (die, master,"
-                                     " output, step, at, for, gen)")  # fmt: skip
+                                     " output, step, at, for, gen, block)")  # fmt: skip
         if not f.target:
             raise FaultSpecError(f"fault {part!r}: no target (die=N, master=N or output=N)")
+        if kind == "kvfault" and f.target != "die":
+            raise FaultSpecError(f"fault {part!r}: kvfault targets a die (die=N)")
         if f.target == "output" and not output_procs:
             raise FaultSpecError(f"fault {part!r}: output processes are off (--output-procs)")
         if not f.step and not f.at_s:

@@ -143,7 +143,9 @@ class Master:
         self.steps: list[dict] = []  # the replay log
         self.counters = {"results": 0, "busy_steps": 0, "empty_plans": 0, "bubble_ns": 0,
                          "dummy_steps": 0,
-                         "tokens": 0, "rows": 0, "bad_requests": 0}  # fmt: skip
+                         "tokens": 0, "rows": 0, "bad_requests": 0, "kv_masked": 0,
+                         "kv_recomputed": 0}  # fmt: skip
+        self.masked: list[int] = []  # KV blocks masked (memory faults)
         self.spans: list[list] = []  # [t_ns, dur_ns, name, rows, tokens] (trace)
         self.counter_samples: list[list] = []  # [t_ns, running, waiting, kv used, ...] (trace)
         self.step_ms: list[float] = []  # forward time of every step with rows (die clock)
@@ -253,6 +255,8 @@ class Master:
                 self.log_step(body, rows)
             if plan_id < 0:
                 continue
+            for block in body.get("kv_fault", ()):  # before the samples: its holders' rows of
+                self.mask(block)  # this result are then of an old epoch, and dropped
             out = self.sched.on_result(plan_id, {i: t for i, t in body["sampled"]})
             now = time.monotonic()
             for rid, toks in out.new_tokens.items():
@@ -265,8 +269,23 @@ class Master:
                 self.finish(req)
             self._gc()
 
+    def mask(self, block: int) -> None:
+        """A KV block the die reported faulty: masked for good, its holders recompute."""
+        if not 0 <= block < self.spec.num_blocks:
+            log.warning("master %d: the die reported KV block %r, not a block", self.spec.group,
+                        block)  # fmt: skip
+            return
+        hit = self.sched.mask_block(block)
+        self.counters["kv_masked"] += 1
+        self.counters["kv_recomputed"] += len(hit)
+        self.masked.append(block)
+        log.warning("master %d: KV block %d masked (a memory fault); requests %s recompute",
+                    self.spec.group, block, hit)  # fmt: skip
+
     def log_step(self, body: dict, rows: list[dict]) -> None:
         fed = {i: t for i, t in body["fed"]}
+        dropped = set(body.get("dropped", ()))
+        rows = [r for r in rows if r["id"] not in dropped]  # the die did not run them
         self.steps.append({
             "step": body["step"], "group": self.spec.group,
             "rows": [[r["id"], r["tokens"] if r["tokens"] is not None else [fed[r["id"]]],
@@ -373,6 +392,7 @@ class Master:
         body = {"group": self.spec.group, "t": time.time(), **s, **self.counters,
                 "kv": self.kv.usage(), "attn_ns": attn, "moe_ns": moe, "step_ns": step,
                 "die_step": self.die_step, "step_ms_new": self.step_new,
+                "kv_masked_blocks": self.masked,
                 "attn_new": self.attn_new}  # fmt: skip
         self.step_new, self.attn_new = [], []
         return body

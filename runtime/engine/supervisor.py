@@ -47,6 +47,7 @@ from runtime.model.forward import PHASES
 log = logging.getLogger(__name__)
 TICK_S = 0.02  # progress sampling and fault-plan period
 PING_EVERY_S = 0.25
+KV_VERIFY_S = 10.0  # a KV fault the die's master has not masked by then did not fire
 RECENT_FAULT_S = 30.0  # an injected fault this recent is the cause of what is detected
 
 
@@ -70,6 +71,7 @@ class Supervisor:
         self.restarts: deque[float] = deque()
         self.events: list[dict] = []  # one per detection (and its recovery)
         self.fired: list[Fault] = []
+        self.kv_pending: list[Fault] = []  # KV faults written, not seen masked yet
         self.counts: dict[str, dict[str, int]] = {
             "injected": {}, "verified": {}, "detected": {}, "recovered": {}, "failed": {},
         }  # fmt: skip
@@ -145,6 +147,7 @@ class Supervisor:
                     if eng.closing:
                         continue
                     self._inject(now)
+                    self._kv_masked(now)
                     incident = self._from_reports() or self._exits(ready, sentinels)
                     incident = incident or self._stalled(now) or self._silent(now)
                     if incident is not None:
@@ -165,15 +168,52 @@ class Supervisor:
             return
         due = plan.due(now - self.engine.started_at, self.engine.die_step(), self.engine.gen)
         for f in due:
+            if f.kind == "kvfault":  # verified once the die's master reports the block masked
+                f.extra["before"] = len(self.engine.masked_blocks(f.index))
+                f.fired_at = time.monotonic()
+                self.engine.report_kv_fault(f.index, f.block)
+                self.kv_pending.append(f)
+                continue
             plan.fire(f, self.engine.pid_of(f.target, f.index))
-            self.fired.append(f)
-            key = f"{f.kind}-{f.target}"
-            self._count("injected", key)
-            if f.verified:
-                self._count("verified", key)
-            level = logging.WARNING if f.verified else logging.ERROR
-            log.log(level, "fault injected: %s: %s", f.text, f.detail)
-            self._log({"event": "injected", **f.record()})
+            self._fired(f)
+
+    def _fired(self, f: Fault) -> None:
+        self.fired.append(f)
+        key = f"{f.kind}-{f.target}"
+        self._count("injected", key)
+        if f.verified:
+            self._count("verified", key)
+        level = logging.WARNING if f.verified else logging.ERROR
+        log.log(level, "fault injected: %s: %s", f.text, f.detail)
+        self._log({"event": "injected", **f.record()})
+
+    def _kv_masked(self, now: float) -> None:
+        """KV faults (tier "mask"): the die dropped the rows that hold the block, its master
+        masked it and recomputes them; nothing else pauses. Verified, detected and recovered
+        at once when the master's stats show the block masked."""
+        for f in list(self.kv_pending):
+            masked = self.engine.masked_blocks(f.index)
+            late = now - f.fired_at > KV_VERIFY_S
+            if len(masked) <= f.extra["before"] and not late:
+                continue
+            self.kv_pending.remove(f)
+            if late and len(masked) <= f.extra["before"]:
+                f.detail = f"die {f.index} reported no masked block in {KV_VERIFY_S:g} s"
+                self._fired(f)
+                continue
+            f.verified = True
+            f.block = masked[-1]
+            f.detail = f"die {f.index}: KV block {f.block} poisoned, masked by master {f.index}"
+            self._fired(f)
+            f.extra["detected"] = True
+            self._count("detected", "kv")
+            self._count("recovered", "mask")
+            gen = self.engine.gen
+            self._log({"event": "detected", "kind": "kv", "detail": f.detail, "gen": gen,
+                       "fault": f.text, "detect_s": now - f.fired_at})  # fmt: skip
+            self._log({"event": "recovered", "tier": "mask", "kind": "kv", "gen": gen,
+                       "fault": f.text, "since_detect_s": 0.0, "parts": {},
+                       "requests_resumed": 0, "block": f.block})  # fmt: skip
 
     def _count(self, what: str, key: str) -> None:
         c = self.counts[what]

@@ -180,6 +180,9 @@ def test_fault_plans_parse_and_bad_ones_are_named():
     assert (a.kind, a.target, a.at_s, a.for_s) == ("stop", "master", 5.0, 0.3)
     assert (b.target, b.index, b.step, b.gen) == ("output", 0, 7, None)
     assert parse_faults("kill:die=0,step=20,gen=1", 2)[0].gen == 1
+    (k,) = parse_faults("kvfault:die=1,at=3s,block=5", 2)
+    assert (k.kind, k.index, k.block, k.at_s) == ("kvfault", 1, 5, 3.0)
+    assert parse_faults("kvfault:die=0,step=9", 2)[0].block == -1
     assert parse_faults("", 2) == []
     for bad, match in [
         ("kill:die=4,step=1", r"die=4: must be an index in \[0, 4\)"),
@@ -193,6 +196,9 @@ def test_fault_plans_parse_and_bad_ones_are_named():
         ("kill:output=1,step=2", "output processes are off"),
         ("kill:die=1,step=2,color=red", "unknown key"),
         ("kill:die=1,step=2,gen=x", "gen=x"),
+        ("kvfault:master=1,step=2", "kvfault targets a die"),
+        ("kill:die=1,step=2,block=3", "for kvfault"),
+        ("drop:die=1,step=2", "rollback"),
         ("kill:step=2", "no target"),
     ]:
         with pytest.raises(FaultSpecError, match=match):

@@ -73,7 +73,14 @@ def test_refcounts_with_shared_prefix():
     assert kv.usage()["used"] == 4
     kv.check()
     assert kv.free(1) == [t1[2]]  # shared blocks keep a reference
-    assert kv.usage() == {"total": 8, "used": 3, "cached": 0, "free": 5, "usage": 3 / 8}
+    assert kv.usage() == {
+        "total": 8,
+        "used": 3,
+        "cached": 0,
+        "free": 5,
+        "usage": 3 / 8,
+        "masked": 0,
+    }
     assert kv.free(2) == [t2[2], t2[1], t2[0]]
     assert kv.usage()["cached"] == 2 and kv.usage()["used"] == 0
     assert kv.free(2) == [] and kv.free(77) == []
@@ -83,7 +90,7 @@ def test_refcounts_with_shared_prefix():
 def test_reverse_free_order_and_lru_eviction():
     kv = KVManager(4, BS)
     t1 = cached_request(kv, 1, seq(9))  # 3 blocks, 2 hashed: freed as t1[1], t1[0] (tail first)
-    assert kv.usage() == {"total": 4, "used": 0, "cached": 2, "free": 2, "usage": 0.0}
+    assert kv.usage() == {"total": 4, "used": 0, "cached": 2, "free": 2, "usage": 0.0, "masked": 0}
     t2 = kv.alloc_blocks(2, 8)  # plain free blocks first: the cache survives
     assert set(t2) == {b for b in range(4) if b not in t1[:2]}
     assert kv.match_by_prefix(seq(9))[1] == 8
@@ -111,7 +118,14 @@ def test_prefix_block_taken_from_cache_leaves_the_lru():
     t1 = cached_request(kv, 1, seq(5))
     blocks, hit = kv.match_by_prefix(seq(5))
     kv.alloc_blocks(2, 5, blocks)
-    assert kv.usage() == {"total": 3, "used": 2, "cached": 0, "free": 1, "usage": 2 / 3}
+    assert kv.usage() == {
+        "total": 3,
+        "used": 2,
+        "cached": 0,
+        "free": 1,
+        "usage": 2 / 3,
+        "masked": 0,
+    }
     kv.append_block(2)
     with pytest.raises(KVFull):
         kv.append_block(2)
@@ -182,7 +196,7 @@ def test_disabled_prefix_cache():
     kv = KVManager(4, BS, enable_prefix_cache=False)
     cached_request(kv, 1, seq(9))
     assert kv.match_by_prefix(seq(9)) == ([], 0)
-    assert kv.usage() == {"total": 4, "used": 0, "cached": 0, "free": 4, "usage": 0.0}
+    assert kv.usage() == {"total": 4, "used": 0, "cached": 0, "free": 4, "usage": 0.0, "masked": 0}
     kv.check()
 
 
@@ -237,3 +251,48 @@ def test_random_stream_keeps_invariants(ops, num_blocks, enable):
         kv.free(r)
     kv.check()
     assert kv.usage()["used"] == 0
+
+
+def test_a_masked_block_is_never_allocated_or_matched_again():
+    kv = KVManager(4, 2)
+    tokens = [1, 2, 3, 4, 5]
+    kv.alloc_blocks(0, 5)  # blocks 0, 1, 2
+    kv.cache_blocks(0, tokens, 5)
+    kv.alloc_blocks(1, 4, kv.match_by_prefix(tokens)[0])  # shares 0 and 1
+    assert kv.holders(0) == [0, 1]
+    assert kv.mask(0) and not kv.mask(0)
+    assert kv.match_by_prefix(tokens) == ([], 0)  # its hash is gone: no prefix hit on it
+    kv.free(0)
+    kv.free(1)
+    kv.check()
+    assert kv.masked == [0] and kv.usage()["total"] == 3 and kv.usage()["masked"] == 1
+    for rid in range(2, 5):  # every block that can be allocated, none of them the masked one
+        assert 0 not in kv.alloc_blocks(rid, 2)
+    with pytest.raises(KVFull):
+        kv.alloc_blocks(9, 1)
+    kv.check()
+    kv2 = KVManager(2, 2)
+    assert kv2.mask(1) and kv2.usage()["free"] == 1  # a free block: just out of the pool
+    with pytest.raises(ValueError):
+        kv2.mask(2)
+
+
+def test_masking_preempts_the_holders_only():
+    from sched import Request, SamplingParams, Scheduler, SchedulerConfig
+
+    kv = KVManager(16, 4)
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_seq_len=64), kv)
+    for rid, prompt in ((0, [1] * 9), (2, [2] * 5)):
+        s.add(Request(rid, prompt, SamplingParams(max_tokens=4)))
+    plan = s.schedule()
+    s.on_result(plan.plan_id, {0: 7, 2: 7})
+    s.add(Request(1, [1] * 9, SamplingParams(max_tokens=4)))  # its prefix is 0's: shared blocks
+    plan = s.schedule()
+    s.on_result(plan.plan_id, {0: 7, 1: 7, 2: 7})
+    shared = kv.block_table(0)[0]
+    assert shared in kv.block_table(1) and shared not in kv.block_table(2)
+    assert s.mask_block(shared) == [0, 1]
+    assert [r.request_id for r in s.running] == [2]
+    assert sorted(len(r.output) for r in s.waiting) == [1, 2]  # output kept: they recompute
+    plan = s.schedule()
+    assert all(shared not in r.block_table for r in plan.rows)
