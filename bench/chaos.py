@@ -4,7 +4,8 @@ Same arrivals for both, alternated; the accounting of every client stream.
 
 ```
 xpod bench chaos [--dies 4] [--model small] [--duration 60] [--fault-every 20] \\
-    [--kinds kill-die,stop-die,kill-master,stop-master,kvfault-die] [--request-rate 6] \\
+    [--kinds kill-die,err-die,stop-die,drop-die,kill-master,kvfault-die,stop-master] \\
+    [--request-rate 6] \\
     [--max-concurrency 8] [--max-tokens 64] [--seed 7] [--repeat 1] [--json F]
 ```
 
@@ -48,8 +49,9 @@ from bench.serve.scrape import parse_prometheus
 from bench.serve.server import LaunchedServer
 from runtime.cli.argtypes import choice_list, output_file, positive_float, positive_int
 
-KINDS = ("kill-die", "stop-die", "kill-master", "stop-master", "kvfault-die", "kill-output")
-DEFAULT_KINDS = "kill-die,stop-die,kill-master,stop-master,kvfault-die"
+KINDS = ("kill-die", "stop-die", "kill-master", "stop-master", "kvfault-die", "err-die",
+         "drop-die", "kill-output")  # fmt: skip
+DEFAULT_KINDS = "kill-die,err-die,stop-die,drop-die,kill-master,kvfault-die,stop-master"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -118,6 +120,7 @@ class Seen:
     ids: list[int] = field(default_factory=list)
     usage: int = -1
     ttft: float = 0.0
+    start: float = 0.0
     end: float = 0.0
     error: str = ""
 
@@ -153,7 +156,7 @@ async def drive(url: str, model: str, reqs: list[Req], o: Options) -> tuple[list
                         "temperature": r.temperature, "seed": r.seed, "ignore_eos": True,
                         "stream": True, "return_token_ids": True,
                         "stream_options": {"include_usage": True}}  # fmt: skip
-                start = time.monotonic()
+                start = s.start = time.monotonic()
                 try:
                     async with http.post(url + "/v1/completions", json=body) as resp:
                         s.status = resp.status
@@ -223,8 +226,8 @@ def one_run(o: Options, reqs: list[Req], plan: str) -> Run:
             "--stall-timeout", str(o.stall_timeout), "--fault-log", log.name]  # fmt: skip
     if any(k.endswith("output") for k in o.kinds):
         argv.append("--output-procs")
-    if plan:
-        argv += ["--inject", plan]
+    if plan:  # the restart-storm guard must let the planned faults through
+        argv += ["--inject", plan, "--max-restarts", str(plan.count(";") + 2)]
     srv = LaunchedServer(tuple(argv))
     pods: set[str] = set()
     procs: list[psutil.Process] = []
@@ -233,12 +236,17 @@ def one_run(o: Options, reqs: list[Req], plan: str) -> Run:
         model = f"xpod-{o.model}"
         pods = pods_of(srv.proc.pid)
         seen, t0 = asyncio.run(drive(url, model, reqs, o))
+        import urllib.error
         import urllib.request
 
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-            metrics = parse_prometheus(r.read().decode())
-        procs = psutil.Process(srv.proc.pid).children(recursive=True)
-        code = srv.stop()
+        try:
+            with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+                metrics = parse_prometheus(r.read().decode())
+            procs = psutil.Process(srv.proc.pid).children(recursive=True)
+            code = srv.stop()
+        except (urllib.error.URLError, OSError, psutil.Error):  # the server is gone
+            metrics, code = {}, srv.proc.wait(30)
+            progress(f"  the server exited ({code}):\n{srv.tail()}")
     finally:
         srv.kill()
         srv.close()
@@ -313,7 +321,7 @@ def faults_of(r: Run) -> list[dict]:
                "detect_s": det["detect_s"] if det else None,
                "tier": rec["tier"] if rec else "", "resumed": rec["requests_resumed"] if rec
                else 0, **{f"{k}_s": v for k, v in parts.items() if k != "detect"}}  # fmt: skip
-        if det and rec and res:
+        if det and rec and res and rec["tier"] == "restart":
             row["restart_s"] = (det["detect_s"] or 0) + sum(
                 v for k, v in parts.items() if k != "detect" and v is not None
             )
@@ -340,6 +348,7 @@ def run(o: Options) -> int:
             runs[chaos] = one_run(o, reqs, plan if chaos else "")
         pairs.append((runs[True], runs[False]))
     faults, ratios, accs, leaks, gaps, ttft, base_ttft = [], [], [], [], 0.0, [], []
+    base_tpot: list[float] = []
     for c, b in pairs:
         faults += faults_of(c)
         ratios.append(throughput(c) / max(1e-9, throughput(b)))
@@ -348,14 +357,37 @@ def run(o: Options) -> int:
         gaps += sum(v for _, v in c.metrics.get("xpod_token_gaps_total", []))
         ttft += [s.ttft for s in c.seen if s.ids]
         base_ttft += [s.ttft for s in b.seen if s.ids]
+        base_tpot += [(s.end - s.start - s.ttft) / (len(s.ids) - 1) for s in b.seen
+                      if len(s.ids) > 1 and s.start]  # fmt: skip
     print_table(faults, [("fault", "fault", ""), ("verified", "ok", ""),
                          ("detected", "by", ""), ("detect_s", "detect s", ".3f"),
                          ("teardown_s", "teardown s", ".3f"), ("launch_s", "launch s", ".3f"),
                          ("recompute_s", "recompute s", ".3f"), ("restart_s", "restart s", ".3f"),
+                         ("stall_s", "stall s", ".3f"),
                          ("resumed", "resumed", "d")])  # fmt: skip
     acc = {k: sum(a[k] for a in accs) for k in accs[0]}
     kills = [f["detect_s"] for f in faults if f["kind"].startswith("kill")]
     restarts = [f.get("restart_s") for f in faults]
+    step_s = _pct(base_tpot, 50) or 0.0
+    # a link error's rollback stall (the bar: 2 steps + 20 ms); a lost write's adds the op
+    # deadline that detects it
+    stalls = [f["stall_s"] for f in faults if f.get("tier") == "rollback" and f.get("stall_s")
+              and f["detected"] == "link"]  # fmt: skip
+    lost = [f["stall_s"] for f in faults if f.get("tier") == "rollback" and f.get("stall_s")
+            and f["detected"] == "deadline"]  # fmt: skip
+    by_kind: dict = {}
+    for f in faults:
+        k = by_kind.setdefault(f["kind"], {"n": 0, "verified": 0, "detect": [], "restart": [],
+                                            "stall": []})  # fmt: skip
+        k["n"] += 1
+        k["verified"] += bool(f["verified"])
+        k["detect"].append(f["detect_s"])
+        k["restart"].append(f.get("restart_s"))
+        k["stall"].append(f.get("stall_s"))
+    kinds = {kind: {"n": k["n"], "verified": k["verified"],
+                    **{f"{m}_{q}_s": _pct(k[m], 50 if q == "p50" else 100)
+                       for m in ("detect", "restart", "stall") for q in ("p50", "max")}}
+             for kind, k in by_kind.items()}  # fmt: skip
     summary = {
         "bench": "chaos", **run_info(), "dies": o.dies, "model": o.model,
         "duration_s": o.duration, "fault_every_s": o.fault_every, "kinds": list(o.kinds),
@@ -371,16 +403,37 @@ def run(o: Options) -> int:
         "restart_p50_s": _pct(restarts, 50), "restart_max_s": _pct(restarts, 100),
         "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
         "baseline_ttft_p50_s": _pct(base_ttft, 50), "baseline_ttft_p99_s": _pct(base_ttft, 99),
-        "rollback_stall_max_steps": None,  # iteration rollback (T1) is not built
+        "rollback_stall_max_s": max(stalls) if stalls else None,
+        "lost_write_stall_max_s": max(lost) if lost else None,
+        "by_kind": kinds,
+        "rollback_stall_max_steps": max(stalls) / step_s if stalls and step_s else None,
+        "baseline_tpot_p50_s": step_s,
         "leaks": leaks, "faults": faults,
     }  # fmt: skip
     for key in ("faults_injected", "faults_verified", "faults_detected", "faults_recovered",
                 "requests_accepted", "requests_lost", "tokens_duplicated", "tokens_skipped",
                 "streams_differing", "throughput_ratio", "detect_kill_p50_s", "restart_p50_s",
-                "restart_max_s", "ttft_p50_s", "baseline_ttft_p50_s"):  # fmt: skip
+                "restart_max_s", "rollback_stall_max_s", "rollback_stall_max_steps",
+                "lost_write_stall_max_s",
+                "ttft_p50_s", "baseline_ttft_p50_s"):  # fmt: skip
         v = summary[key]
         print(f"  {key:22s} {v:.3f}" if isinstance(v, float) else f"  {key:22s} {v}")
     print(f"  leaks                  {len(leaks)}{': ' + ', '.join(leaks) if leaks else ''}")
+    print()
+    print_table(
+        [{"kind": k, **v} for k, v in kinds.items()],
+        [
+            ("kind", "kind", ""),
+            ("n", "n", "d"),
+            ("verified", "verified", "d"),
+            ("detect_p50_s", "detect p50", ".3f"),
+            ("detect_max_s", "max", ".3f"),
+            ("restart_p50_s", "restart p50", ".3f"),
+            ("restart_max_s", "max", ".3f"),
+            ("stall_p50_s", "stall p50", ".3f"),
+            ("stall_max_s", "max", ".3f"),
+        ],
+    )
     if o.json:
         write_jsonl(o.json, [summary])
     bad = (summary["faults_verified"] < len(faults) or acc["requests_lost"] or leaks

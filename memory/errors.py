@@ -35,5 +35,10 @@ class PeerTimeout(PodError, TimeoutError):
     """A wait passed its deadline; names die, peer, field, expected and seen values, seconds."""
 
 
+class LinkError(PodError):
+    """A collective's link failed (001 §6.1's error code: an injected `err` fault in xpod).
+    Transient: the serving engine rolls the step back and runs it again."""
+
+
 class PodAborted(PodError):
     """The launcher aborted the operation this die was waiting in (another die failed)."""

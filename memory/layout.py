@@ -71,6 +71,10 @@ Serving fields (only in a pod launched with `serve_slot_bytes`), after the all-t
                                                         UCE report is to 001 §6.3): seq << 32 |
                                                         (block + 1), 0 = a block of the die's next
                                                         rows; the die polls it at each step
+   fault_hits                        writer: this die   die-side injected faults it fired
+   done_step                         writer: this die   the last step it finished
+   fault_at                          writer: this die   when its last die-side fault fired (ns)
+   fault_arm                         writer: the shell  die-side faults armed by time (ordinal)
 ```
 Expert load balancing fields (only in a pod launched with `eplb_layers`), after the serving
 words (runtime.model.expert_balancer):
@@ -142,7 +146,11 @@ SV_PING = SV_CMD_LEN + 2 * SERVE_SLOTS  # then the heartbeat and the cumulative 
 SV_PONG, SV_ATTN_NS, SV_MOE_NS, SV_STEP_NS = SV_PING + 1, SV_PING + 2, SV_PING + 3, SV_PING + 4
 SV_PROGRESS = SV_STEP_NS + 1  # step << 24 | (layer + 1) << 12 | phase << 4 | state (progress_word)
 SV_KV_FAULT = SV_PROGRESS + 1  # seq << 32 | (block + 1): a KV block reported faulty (0: pick)
-SERVE_WORDS = SV_KV_FAULT + 1
+SV_FAULT_HITS = SV_KV_FAULT + 1  # die-side faults (err / drop / delay) this die has fired
+SV_DONE_STEP = SV_FAULT_HITS + 1  # the last step this die finished (rollback target: min + 1)
+SV_FAULT_AT = SV_DONE_STEP + 1  # CLOCK_MONOTONIC ns of this die's last die-side fault
+SV_FAULT_ARM = SV_FAULT_AT + 1  # the shell arms this die's at=T die-side faults (an ordinal)
+SERVE_WORDS = SV_FAULT_ARM + 1
 # Expert load balancing words (word index inside the eplb block), see the diagram.
 EP_PLAN_SEQ, EP_PLAN_STEP, EP_READY, EP_SWITCHED, EP_COUNT_STEP = range(5)
 EP_MOVED_BYTES, EP_MOVE_NS, EP_BALANCE_PPM, EP_ROWS = range(5, 9)

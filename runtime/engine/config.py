@@ -56,6 +56,13 @@ class EngineConfig:
         heartbeat_timeout_s: a group silent to the heartbeat this long = hang.
         max_restarts, restart_window_s: more restarts than this in the window give up (every
             request ends with an error, the engine is down).
+        rollback: a transient link fault (a collective's link error, a lost write past
+            `op_timeout_s`) rolls the step back and runs it again on every die, no process
+            restarted (001 §6.3 Stage 1; `runtime.engine.executor`); three rollbacks of one
+            step escalate to a restart. False: such a fault is a restart (or, without
+            `recover`, the end).
+        op_timeout_s: deadline of a step's collective waits while serving (well below
+            `timeout_s`: a lost write is seen after it).
         inject: a fault plan (`runtime.engine.faults`), "" = none.
         fault_log: a file: every injection, detection and recovery as a JSON line.
     """
@@ -86,6 +93,8 @@ class EngineConfig:
     stream_interval: int = 1
     eplb: EPLBConfig | None = None
     recover: bool = True
+    rollback: bool = True
+    op_timeout_s: float = 0.5
     stall_timeout_s: float = 1.0
     heartbeat_timeout_s: float = 1.5
     max_restarts: int = 3
@@ -115,7 +124,8 @@ class EngineConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"{name}: {v!r} must be an int >= {lo}")  # fmt: skip
-        for name in ("stall_timeout_s", "heartbeat_timeout_s", "restart_window_s"):
+        for name in ("stall_timeout_s", "heartbeat_timeout_s", "restart_window_s",
+                     "op_timeout_s"):  # fmt: skip
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0.05 <= v <= 3600:
                 raise ConfigError(f"{name}: {v!r} must be a number of seconds in [0.05, 3600]")

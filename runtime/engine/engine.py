@@ -38,11 +38,16 @@ from collections.abc import AsyncIterator
 import zmq
 
 from memory import layout as L
-from memory.errors import PodError
+from memory.errors import LinkError, PeerTimeout, PodError
 from runtime.engine import wire
 from runtime.engine.config import EngineConfig
-from runtime.engine.executor import ServeSpec, serve_main
-from runtime.engine.faults import FaultPlan, parse_faults
+from runtime.engine.executor import (
+    ServeSpec,
+    drop_loop,
+    rollback_point,
+    serve_main,
+)
+from runtime.engine.faults import FaultPlan, parse_faults, proc_state
 from runtime.engine.master import MasterSpec, master_main
 from runtime.engine.output import OutputSpec, output_main
 from runtime.engine.step_ring import Bell, bell_path
@@ -58,12 +63,16 @@ from runtime.engine.wire import engine_socket, master_socket, output_socket
 from runtime.model import EOS
 from runtime.model.forward import prepared_for_fork
 from runtime.pod import Pod, PodConfig
+from runtime.pod.launcher import ABORT_GRACE_S
 from sched import LoadBalancer, SamplingParams
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 60.0
 CLOSE_TIMEOUT_S = 10.0
 WATCH_EVERY_S = 0.2  # how often the receiver thread checks that every master lives
+MAX_ROLLBACKS = 3  # rollbacks of one step before a restart (vllm-ascend's max_reinference_times)
+ROLLBACK_FAULTS = (LinkError, PeerTimeout)  # the root errors a rollback answers
+DOWN_STATES = ("", "T", "t", "Z", "X")  # procfs states of a process that cannot make progress
 
 __all__ = ["Engine"]
 
@@ -109,6 +118,8 @@ class Engine:
         self.alive_since = time.monotonic()  # the current incarnation's start (health ages)
         self.supervisor: Supervisor | None = None
         self.kv_fault_seq = 0
+        self.rollbacks: list[dict] = []  # iteration rollbacks: step, attempt, error, seconds
+        self.first_plan: FaultPlan | None = None
 
     # -- launch ---------------------------------------------------------------------------------
 
@@ -132,6 +143,8 @@ class Engine:
 
     def _start(self) -> None:
         cfg = self.config
+        if cfg.inject:
+            self.first_plan = FaultPlan(parse_faults(cfg.inject, cfg.dies, cfg.output_procs))
         self._launch_pod()
         self.run_dir = f"/dev/shm/xpod.{self.pod.pod_id}.run"
         os.mkdir(self.run_dir, 0o700)
@@ -153,9 +166,7 @@ class Engine:
             for t in warm:
                 if not t.done.wait(READY_TIMEOUT_S) or t.reason == "error":
                     raise EngineError(f"warm-up request failed: {t.error or 'timed out'}")
-        plan = None
-        if cfg.inject:
-            plan = FaultPlan(parse_faults(cfg.inject, cfg.dies, cfg.output_procs))
+        plan = self.first_plan
         self.started_at = time.monotonic()
         if cfg.recover or plan is not None:
             self.supervisor = Supervisor(self, plan, cfg.fault_log)
@@ -200,8 +211,11 @@ class Engine:
                 s.setsockopt(zmq.LINGER, 0)
                 s.connect(output_socket(self.run_dir, g))
                 self.to_output.append(s)
+        plan = self.supervisor.plan if self.supervisor is not None else self.first_plan
         serve = ServeSpec(self.model, cfg.protocol, cfg.quant, cfg.blocks, cfg.block_size,
-                          self.run_dir, cfg.keep_logits, cfg.gc_every, cfg.eplb)  # fmt: skip
+                          self.run_dir, cfg.keep_logits, cfg.gc_every, cfg.eplb, cfg.rollback,
+                          cfg.op_timeout_s if cfg.rollback else 0.0,
+                          plan.unfired_die_side() if plan is not None else ())  # fmt: skip
         self._thread(self._pod_loop, serve, self.gen, name="xpod-pod-run")
         if not any(t.name == "xpod-engine-receive" for t in self._threads) and not (
             self.rx_handover
@@ -236,18 +250,59 @@ class Engine:
     # -- background threads ---------------------------------------------------------------------
 
     def _pod_loop(self, serve: ServeSpec, gen: int) -> None:
-        pod = self.pod
-        try:
-            self.pod_result = pod.run(serve_main, serve)
-        except BaseException as e:  # noqa: BLE001 - every failure is named: a restart or the end
-            if not self.closing and gen == self.gen:
-                self._fault(f"the pod failed: {type(e).__name__}: {e}", gen)
+        pod, resume, tries = self.pod, None, {}
+        grace = 0.0 if serve.rollback else ABORT_GRACE_S
+        while True:
+            try:
+                self.pod_result = pod.run(serve_main, serve, resume, abort_grace_s=grace)
+                return
+            except BaseException as e:  # noqa: BLE001 - every failure is named: a rollback,
+                t_fail = time.monotonic()  # a restart or the end
+                if self.closing or gen != self.gen:
+                    return
+                if not (serve.rollback and isinstance(e, ROLLBACK_FAULTS) and not pod.closed):
+                    self._fault(f"the pod failed: {type(e).__name__}: {e}", gen)
+                    return
+                # The probe: a deadline passed because a process is stopped or gone (a hung
+                # die, or a die waiting for its stopped master) is not a lost write: restart.
+                down = [
+                    f"{w} {i} (pid {p}, state {proc_state(p) or 'gone'})"
+                    for w, i, p in self.processes()
+                    if proc_state(p) in DOWN_STATES
+                ]
+                if down:
+                    self._fault(f"{type(e).__name__}: {e}; not a link fault:"
+                                f" {', '.join(down)}", gen, "hang")  # fmt: skip
+                    return
+                try:
+                    resume = min(pod.run(rollback_point, serve, timeout_s=5.0)) + 1
+                except BaseException as e2:  # noqa: BLE001 - a fault during the rollback
+                    self._fault(f"rollback after {type(e).__name__} failed: {e2}", gen)
+                    return
+                tries[resume] = tries.get(resume, 0) + 1
+                at = max(self._serve_words(L.SV_FAULT_AT) or [0]) / 1e9
+                stall = time.monotonic() - at if 0 < at <= t_fail else None
+                rec = {"step": resume, "attempt": tries[resume], "error": f"{type(e).__name__}:"
+                       f" {e}", "kind": "link" if isinstance(e, LinkError) else "deadline",
+                       "rollback_s": time.monotonic() - t_fail, "stall_s": stall}  # fmt: skip
+                if tries[resume] > MAX_ROLLBACKS:
+                    with contextlib.suppress(BaseException):
+                        pod.run(drop_loop, serve, timeout_s=5.0)
+                    self._fault(f"step {resume} rolled back {MAX_ROLLBACKS} times; the last"
+                                f" fault: {rec['error']}", gen, "rollbacks")  # fmt: skip
+                    return
+                self.rollbacks.append(rec)
+                if self.supervisor is not None:
+                    self.supervisor.on_rollback(rec)
+                log.warning("rollback %d of step %d (%s): %.1f ms", tries[resume], resume,
+                            rec["error"], rec["rollback_s"] * 1e3)  # fmt: skip
 
-    def _fault(self, detail: str, gen: int) -> None:
-        """A process of incarnation `gen` died: the supervisor restarts, or the engine fails."""
+    def _fault(self, detail: str, gen: int, kind: str = "exit") -> None:
+        """A process of incarnation `gen` died (or a step would not roll back): the supervisor
+        restarts, or the engine fails."""
         sup = self.supervisor
         if sup is not None and self.config.recover:
-            sup.report("exit", detail, gen)
+            sup.report(kind, detail, gen)
         elif gen == self.gen:
             self._fail(EngineError(detail))
 
@@ -518,6 +573,10 @@ class Engine:
         """Every die's progress word (`memory.layout.unpack_progress`); [] while down."""
         return self._serve_words(L.SV_PROGRESS)
 
+    def fault_hits(self) -> list[int]:
+        """Every die's count of die-side injected faults it fired ([] while down)."""
+        return self._serve_words(L.SV_FAULT_HITS)
+
     def die_step(self) -> int:
         """Die 0's step in the current incarnation (0 while down)."""
         steps = self._serve_words(L.SV_VOTE_STEP)
@@ -541,6 +600,14 @@ class Engine:
         self.kv_fault_seq += 1
         i = pod.layout.serve_word(L.SV_KV_FAULT)
         pod.region(die).words[i] = (self.kv_fault_seq << 32) | (block + 1)
+
+    def arm_fault(self, die: int, ordinal: int) -> None:
+        """Arm die's die-side injected faults up to `ordinal` (its `fault_arm` word)."""
+        pod = self.pod
+        if pod is None or pod.closed or self.recovering:
+            return
+        with contextlib.suppress(PodError, IndexError, ValueError):
+            pod.region(die).words[pod.layout.serve_word(L.SV_FAULT_ARM)] = ordinal
 
     def fail_now(self, detail: str) -> None:
         """Give up (the supervisor): every request ends with an error, the engine is down."""

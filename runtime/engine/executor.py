@@ -23,19 +23,32 @@ Serving loop of die g, global step s = 1, 2, ... (the same numbers on every die)
 MoE event ids are `s * n_layers + layer`, so they agree on every die. Decode rows carry no
 token: the die feeds the request's last sampled token (asynchronous execution, 004 §4.2: the
 master plans step n+1 before it knows step n's tokens).
+
+Iteration rollback (001 §6.3 Stage 1, `ServeSpec.rollback`): a transient link fault (a
+collective's `LinkError`, or a collective wait past `op_timeout_s`: a lost write) ends the run
+on every die (the launcher aborts the others at once; the one that saw it rings every bell so
+parked dies see the abort), and the launcher's resync realigns the collectives' operation
+counters (a new generation: no flag of the aborted attempt satisfies the retry). Each die keeps
+its loop (`_LOOPS`: model, KV, last tokens) and the commands of its last steps with the state
+before each; the engine reads every die's `done_step` (`rollback_point`) and runs the loop
+again from R = min + 1 (`serve_main(..., resume=R)`): each die re-runs from R the commands it
+had taken, from the state it had before R, so the same rows in the same order give the same
+tokens; results of steps a die had published are published again with their command's ring
+`seq`, and the master drops the ones it has.
 """
 
 from __future__ import annotations
 
 import gc
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
 from comm.trace import STEP_NAMES, TRACK_NAMES
 from memory import layout as L
-from memory.errors import PodAborted, ProtocolError
+from memory.errors import LinkError, PeerTimeout, PodAborted, ProtocolError
 from runtime.engine import wire
 from runtime.engine.step_ring import Bell, Ring, bell_path
 from runtime.model.config import ModelConfig
@@ -69,6 +82,10 @@ class ServeSpec:
         keep_logits: return the logits of every sampled row (schedule replay).
         gc_every: 0 = Python's automatic GC; N = freeze after warm-up, collect every N steps.
         eplb: expert load balancing (`runtime.model.expert_balancer`), or None.
+        rollback: keep the loop across a failed run for an iteration rollback (module doc).
+        op_timeout_s: deadline of the step's collective waits (0: the pod's timeout_s).
+        faults: die-side injected faults (`runtime.engine.faults.Fault` of kinds err, drop,
+            delay); a die installs a hook only if one targets it.
     """
 
     model: ModelConfig
@@ -80,6 +97,9 @@ class ServeSpec:
     keep_logits: bool = False
     gc_every: int = 0
     eplb: EPLBConfig | None = None
+    rollback: bool = False
+    op_timeout_s: float = 0.0
+    faults: tuple = ()
 
 
 class _Loop:
@@ -123,11 +143,71 @@ class _Loop:
                       "bubble_ns": 0, "gc_collections": 0}  # fmt: skip
         self.prev_end = 0  # when the last result was published (bubble accounting)
         self.bubble = 0  # this step's: from the last result to having this step's command
+        self.s = 0  # the global step
+        self.history: deque = deque(maxlen=3)  # (step, cmd, last, steps) before each step run
+        self.replay: deque = deque()  # steps to run again after a rollback
+        self.done_word = lo.serve_word(L.SV_DONE_STEP)
+        self.hits_word = lo.serve_word(L.SV_FAULT_HITS)
+        self.fault_at_word = lo.serve_word(L.SV_FAULT_AT)
+        self.policy = die.policy
+        self.op_policy = die.policy.with_timeout(spec.op_timeout_s) if spec.op_timeout_s else None
+        mine = [f for f in spec.faults if f.index == self.me]
+        self.clock.fault = self._fault_hook(mine) if mine else None
 
     # -- one global step ----------------------------------------------------------------------
 
+    def _fault_hook(self, faults: list):
+        """The die-side fault injection hook (installed only when a fault targets this die):
+        at (step, layer, phase) a collective raises `LinkError` (err), or this die's writes of
+        that collective arrive `for` seconds late (delay), or never until the abort (drop)."""
+        left = {id(f): f.times for f in faults}
+
+        arm = self.die.layout.serve_word(L.SV_FAULT_ARM)
+
+        def hook(step: int, layer: int, phase: str) -> None:
+            for f in faults:
+                if left[id(f)] <= 0 or f.layer not in (-1, layer) or f.phase not in ("", phase):
+                    continue
+                if f.ordinal:  # armed by the shell at its time: this step is the one
+                    if self.words[self.me][arm] < f.ordinal:
+                        continue
+                    f.step, f.ordinal = step, 0
+                if f.step != step:
+                    continue
+                left[id(f)] -= 1
+                w = self.words[self.me]
+                w[self.hits_word] += 1
+                w[self.fault_at_word] = time.monotonic_ns()
+                if f.kind == "err":
+                    raise LinkError(f"die {self.me}: injected link error in the {phase} of"
+                                    f" step {step}, layer {layer}")  # fmt: skip
+                end = time.monotonic() + (f.for_s if f.kind == "delay" else 3600.0)
+                abort = self.die.ctx.abort
+                while time.monotonic() < end:  # this die's writes are late: peers wait
+                    if abort is not None and abort[0][abort[1]] != abort[2]:
+                        raise PodAborted(f"die {self.me}: aborted while its {phase} write of"
+                                         f" step {step}, layer {layer} was held back")  # fmt: skip
+                    time.sleep(0.001)
+
+        return hook
+
+    def rewind(self, step: int) -> None:
+        """An iteration rollback to `step`: run again the steps from it that this die had
+        started, from the state it had before the first of them."""
+        again = [h for h in self.history if h[0] >= step]
+        self.replay = deque(again)
+        if again:
+            _, _, last, steps = again[0]
+            self.last = dict(last)
+            self.stats["steps"] = steps
+        self.s = step - 1
+        self.exiting = False
+
     def take(self) -> dict | None:
-        """The next command frame, waiting for a promised one; None without any."""
+        """The next command frame, waiting for a promised one; None without any. After a
+        rollback, first the commands of the steps to run again."""
+        if self.replay:
+            return self.replay.popleft()[1]
         w, lo = self.words[self.me], self.die.layout
         taken = self.cmds.consumed()
         if not self.cmds.available() and w[self.promised] > taken:
@@ -142,6 +222,7 @@ class _Loop:
         if kind == "stop":
             self.exiting = True
             return None
+        body["seq"] = taken  # its ring index: a result published again after a rollback names it
         self.bubble = time.perf_counter_ns() - self.prev_end if self.prev_end else 0
         self.stats["bubble_ns"] += self.bubble
         return body
@@ -249,6 +330,7 @@ class _Loop:
         return [r for r in rows if self.bad.isdisjoint(r["table"])]
 
     def run_step(self, s: int, cmd: dict | None) -> None:
+        self.history.append((s, cmd, dict(self.last), self.stats["steps"]))
         rows = cmd["rows"] if cmd else []
         dropped = []
         if self.bad or self.words[self.me][self.kvf_word]:
@@ -276,8 +358,13 @@ class _Loop:
         t0 = time.perf_counter_ns()
         busy = self.stats["steps"]  # the balancer's step: busy steps, the same on every die
         self.bal.begin_step(busy)
-        logits = forward(self.die, self.model, segments, self.spec.protocol, self.spec.quant,
-                         self.clock, self.bal)  # fmt: skip
+        if self.op_policy is not None:  # the collectives' waits: the op deadline
+            self.die.policy = self.op_policy
+        try:
+            logits = forward(self.die, self.model, segments, self.spec.protocol, self.spec.quant,
+                             self.clock, self.bal)  # fmt: skip
+        finally:
+            self.die.policy = self.policy
         self.bal.end_step(busy)
         samp = [i for i, r in enumerate(rows) if r["sample"]]
         tokens = sample_rows(logits[samp], [rows[i] for i in samp]) if samp else []
@@ -295,7 +382,7 @@ class _Loop:
             w[self.dummy_word] = self.stats["dummy_steps"]
         self.die.trace.rec(t0, t1 - t0, SERVE_OP, 3, -1, SERVE_LANE, s, len(rows))
         if cmd is not None:
-            body = {"plan": cmd["plan"], "step": s, "t0": t0, "t1": t1,
+            body = {"plan": cmd["plan"], "seq": cmd["seq"], "step": s, "t0": t0, "t1": t1,
                     "sampled": [[rows[i]["id"], tok] for i, tok in zip(samp, tokens, strict=True)],
                     "fed": fed, "dummy_steps": self.stats["dummy_steps"],
                     "bubble_ns": self.bubble, "attn_ns": cur[0]}  # fmt: skip
@@ -318,10 +405,12 @@ class _Loop:
         self.prev_end = time.perf_counter_ns()
 
     def run(self) -> dict:
-        s, ring_peers = 0, False
+        ring_peers = False
         gc_step = 0
+        w = self.words[self.me]
         while True:
-            s += 1
+            self.s += 1
+            s = self.s
             if self.heartbeat():
                 self.master_bell.ring()
             cmd = self.take()
@@ -335,12 +424,14 @@ class _Loop:
             if total == 0:
                 self.stats["idle_votes"] += 1
                 if cmd is not None:
-                    self.publish({"plan": cmd["plan"], "step": s, "t0": 0, "t1": 0,
-                                  "sampled": [], "fed": [], "bubble_ns": 0,
+                    self.publish({"plan": cmd["plan"], "seq": cmd["seq"], "step": s, "t0": 0,
+                                  "t1": 0, "sampled": [], "fed": [], "bubble_ns": 0,
                                   "dummy_steps": self.stats["dummy_steps"]})  # fmt: skip
+                w[self.done_word] = s
                 ring_peers = self.park(s)
                 continue
             self.run_step(s, cmd)
+            w[self.done_word] = s
             gc_step = self._gc(gc_step)
         out = {"die": self.me, "last_step": s, **self.stats}
         if self.spec.eplb is not None:
@@ -371,13 +462,46 @@ class _Loop:
         self.die.free(self.pool)
 
 
-def serve_main(die, spec: ServeSpec) -> dict:
+_LOOPS: dict[str, _Loop] = {}  # a die's loop kept across a failed run (iteration rollback)
+ROLLBACK_ERRORS = (LinkError, PeerTimeout, PodAborted)
+
+
+def serve_main(die, spec: ServeSpec, resume: int | None = None) -> dict:
     """Run on every die (one long pod.run): the serving loop until every master says stop.
-    Returns this die's counters (steps, dummy steps, parks, bubble, ...)."""
-    loop = _Loop(die, spec)
+    Returns this die's counters (steps, dummy steps, parks, bubble, ...). `resume`: an
+    iteration rollback to that step, with the loop the failed run left (module docstring)."""
+    loop = _LOOPS.pop(spec.run_dir, None)
+    if loop is not None and resume is not None:
+        loop.rewind(resume)
+    else:
+        if loop is not None:
+            loop.close()
+        loop = _Loop(die, spec)
+    keep = False
     try:
         return loop.run()
+    except ROLLBACK_ERRORS:
+        keep = spec.rollback
+        for b in loop.peer_bells:  # parked peers wake and see the launcher's abort
+            b.ring()
+        raise
     finally:
+        if keep:
+            _LOOPS[spec.run_dir] = loop
+        else:
+            loop.close()
+
+
+def rollback_point(die, spec: ServeSpec) -> int:
+    """The last step this die finished (-1 without a kept loop): R = min over dies + 1."""
+    loop = _LOOPS.get(spec.run_dir)
+    return int(loop.words[loop.me][loop.done_word]) if loop is not None else -1
+
+
+def drop_loop(die, spec: ServeSpec) -> None:
+    """Free a kept loop (the engine gave up on rolling back)."""
+    loop = _LOOPS.pop(spec.run_dir, None)
+    if loop is not None:
         loop.close()
 
 

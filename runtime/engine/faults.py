@@ -11,13 +11,25 @@ kill:output=3,step=50        SIGKILL output process 3 (needs output processes)
 kill:die=0,step=20,gen=1     SIGKILL die 0 at step 20 of the first restarted incarnation
 kvfault:die=0,step=80        a memory fault in die 0's KV: a block its next rows hold
 kvfault:die=1,at=3s,block=5  a memory fault in block 5 of die 1 (in use or not)
+err:die=1,step=40,layer=2,phase=combine   die 1's combine of layer 2 at step 40 raises
+                                          LinkError (a link fault): an iteration rollback
+drop:die=0,step=40,layer=1   die 0's dispatch writes of layer 1 at step 40 never arrive (a lost
+                             write: its peers' op deadline passes): an iteration rollback
+delay:die=0,step=40,for=0.2s the same writes 0.2 s late (below the op deadline: nothing happens)
 ```
 
 - KIND: `kill` (SIGKILL), `stop` (SIGSTOP; `for=T` sends SIGCONT after T, else never) or
   `kvfault` (die targets only: the shell writes a fault report into the die's `kv_fault` serving
   word, as a runtime reports an uncorrectable memory error; `block=B`, else a block the die's
   next rows hold; the die poisons it and drops the rows that hold it, the master masks it for
-  good and recomputes its holders: the KV-masking tier).
+  good and recomputes its holders: the KV-masking tier), or die-side collective faults (hooks
+  installed in the targeted die only, `ServeSpec.faults`): `err` (the collective raises
+  `LinkError`), `drop` (this die's writes of that collective are held back until the abort: to
+  its peers a lost completion word), `delay` (held back `for=T`); keys `layer=L` (default any
+  MoE layer), `phase=dispatch|combine` (default dispatch), `times=N` (fire on N attempts of
+  that step: N > 3 escalates a rollback to a restart). These take `step=S` (the die's own
+  step counter) or `at=T` (the shell arms the die through its `fault_arm` serving word at T;
+  the hook fires at the die's next matching collective).
 - TARGET: `die`, `master` or `output` and its index (a die index = its DP group).
 - WHEN: `step=S` (the pod's current incarnation reached step S: die 0's vote word, read from
   the shell's mapping of the regions) and / or `at=T` (seconds since the engine launched);
@@ -26,9 +38,8 @@ kvfault:die=1,at=3s,block=5  a memory fault in block 5 of die 1 (in use or not)
 
 Every firing is verified, and a fault that did not fire is a failure of the run: a killed
 process must be gone (or a zombie) within `VERIFY_S`, a stopped one in state `T` (procfs), a
-KV fault reported back by the die's master (the block masked). Kinds of 001 §6 that need hooks
-inside the collectives (a link error, a dropped or late completion word) are refused with a
-clear error: they need the iteration-rollback tier, which this build does not have.
+KV fault reported back by the die's master (the block masked), a die-side fault by the die's
+`fault_hits` serving word.
 """
 
 from __future__ import annotations
@@ -40,9 +51,10 @@ import signal
 import time
 from dataclasses import dataclass, field
 
-KINDS = ("kill", "stop", "kvfault")
+KINDS = ("kill", "stop", "kvfault", "err", "drop", "delay")
+DIE_SIDE = ("err", "drop", "delay")  # fired inside the die, by a hook
 TARGETS = ("die", "master", "output")
-NOT_BUILT = ("err", "drop", "delay", "random")
+NOT_BUILT = ("random",)
 VERIFY_S = 0.5  # a fired fault must show (process gone / stopped) within this
 _TIME = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)(ms|s)?$")
 
@@ -63,6 +75,10 @@ class Fault:
     for_s: float | None = None
     gen: int | None = None
     block: int = -1  # kvfault: the block (-1: one the die's next rows hold)
+    layer: int = -1  # err / drop / delay: the MoE layer (-1: the first one the step runs)
+    phase: str = ""  # err / drop / delay: "dispatch" or "combine" ("": the first of them)
+    times: int = 1  # err / drop / delay: attempts of the step it fires on
+    ordinal: int = 0  # err / drop / delay at=T: fires once the die's fault_arm word reaches it
     text: str = ""
     fired_at: float = 0.0  # time.monotonic() of the signal
     pid: int = 0
@@ -100,8 +116,8 @@ def parse_faults(text: str, num_groups: int, output_procs: bool = False) -> list
         kind = kind.strip()
         if kind in NOT_BUILT:
             raise FaultSpecError(
-                f"fault {part!r}: kind {kind!r} needs hooks in the collectives and the iteration"
-                " rollback tier, which this build does not have (kinds: kill, stop, kvfault)"
+                f"fault {part!r}: kind {kind!r} is not built (kinds: {', '.join(KINDS)}; xpod"
+                " bench chaos draws seeded mixes)"
             )
         if kind not in KINDS or not sep:
             raise FaultSpecError(f"fault {part!r}: expected KIND:TARGET=N,... with KIND one of"
@@ -134,21 +150,45 @@ def parse_faults(text: str, num_groups: int, output_procs: bool = False) -> list
             elif key == "at":
                 f.at_s = _seconds(val, f"fault {part!r}: at")
             elif key == "for":
-                if kind != "stop":
-                    raise FaultSpecError(f"fault {part!r}: for= applies to stop only")
+                if kind not in ("stop", "delay"):
+                    raise FaultSpecError(f"fault {part!r}: for= applies to stop and delay only")
                 f.for_s = _seconds(val, f"fault {part!r}: for")
+            elif key in ("layer", "times"):
+                if kind not in DIE_SIDE or not val.isdigit():
+                    raise FaultSpecError(f"fault {part!r}: {key}={val}: an int, for"
+                                         f" {'/'.join(DIE_SIDE)}")  # fmt: skip
+                setattr(f, key, int(val))
+            elif key == "phase":
+                if kind not in DIE_SIDE or val not in ("dispatch", "combine"):
+                    raise FaultSpecError(f"fault {part!r}: phase={val}: dispatch or combine,"
+                                         f" for {'/'.join(DIE_SIDE)}")  # fmt: skip
+                f.phase = val
             else:
                 raise FaultSpecError(f"fault {part!r}: unknown key {key!r} (die, master,"
-                                     " output, step, at, for, gen, block)")  # fmt: skip
+                                     " output, step, at, for, gen, block, layer, phase,"
+                                     " times)")  # fmt: skip
         if not f.target:
             raise FaultSpecError(f"fault {part!r}: no target (die=N, master=N or output=N)")
-        if kind == "kvfault" and f.target != "die":
-            raise FaultSpecError(f"fault {part!r}: kvfault targets a die (die=N)")
+        if kind in ("kvfault", *DIE_SIDE) and f.target != "die":
+            raise FaultSpecError(f"fault {part!r}: {kind} targets a die (die=N)")
+        if kind in DIE_SIDE:
+            if bool(f.step) == bool(f.at_s) or f.gen is not None:
+                raise FaultSpecError(f"fault {part!r}: {kind} takes step=S (the die's own step)"
+                                     " or at=T (armed by the shell then: the die's next"
+                                     " collective)")  # fmt: skip
+            if kind == "delay" and f.for_s is None:
+                raise FaultSpecError(f"fault {part!r}: delay needs for=T")
+            f.phase = f.phase or "dispatch"
         if f.target == "output" and not output_procs:
             raise FaultSpecError(f"fault {part!r}: output processes are off (--output-procs)")
         if not f.step and not f.at_s:
             raise FaultSpecError(f"fault {part!r}: say when (step=S and / or at=T)")
         faults.append(f)
+    for d in {f.index for f in faults}:  # the arming order of a die's at=T die-side faults
+        timed = sorted((f for f in faults if f.kind in DIE_SIDE and f.index == d and f.at_s),
+                       key=lambda f: f.at_s)  # fmt: skip
+        for k, f in enumerate(timed):
+            f.ordinal = k + 1
     return faults
 
 
@@ -167,7 +207,8 @@ class FaultPlan:
 
     def __init__(self, faults: list[Fault]):
         self.faults = faults
-        self.armed = list(faults)
+        self.armed = [f for f in faults if f.kind not in DIE_SIDE]  # fired by the supervisor
+        self.die_side = [f for f in faults if f.kind in DIE_SIDE]  # by hooks in the dies
         self.resume: list[Fault] = []  # stopped for a while: SIGCONT due
 
     def due(self, since_launch_s: float, step: int, gen: int = 0) -> list[Fault]:
@@ -221,6 +262,15 @@ class FaultPlan:
                 os.kill(f.pid, signal.SIGCONT)
         self.resume = []
 
+    def due_die_side(self, since_launch_s: float) -> list[Fault]:
+        """Die-side at=T faults whose time has come and that have not fired: (re)armed."""
+        return [f for f in self.die_side
+                if f.ordinal and not f.fired_at and since_launch_s >= f.at_s]  # fmt: skip
+
+    def unfired_die_side(self) -> tuple[Fault, ...]:
+        """The die-side faults not fired yet (a relaunched pod gets only these)."""
+        return tuple(f for f in self.die_side if not f.fired_at)
+
     @property
     def unfired(self) -> list[Fault]:
-        return list(self.armed)
+        return list(self.armed) + [f for f in self.die_side if not f.fired_at]

@@ -128,7 +128,8 @@ class Master:
             ),
             self.kv,
         )
-        self.in_flight: deque = deque()  # (plan id or -1 for an empty promise-keeper, rows)
+        # (plan id or -1 for an empty promise-keeper, rows, the command's ring index)
+        self.in_flight: deque = deque()
         self.deltas: dict[int, list[int]] = {}  # tokens to send now (streamed requests)
         self.held: dict[int, list[int]] = {}  # tokens sent with the finish (the others)
         self.streamed: set[int] = set()
@@ -144,7 +145,7 @@ class Master:
         self.counters = {"results": 0, "busy_steps": 0, "empty_plans": 0, "bubble_ns": 0,
                          "dummy_steps": 0,
                          "tokens": 0, "rows": 0, "bad_requests": 0, "kv_masked": 0,
-                         "kv_recomputed": 0}  # fmt: skip
+                         "kv_recomputed": 0, "replayed_results": 0}  # fmt: skip
         self.masked: list[int] = []  # KV blocks masked (memory faults)
         self.spans: list[list] = []  # [t_ns, dur_ns, name, rows, tokens] (trace)
         self.counter_samples: list[list] = []  # [t_ns, running, waiting, kv used, ...] (trace)
@@ -235,7 +236,11 @@ class Master:
     def take_results(self) -> None:
         while self.results.available():
             _, body = wire.unpack(self.results.get(), {"result"})
-            plan_id, rows = self.in_flight.popleft()
+            seq = body.get("seq")
+            if seq is not None and self.in_flight and seq < self.in_flight[0][2]:
+                self.counters["replayed_results"] += 1  # published again after a rollback
+                continue
+            plan_id, rows, _ = self.in_flight.popleft()
             if body["plan"] != plan_id:
                 raise RuntimeError(f"master {self.spec.group}: result of plan {body['plan']},"
                                    f" expected {plan_id}")  # fmt: skip
@@ -319,10 +324,11 @@ class Master:
             self.die_bell.ring()
 
     def publish(self, body: dict, rows: list, plan_id: int | None = None) -> None:
+        seq = self.cmds.published()
         self.cmds.put(wire.pack("step", body))
         if self.words[self.promised] < self.cmds.published():
             self.words[self.promised] = self.cmds.published()
-        self.in_flight.append((body["plan"] if plan_id is None else plan_id, rows))
+        self.in_flight.append((body["plan"] if plan_id is None else plan_id, rows, seq))
         self.die_bell.ring()
 
     def stop_die(self) -> None:

@@ -72,11 +72,13 @@ class Supervisor:
         self.events: list[dict] = []  # one per detection (and its recovery)
         self.fired: list[Fault] = []
         self.kv_pending: list[Fault] = []  # KV faults written, not seen masked yet
+        self.hits_seen: dict[tuple[int, int], int] = {}  # (incarnation, die) -> fault hits
         self.counts: dict[str, dict[str, int]] = {
             "injected": {}, "verified": {}, "detected": {}, "recovered": {}, "failed": {},
         }  # fmt: skip
         self.recovery_s: dict[str, list[float]] = {
-            "detect": [], "teardown": [], "launch": [], "recompute": [], "total": []
+            "detect": [], "teardown": [], "launch": [], "recompute": [], "rollback": [],
+            "stall": [],
         }  # fmt: skip
         self.recovering = False
         self._progress: list[int] = []
@@ -148,6 +150,7 @@ class Supervisor:
                         continue
                     self._inject(now)
                     self._kv_masked(now)
+                    self._die_side(now)
                     incident = self._from_reports() or self._exits(ready, sentinels)
                     incident = incident or self._stalled(now) or self._silent(now)
                     if incident is not None:
@@ -164,8 +167,10 @@ class Supervisor:
         if plan is None:
             return
         plan.tick(now)
-        if self.recovering or not plan.armed:
+        if self.recovering or not (plan.armed or plan.die_side):
             return
+        for f in plan.due_die_side(now - self.engine.started_at):  # idempotent: no read-back
+            self.engine.arm_fault(f.index, f.ordinal)
         due = plan.due(now - self.engine.started_at, self.engine.die_step(), self.engine.gen)
         for f in due:
             if f.kind == "kvfault":  # verified once the die's master reports the block masked
@@ -176,6 +181,49 @@ class Supervisor:
                 continue
             plan.fire(f, self.engine.pid_of(f.target, f.index))
             self._fired(f)
+
+    def _die_side(self, now: float) -> None:
+        """Die-side faults (err / drop / delay) fire in the dies: a die counts each in its
+        `fault_hits` word; a new count marks its next armed fault fired (and verified)."""
+        plan = self.plan
+        if plan is None or not plan.die_side:
+            return
+        hits = self.engine.fault_hits()
+        for d, n in enumerate(hits):
+            seen = self.hits_seen.get((self.engine.gen, d), 0)
+            for _ in range(max(0, n - seen)):
+                f = next((f for f in plan.die_side if f.index == d and not f.fired_at), None)
+                if f is None:
+                    break
+                f.fired_at, f.verified = now, True
+                f.pid = self.engine.pid_of("die", d)
+                f.detail = f"die {d}: hook hit at step {f.step} ({f.phase})"
+                self._fired(f)
+            self.hits_seen[(self.engine.gen, d)] = n
+
+    def on_rollback(self, rec: dict) -> None:
+        """An iteration rollback the pod thread ran (`Engine._pod_loop`): detected (link /
+        deadline) and recovered (tier "rollback"), logged with its step and time."""
+        now = time.monotonic()
+        self._progress, self._changed = [], now  # the re-run writes the same progress words
+        with self.log_lock:
+            cause = self._cause(now)
+        if cause is not None:
+            cause.extra["detected"] = True
+        self._count("detected", rec["kind"])
+        self._count("recovered", "rollback")
+        self.recovery_s["rollback"].append(rec["rollback_s"])
+        if rec.get("stall_s") is not None:
+            self.recovery_s["stall"].append(rec["stall_s"])
+        fault = cause.text if cause else ""
+        self._log({"event": "detected", "kind": rec["kind"], "detail": rec["error"],
+                   "gen": self.engine.gen, "fault": fault,
+                   "detect_s": (now - cause.fired_at) if cause else None})  # fmt: skip
+        self._log({"event": "recovered", "tier": "rollback", "kind": rec["kind"],
+                   "gen": self.engine.gen, "fault": fault, "step": rec["step"],
+                   "attempt": rec["attempt"], "parts": {"rollback": rec["rollback_s"],
+                                                        "stall": rec.get("stall_s")},
+                   "requests_resumed": 0})  # fmt: skip
 
     def _fired(self, f: Fault) -> None:
         self.fired.append(f)

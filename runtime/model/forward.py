@@ -53,6 +53,7 @@ class Clock:
         self.counting = False
         self.cur = [0] * len(PHASES)  # this step's ns per phase (serving: reset every step)
         self.progress = None  # serving: (words, index) of the die's progress word
+        self.fault = None  # serving: an injected fault's hook(step, layer, phase), or None
 
     def mark(self, layer: int, phase: int, state: int = 0) -> None:
         """Store where this die is in its progress word (serving; one int64 store)."""
@@ -100,12 +101,16 @@ def forward(
         idx = bal.route(layer, idx)
         t = clock.span(1, layer, t)
         ev = clock.step * cfg.n_layers + layer
+        if clock.fault is not None:
+            clock.fault(clock.step, layer, "dispatch")
         d = comm.dispatch(die, xn, idx, w, protocol=protocol, quant=quant, event_id=ev)
         rows = dequantize_int8(d.x, d.scales) if quant == "int8" else d.x
         bal.record(layer, d.expert_counts)
         t = clock.span(2, layer, t)
         y = model.experts(layer, rows, d.expert_counts, bal.local_ids(layer))
         t = clock.span(3, layer, t)
+        if clock.fault is not None:
+            clock.fault(clock.step, layer, "combine")
         routed = comm.combine(die, y, d.handle, event_id=ev)
         t = clock.span(4, layer, t)
         h = model.finish_moe(layer, h, xn, routed)

@@ -228,13 +228,16 @@ class Pod:
 
     # -- run ------------------------------------------------------------------------------------
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list:
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None,
+            abort_grace_s: float = ABORT_GRACE_S) -> list:  # fmt: skip
         """Run `fn(die, *args)` on every die at once (SPMD); return the results by die id.
 
         Arguments:
             fn: a module-level function (it is pickled by reference to the dies).
             args: picklable arguments, the same for every die.
             timeout_s: optional deadline for the whole call; the dies are aborted after it.
+            abort_grace_s: after a die's error, how long the others may finish before they are
+                aborted (0: at once, as an iteration rollback wants).
         Raises:
             the root die's exception (same type, `die_id` set, remote traceback and the other
             dies' errors in its notes); DieCrashed if a die process died, DieHung if one stopped
@@ -256,7 +259,7 @@ class Pod:
             ) from e
         self._send_all(blob, "while the pod was idle (found at the next pod.run)")
         self._running = True  # until every die has answered (not if Ctrl-C ends the wait)
-        return self._collect(n, timeout_s)
+        return self._collect(n, timeout_s, abort_grace_s)
 
     def _send_all(self, blob: bytes, when: str) -> None:
         """Send one message to every die; a die found dead is DieCrashed (pod closed)."""
@@ -269,11 +272,11 @@ class Pod:
             except OSError:  # BrokenPipeError / ConnectionResetError: that die is gone
                 self._crashed(r, when)
 
-    def _collect(self, n: int, timeout_s: float | None) -> list:
+    def _collect(self, n: int, timeout_s: float | None, grace_s: float = ABORT_GRACE_S) -> list:
         results: list[Any] = [None] * n
         cpu = [0.0] * n
         errors: list[tuple[int, BaseException]] = []
-        watch = _Watch(self, timeout_s)
+        watch = _Watch(self, timeout_s, grace_s)
         while watch.pending:
             for r, reply in self._replies(watch.pending, POLL_S, "during pod.run"):
                 watch.pending.discard(r)
@@ -482,8 +485,8 @@ class _Watch:
     `timeout_s`, the answer to the abort (ABORT_REPLY_S), and dies stopped longer than the
     pod's timeout_s. `step` raises DieHung (through the pod) when one passes."""
 
-    def __init__(self, pod: Pod, timeout_s: float | None):
-        self.pod, self.timeout_s = pod, timeout_s
+    def __init__(self, pod: Pod, timeout_s: float | None, grace_s: float = ABORT_GRACE_S):
+        self.pod, self.timeout_s, self.grace_s = pod, timeout_s, grace_s
         self.pending = set(range(pod.config.num_dies))
         self.start = time.monotonic()
         self.aborted_at: float | None = None
@@ -498,7 +501,7 @@ class _Watch:
             self.first_err_at = now
         if not self.pending:
             return
-        late = self.first_err_at is not None and now - self.first_err_at > ABORT_GRACE_S
+        late = self.first_err_at is not None and now - self.first_err_at >= self.grace_s
         overdue = self.timeout_s is not None and now - self.start > self.timeout_s
         if self.aborted_at is None and (late or overdue):
             self.pod.abort()
