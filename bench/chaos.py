@@ -37,6 +37,8 @@ import asyncio
 import json
 import os
 import struct
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -50,7 +52,7 @@ from bench.serve.server import LaunchedServer
 from runtime.cli.argtypes import choice_list, output_file, positive_float, positive_int
 
 KINDS = ("kill-die", "stop-die", "kill-master", "stop-master", "kvfault-die", "err-die",
-         "drop-die", "kill-output")  # fmt: skip
+         "drop-die", "delay-die", "kill-output")  # fmt: skip
 DEFAULT_KINDS = "kill-die,err-die,stop-die,drop-die,kill-master,kvfault-die,stop-master"
 
 
@@ -73,6 +75,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add("--repeat", type=positive_int, default=1, help="baseline / chaos pairs (default 1)")
     add("--stall-timeout", type=positive_float, default=1.0,
         help="the servers' --stall-timeout (default 1)")  # fmt: skip
+    add("--abort-fraction", type=float, default=0.0,
+        help="share of requests whose client disconnects mid-stream (default 0)")  # fmt: skip
+    add("--hog", type=int, default=0,
+        help="CPU hog processes (busy loops) running through both runs: detectors must not"
+        " fire on slowness (default 0)")  # fmt: skip
     add("--json", type=output_file, default=None, help="write the summary (and faults) as JSON")
 
 
@@ -90,13 +97,16 @@ class Options:
     seed: int
     repeat: int
     stall_timeout: float
+    abort_fraction: float
+    hog: int
     json: str | None
 
 
 def parse_options(args: argparse.Namespace) -> Options:
     return Options(args.dies, args.model, args.duration, args.fault_every, tuple(args.kinds),
                    args.request_rate, args.max_concurrency, args.max_tokens, args.input_len,
-                   args.seed, args.repeat, args.stall_timeout, args.json)  # fmt: skip
+                   args.seed, args.repeat, args.stall_timeout, args.abort_fraction, args.hog,
+                   args.json)  # fmt: skip
 
 
 # -- the load ---------------------------------------------------------------------------------
@@ -109,6 +119,7 @@ class Req:
     prompt: str
     temperature: float
     seed: int
+    abort_after: int = 0  # the client disconnects after this many tokens (0: never)
 
 
 @dataclass
@@ -136,7 +147,8 @@ def arrivals(o: Options) -> list[Req]:
             return out
         text = " ".join(rng.choice(words, size=o.input_len // 4 + 1))[: o.input_len]
         i = len(out)
-        out.append(Req(i, t, text, 0.8 if i % 2 else 0.0, 1000 + i))
+        cut = int(rng.integers(1, o.max_tokens)) if rng.random() < o.abort_fraction else 0
+        out.append(Req(i, t, text, 0.8 if i % 2 else 0.0, 1000 + i, cut))
 
 
 async def drive(url: str, model: str, reqs: list[Req], o: Options) -> tuple[list[Seen], float]:
@@ -166,6 +178,9 @@ async def drive(url: str, model: str, reqs: list[Req], o: Options) -> tuple[list
                             while b"\n\n" in buf:
                                 frame, buf = buf.split(b"\n\n", 1)
                                 _event(s, frame, start)
+                            if r.abort_after and len(s.ids) >= r.abort_after:
+                                s.reason = "client_abort"  # disconnect mid-stream
+                                break
                 except (TimeoutError, aiohttp.ClientError) as e:
                     s.error = f"{type(e).__name__}: {e}"
                 s.end = time.monotonic()
@@ -203,7 +218,8 @@ def fault_plan(o: Options, rng: np.random.Generator) -> str:
     out, k, t = [], 0, o.fault_every
     while t < o.duration:
         kind, target = o.kinds[k % len(o.kinds)].split("-")
-        out.append(f"{kind}:{target}={int(rng.integers(0, o.dies))},at={t:g}s")
+        extra = ",for=0.2s" if kind == "delay" else ""  # below the op deadline: no recovery
+        out.append(f"{kind}:{target}={int(rng.integers(0, o.dies))},at={t:g}s{extra}")
         k, t = k + 1, t + o.fault_every
     return "; ".join(out)
 
@@ -285,12 +301,17 @@ def throughput(r: Run) -> float:
 
 def account(chaos: Run, base: Run, max_tokens: int) -> dict:
     acc = {"requests_accepted": 0, "requests_lost": 0, "tokens_duplicated": 0,
-           "tokens_skipped": 0, "streams_differing": 0, "requests_refused": 0}  # fmt: skip
+           "tokens_skipped": 0, "streams_differing": 0, "requests_refused": 0,
+           "client_aborts": 0}  # fmt: skip
     for c, b in zip(chaos.seen, base.seen, strict=True):
         if c.status != 200:
             acc["requests_refused"] += 1
             continue
         acc["requests_accepted"] += 1
+        if c.reason == "client_abort":  # the client left: what it had must still agree
+            acc["client_aborts"] += 1
+            acc["streams_differing"] += c.ids != b.ids[: len(c.ids)]
+            continue
         if c.error or c.reason != "length":
             acc["requests_lost"] += 1
             continue
@@ -334,7 +355,24 @@ def _pct(vals: list[float], q: float) -> float | None:
     return float(np.percentile(vals, q)) if vals else None
 
 
+def false_recoveries(r: Run) -> int:
+    """Detections with no injected fault behind them, or behind a delay (slowness only)."""
+    return sum(1 for e in r.events if e["event"] == "detected"
+               and (not e.get("fault") or e["fault"].startswith("delay")))  # fmt: skip
+
+
 def run(o: Options) -> int:
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                             start_new_session=True) for _ in range(o.hog)]  # fmt: skip
+    try:
+        return _run(o)
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+
+
+def _run(o: Options) -> int:
     reqs = arrivals(o)
     progress(f"chaos: {len(reqs)} requests over {o.duration:g} s, a fault every"
              f" {o.fault_every:g} s ({', '.join(o.kinds)}), {o.repeat} pair(s)")  # fmt: skip
@@ -398,6 +436,8 @@ def run(o: Options) -> int:
         "faults_recovered": sum(bool(f["tier"]) for f in faults),
         **acc,
         "token_gaps_server": gaps,
+        "false_recoveries": sum(false_recoveries(c) + false_recoveries(b) for c, b in pairs),
+        "hogs": o.hog,
         "throughput_ratio": float(np.median(ratios)), "throughput_ratios": ratios,
         "detect_kill_p50_s": _pct(kills, 50), "detect_kill_max_s": _pct(kills, 100),
         "restart_p50_s": _pct(restarts, 50), "restart_max_s": _pct(restarts, 100),
@@ -411,7 +451,8 @@ def run(o: Options) -> int:
         "leaks": leaks, "faults": faults,
     }  # fmt: skip
     for key in ("faults_injected", "faults_verified", "faults_detected", "faults_recovered",
-                "requests_accepted", "requests_lost", "tokens_duplicated", "tokens_skipped",
+                "requests_accepted", "requests_lost", "client_aborts", "tokens_duplicated",
+                "tokens_skipped", "false_recoveries",
                 "streams_differing", "throughput_ratio", "detect_kill_p50_s", "restart_p50_s",
                 "restart_max_s", "rollback_stall_max_s", "rollback_stall_max_steps",
                 "lost_write_stall_max_s",
@@ -437,5 +478,6 @@ def run(o: Options) -> int:
     if o.json:
         write_jsonl(o.json, [summary])
     bad = (summary["faults_verified"] < len(faults) or acc["requests_lost"] or leaks
-           or acc["tokens_duplicated"] or acc["tokens_skipped"] or gaps)  # fmt: skip
+           or acc["tokens_duplicated"] or acc["tokens_skipped"] or gaps
+           or summary["false_recoveries"])  # fmt: skip
     return 1 if bad else 0

@@ -258,6 +258,7 @@ class Metrics:
         for key, doc in (
             ("accepted", "Requests the engine accepted."),
             ("ended", "Accepted requests that ended (each exactly once)."),
+            ("failed", "Accepted requests that ended with an error."),
             ("requests_recomputed", "Requests re-admitted after a restart (token recomputation)."),
             ("tokens_replayed", "Tokens a stream already had, trimmed (never sent twice)."),
             ("token_gaps", "Token deltas that did not start where the stream was (a bug: 0)."),

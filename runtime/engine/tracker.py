@@ -152,7 +152,7 @@ class RequestTracker:
         # The ledger's counters: tokens a stream had already (trimmed: never sent twice), gaps
         # (a bug: must stay 0), requests re-admitted after a restart, stale messages dropped.
         self.ledger = {"tokens_replayed": 0, "token_gaps": 0, "requests_recomputed": 0,
-                       "stale_messages": 0, "accepted": 0, "ended": 0}  # fmt: skip
+                       "stale_messages": 0, "accepted": 0, "ended": 0, "failed": 0}  # fmt: skip
 
     # -- intake ---------------------------------------------------------------------------------
 
@@ -474,6 +474,7 @@ class RequestTracker:
         t.done.set()
         if t.id >= 0:
             self.ledger["ended"] += 1
+            self.ledger["failed"] += reason == "error"
         if self.observer is not None and t.id >= 0:
             self.observer.on_finish(t)
 

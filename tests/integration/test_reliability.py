@@ -15,6 +15,9 @@ incarnation (bit for bit, logits included), and by the ledger (0 gaps).
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -196,7 +199,7 @@ def test_fault_plans_parse_and_bad_ones_are_named():
         ("kill:die=1", "say when"),
         ("boom:die=1,step=2", "KIND:TARGET"),
         ("random:die=1,step=2", "not built"),
-        ("err:die=1,at=2s", "takes step=S"),
+        ("err:die=1,step=2,at=2s", "takes step=S"),
         ("delay:die=1,step=2", "needs for=T"),
         ("drop:die=1,step=2,phase=attention", "dispatch or combine"),
         ("kill:die=1,step=2,layer=1", "for err/drop/delay"),
@@ -293,3 +296,38 @@ def test_control_rollback_off_makes_a_link_fault_a_restart(rollback_free):
     outs, rel, eng, _, _ = _rollback_run("err:die=0,step=60", rollback=False)
     assert [o.token_ids for o in outs] == rollback_free
     assert rel["counts"]["recovered"] == {"restart": 1} and eng.rollbacks == []
+
+
+@pytest.mark.timeout(150)
+def test_a_fault_during_recovery_is_recovered_too(fault_free, tmp_path):
+    """A die of the relaunched pod is killed the moment it appears (during the relaunch, or
+    just after): another restart, every stream still complete and equal; never a hang."""
+    log = tmp_path / "faults.jsonl"
+    eng = Engine.launch(**TINY, inject="kill:die=1,step=60", fault_log=str(log))
+    old = {p for _, _, p in eng.processes()}
+    killed: list[int] = []
+
+    def second_fault() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not killed:
+            for what, _, pid in eng.processes():
+                if what == "die" and pid not in old:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                    return
+            time.sleep(0.001)
+
+    t = threading.Thread(target=second_fault, daemon=True)
+    t.start()
+    try:
+        outs = _run(eng)
+        rel = eng.reliability()
+    finally:
+        t.join(5)
+        eng.close()
+    assert killed, "the second fault did not fire"
+    assert [o.finish_reason for o in outs] == ["length"] * len(PROMPTS)
+    assert [o.token_ids for o in outs] == fault_free
+    events = [json.loads(line)["event"] for line in log.read_text().splitlines()]
+    assert rel["gen"] >= 2 or "relaunch_failed" in events, events
+    assert rel["ledger"]["token_gaps"] == 0 and _left(eng.pod_id) == []
