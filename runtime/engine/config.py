@@ -59,8 +59,8 @@ class EngineConfig:
         rollback: a transient link fault (a collective's link error, a lost write past
             `op_timeout_s`) rolls the step back and runs it again on every die, no process
             restarted (001 §6.3 Stage 1; `runtime.engine.executor`); three rollbacks of one
-            step escalate to a restart. False: such a fault is a restart (or, without
-            `recover`, the end).
+            step escalate to a restart. False (or with `eplb`, whose expert moves span
+            steps): such a fault is a restart (or, without `recover`, the end).
         op_timeout_s: deadline of a step's collective waits while serving (well below
             `timeout_s`: a lost write is seen after it).
         inject: a fault plan (`runtime.engine.faults`), "" = none.

@@ -212,9 +212,12 @@ class Engine:
                 s.connect(output_socket(self.run_dir, g))
                 self.to_output.append(s)
         plan = self.supervisor.plan if self.supervisor is not None else self.first_plan
+        # EPLB moves experts between dies across steps: a step of a move is not re-run (a
+        # link fault with EPLB on is a restart)
+        rollback = cfg.rollback and cfg.eplb is None
         serve = ServeSpec(self.model, cfg.protocol, cfg.quant, cfg.blocks, cfg.block_size,
-                          self.run_dir, cfg.keep_logits, cfg.gc_every, cfg.eplb, cfg.rollback,
-                          cfg.op_timeout_s if cfg.rollback else 0.0,
+                          self.run_dir, cfg.keep_logits, cfg.gc_every, cfg.eplb, rollback,
+                          cfg.op_timeout_s if rollback else 0.0,
                           plan.unfired_die_side() if plan is not None else ())  # fmt: skip
         self._thread(self._pod_loop, serve, self.gen, name="xpod-pod-run")
         if not any(t.name == "xpod-engine-receive" for t in self._threads) and not (
