@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import struct
@@ -243,7 +244,10 @@ def one_run(o: Options, reqs: list[Req], plan: str) -> Run:
     if any(k.endswith("output") for k in o.kinds):
         argv.append("--output-procs")
     if plan:  # the restart-storm guard must let the planned faults through
-        argv += ["--inject", plan, "--max-restarts", str(plan.count(";") + 2)]
+        path = log.name + ".plan"
+        with open(path, "w") as fh:
+            fh.write(plan)
+        argv += ["--inject", "@" + path, "--max-restarts", str(plan.count(";") + 2)]
     srv = LaunchedServer(tuple(argv))
     pods: set[str] = set()
     procs: list[psutil.Process] = []
@@ -272,6 +276,8 @@ def one_run(o: Options, reqs: list[Req], plan: str) -> Run:
     with open(log.name) as fh:
         events = [json.loads(line) for line in fh if line.strip()]
     os.unlink(log.name)
+    with contextlib.suppress(OSError):
+        os.unlink(log.name + ".plan")
     return Run(bool(plan), seen, t0, metrics, events, leaks, code)
 
 
@@ -382,7 +388,10 @@ def _run(o: Options) -> int:
         order = [False, True] if k % 2 == 0 else [True, False]
         runs = {}
         for chaos in order:
-            progress(f"  pair {k + 1}/{o.repeat}: {'chaos: ' + plan if chaos else 'baseline'}")
+            n = plan.count(";") + 1 if plan else 0
+            head = "; ".join(plan.split("; ")[:3]) + ("; ..." if n > 3 else "")
+            progress(f"  pair {k + 1}/{o.repeat}: "
+                     f"{f'chaos ({n} faults): {head}' if chaos else 'baseline'}")  # fmt: skip
             runs[chaos] = one_run(o, reqs, plan if chaos else "")
         pairs.append((runs[True], runs[False]))
     faults, ratios, accs, leaks, gaps, ttft, base_ttft = [], [], [], [], 0.0, [], []

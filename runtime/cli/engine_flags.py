@@ -125,7 +125,8 @@ def add_reliability_flags(p: argparse.ArgumentParser) -> None:
         help="more than N restarts in 60 s: give up (default 3)")  # fmt: skip
     add("--inject", default="", metavar="PLAN",
         help="fault plan, e.g. 'kill:die=2,step=300; stop:master=1,at=5s,for=0.3s'"
-        " (kinds kill, stop; targets die, master, output; when step=S and / or at=T)")  # fmt: skip
+        " (kinds kill, stop, kvfault, err, drop, delay; targets die, master, output; when"
+        " step=S and / or at=T; @FILE reads the plan from a file)")  # fmt: skip
     add("--fault-log", type=output_file, default=None, metavar="FILE",
         help="append every fault injected, detected, recovered to FILE as JSON lines")  # fmt: skip
 

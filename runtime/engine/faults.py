@@ -16,6 +16,7 @@ err:die=1,step=40,layer=2,phase=combine   die 1's combine of layer 2 at step 40 
 drop:die=0,step=40,layer=1   die 0's dispatch writes of layer 1 at step 40 never arrive (a lost
                              write: its peers' op deadline passes): an iteration rollback
 delay:die=0,step=40,for=0.2s the same writes 0.2 s late (below the op deadline: nothing happens)
+kill:die=2,step=40,layer=1,phase=combine  die 2 SIGKILLs itself right before that combine
 ```
 
 - KIND: `kill` (SIGKILL), `stop` (SIGSTOP; `for=T` sends SIGCONT after T, else never) or
@@ -29,7 +30,9 @@ delay:die=0,step=40,for=0.2s the same writes 0.2 s late (below the op deadline: 
   MoE layer), `phase=dispatch|combine` (default dispatch), `times=N` (fire on N attempts of
   that step: N > 3 escalates a rollback to a restart). These take `step=S` (the die's own
   step counter) or `at=T` (the shell arms the die through its `fault_arm` serving word at T;
-  the hook fires at the die's next matching collective).
+  the hook fires at the die's next matching collective). A `kill` of a die with `phase=` is
+  die-side too: the die SIGKILLs itself right before that collective (mid-dispatch or
+  mid-combine for its peers, a window no signal from outside can hit); verified by its exit.
 - TARGET: `die`, `master` or `output` and its index (a die index = its DP group).
 - WHEN: `step=S` (the pod's current incarnation reached step S: die 0's vote word, read from
   the shell's mapping of the regions) and / or `at=T` (seconds since the engine launched);
@@ -88,6 +91,11 @@ class Fault:
     extra: dict = field(default_factory=dict)
 
     @property
+    def in_die(self) -> bool:
+        """Fired by a hook inside the die (err / drop / delay, or a kill at a phase)."""
+        return self.kind in DIE_SIDE or (self.kind == "kill" and bool(self.phase))
+
+    @property
     def name(self) -> str:
         return f"{self.target} {self.index}"
 
@@ -106,8 +114,21 @@ def _seconds(text: str, what: str) -> float:
     return v / 1000 if m.group(2) == "ms" else v
 
 
+def read_plan(text: str) -> str:
+    """A plan, or `@FILE`: the plan in that file (long plans of `xpod bench chaos`)."""
+    if not text.startswith("@"):
+        return text
+    try:
+        with open(text[1:]) as fh:
+            return fh.read()
+    except OSError as e:
+        raise FaultSpecError(f"fault plan file {text[1:]!r}: {e.strerror}") from None
+
+
 def parse_faults(text: str, num_groups: int, output_procs: bool = False) -> list[Fault]:
-    """The faults of a plan (see the module docstring); FaultSpecError names a bad one."""
+    """The faults of a plan (see the module docstring; `@FILE` reads it from a file);
+    FaultSpecError names a bad one."""
+    text = read_plan(text or "")
     faults = []
     for part in (p.strip() for p in (text or "").split(";")):
         if not part:
@@ -154,12 +175,12 @@ def parse_faults(text: str, num_groups: int, output_procs: bool = False) -> list
                     raise FaultSpecError(f"fault {part!r}: for= applies to stop and delay only")
                 f.for_s = _seconds(val, f"fault {part!r}: for")
             elif key in ("layer", "times"):
-                if kind not in DIE_SIDE or not val.isdigit():
+                if kind not in (*DIE_SIDE, "kill") or not val.isdigit():
                     raise FaultSpecError(f"fault {part!r}: {key}={val}: an int, for"
                                          f" {'/'.join(DIE_SIDE)}")  # fmt: skip
                 setattr(f, key, int(val))
             elif key == "phase":
-                if kind not in DIE_SIDE or val not in ("dispatch", "combine"):
+                if kind not in (*DIE_SIDE, "kill") or val not in ("dispatch", "combine"):
                     raise FaultSpecError(f"fault {part!r}: phase={val}: dispatch or combine,"
                                          f" for {'/'.join(DIE_SIDE)}")  # fmt: skip
                 f.phase = val
@@ -171,7 +192,11 @@ def parse_faults(text: str, num_groups: int, output_procs: bool = False) -> list
             raise FaultSpecError(f"fault {part!r}: no target (die=N, master=N or output=N)")
         if kind in ("kvfault", *DIE_SIDE) and f.target != "die":
             raise FaultSpecError(f"fault {part!r}: {kind} targets a die (die=N)")
-        if kind in DIE_SIDE:
+        if kind == "kill" and (f.phase or f.layer >= 0 or f.times != 1):
+            if f.target != "die":
+                raise FaultSpecError(f"fault {part!r}: a kill at a layer / phase targets a die")
+            f.phase = f.phase or "dispatch"
+        if f.in_die:
             if bool(f.step) == bool(f.at_s) or f.gen is not None:
                 raise FaultSpecError(f"fault {part!r}: {kind} takes step=S (the die's own step)"
                                      " or at=T (armed by the shell then: the die's next"
@@ -185,7 +210,7 @@ def parse_faults(text: str, num_groups: int, output_procs: bool = False) -> list
             raise FaultSpecError(f"fault {part!r}: say when (step=S and / or at=T)")
         faults.append(f)
     for d in {f.index for f in faults}:  # the arming order of a die's at=T die-side faults
-        timed = sorted((f for f in faults if f.kind in DIE_SIDE and f.index == d and f.at_s),
+        timed = sorted((f for f in faults if f.in_die and f.index == d and f.at_s),
                        key=lambda f: f.at_s)  # fmt: skip
         for k, f in enumerate(timed):
             f.ordinal = k + 1
@@ -207,8 +232,8 @@ class FaultPlan:
 
     def __init__(self, faults: list[Fault]):
         self.faults = faults
-        self.armed = [f for f in faults if f.kind not in DIE_SIDE]  # fired by the supervisor
-        self.die_side = [f for f in faults if f.kind in DIE_SIDE]  # by hooks in the dies
+        self.armed = [f for f in faults if not f.in_die]  # fired by the supervisor
+        self.die_side = [f for f in faults if f.in_die]  # by hooks in the dies
         self.resume: list[Fault] = []  # stopped for a while: SIGCONT due
 
     def due(self, since_launch_s: float, step: int, gen: int = 0) -> list[Fault]:

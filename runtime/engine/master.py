@@ -34,7 +34,7 @@ from runtime.engine import wire
 from runtime.engine.step_ring import Bell, Ring, bell_path
 from runtime.engine.wire import engine_socket, master_socket, output_socket
 from runtime.pod.config import PodConfig
-from runtime.pod.proc import batch_scheduling, follow_parent
+from runtime.pod.proc import batch_scheduling, default_sigterm, follow_parent
 from sched import KVManager, Request, SamplingParams, Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -491,6 +491,7 @@ class Master:
 
 def master_main(spec: MasterSpec, engine_pid: int) -> None:
     """Entry of a master process."""
+    default_sigterm()  # not the handler of the shell it was forked from
     if not follow_parent(engine_pid):  # the engine is already gone
         os._exit(3)
     logging.basicConfig(format=f"master {spec.group} %(levelname)s %(name)s: %(message)s")

@@ -33,7 +33,7 @@ import zmq
 from runtime.engine import wire
 from runtime.engine.render import Renderer
 from runtime.engine.wire import engine_socket, master_socket, output_socket
-from runtime.pod.proc import batch_scheduling, follow_parent
+from runtime.pod.proc import batch_scheduling, default_sigterm, follow_parent
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,7 @@ class OutputSpec:
 
 def output_main(spec: OutputSpec, engine_pid: int) -> None:
     """Entry of an output process (see the module docstring)."""
+    default_sigterm()  # not the handler of the shell it was forked from
     if not follow_parent(engine_pid):  # the engine is already gone
         os._exit(3)
     batch_scheduling()  # woken per token batch, it must not preempt a die mid-step

@@ -48,6 +48,10 @@ log = logging.getLogger(__name__)
 TICK_S = 0.02  # progress sampling and fault-plan period
 PING_EVERY_S = 0.25
 KV_VERIFY_S = 10.0  # a KV fault the die's master has not masked by then did not fire
+CAUSES = {  # detection -> the injected kinds it can be the detection of
+    "exit": ("kill",), "stall": ("stop",), "hang": ("stop",), "heartbeat": ("stop",),
+    "link": ("err",), "deadline": ("drop", "stop"), "rollbacks": ("drop", "err"),
+}  # fmt: skip
 RECENT_FAULT_S = 30.0  # an injected fault this recent is the cause of what is detected
 
 
@@ -73,6 +77,7 @@ class Supervisor:
         self.fired: list[Fault] = []
         self.kv_pending: list[Fault] = []  # KV faults written, not seen masked yet
         self.hits_seen: dict[tuple[int, int], int] = {}  # (incarnation, die) -> fault hits
+        self.hits_lock = threading.Lock()
         self.counts: dict[str, dict[str, int]] = {
             "injected": {}, "verified": {}, "detected": {}, "recovered": {}, "failed": {},
         }  # fmt: skip
@@ -85,6 +90,7 @@ class Supervisor:
         self._changed = 0.0
         self._pinged = 0.0
         self._epoch = 0.0  # when the current incarnation started answering
+        self._stopped_since: dict[int, float] = {}  # pid -> first seen stopped
 
     # -- thread ---------------------------------------------------------------------------------
 
@@ -184,10 +190,15 @@ class Supervisor:
 
     def _die_side(self, now: float) -> None:
         """Die-side faults (err / drop / delay) fire in the dies: a die counts each in its
-        `fault_hits` word; a new count marks its next armed fault fired (and verified)."""
+        `fault_hits` word; a new count marks its next armed fault fired (and verified). Called
+        by the supervisor's tick and by the pod thread before it reports a rollback."""
         plan = self.plan
         if plan is None or not plan.die_side:
             return
+        with self.hits_lock:
+            self._die_side_locked(now, plan)
+
+    def _die_side_locked(self, now: float, plan: FaultPlan) -> None:
         hits = self.engine.fault_hits()
         for d, n in enumerate(hits):
             seen = self.hits_seen.get((self.engine.gen, d), 0)
@@ -206,8 +217,9 @@ class Supervisor:
         deadline) and recovered (tier "rollback"), logged with its step and time."""
         now = time.monotonic()
         self._progress, self._changed = [], now  # the re-run writes the same progress words
+        self._die_side(now)  # the hit behind it may not have been seen by a tick yet
         with self.log_lock:
-            cause = self._cause(now)
+            cause = self._cause(now, rec["kind"])
         if cause is not None:
             cause.extra["detected"] = True
         self._count("detected", rec["kind"])
@@ -284,7 +296,20 @@ class Supervisor:
             except queue.Empty:
                 return None
             if gen == self.engine.gen:
+                self._self_killed(detail, when)
                 return kind, detail, when
+
+    def _self_killed(self, detail: str, when: float) -> None:
+        """A die-side kill (a die that SIGKILLed itself at a phase) is verified by its exit."""
+        plan = self.plan
+        if plan is None:
+            return
+        for f in plan.die_side:
+            if f.kind == "kill" and not f.fired_at and f"die {f.index} (pid" in detail:
+                f.fired_at, f.verified = when, "SIGKILL" in detail
+                f.detail = f"die {f.index} killed itself before a {f.phase}: {detail}"
+                self._fired(f)
+                return
 
     def _exits(self, ready: list, sentinels: dict):
         for s in ready:
@@ -306,7 +331,9 @@ class Supervisor:
         return "stall", f"no progress for {now - self._changed:.2f} s: {culprit}", now
 
     def _silent(self, now: float):
-        """A hang seen by the heartbeat: a group silent for `heartbeat_timeout_s`."""
+        """A hang seen by the heartbeat: a group silent for `heartbeat_timeout_s`, or any
+        process of the engine stopped that long (an output process too, which the heartbeat
+        does not cross: its group's tokens would just pile up)."""
         eng = self.engine
         if now - self._pinged >= PING_EVERY_S:
             self._pinged = now
@@ -314,6 +341,14 @@ class Supervisor:
                 eng.ping()
             except Exception:  # noqa: BLE001 - down or closing: the loop ends
                 return None
+            for what, i, pid in eng.processes():
+                if proc_state(pid) in ("T", "t"):
+                    since = self._stopped_since.setdefault(pid, now)
+                    if now - since > self.heartbeat_timeout_s:
+                        seen = f"{what} {i} (pid {pid}) stopped for {now - since:.2f} s"
+                        return "heartbeat", seen, now
+                else:
+                    self._stopped_since.pop(pid, None)
         for g in range(eng.config.dies):
             _, when, _ = eng.pongs.get(g, (0, self._epoch, 0))
             age = now - max(when, self._epoch)
@@ -340,15 +375,18 @@ class Supervisor:
 
     # -- recovery -------------------------------------------------------------------------------
 
-    def _cause(self, when: float) -> Fault | None:
-        """The injected fault most likely behind a detection at `when` (the latest recent)."""
+    def _cause(self, when: float, how: str) -> Fault | None:
+        """The injected fault behind a detection of kind `how` at `when`: the latest recent one
+        of a kind that detection can see (`CAUSES`; a delay is never a cause: a detection it
+        provokes has none, and counts as a false recovery)."""
+        kinds = CAUSES.get(how, ())
         recent = [f for f in self.fired if f.verified and 0 <= when - f.fired_at < RECENT_FAULT_S
-                  and not f.extra.get("detected")]  # fmt: skip
+                  and not f.extra.get("detected") and f.kind in kinds]  # fmt: skip
         return recent[-1] if recent else None
 
     def _recover(self, kind: str, detail: str, when: float) -> None:
         eng = self.engine
-        cause = self._cause(when)
+        cause = self._cause(when, kind)
         detect_s = (when - cause.fired_at) if cause is not None else None
         if cause is not None:
             cause.extra["detected"] = True
@@ -403,6 +441,7 @@ class Supervisor:
             eng.end_recovery()
             self._progress, self._changed = [], t2
             self._epoch = self._pinged = t2
+            self._stopped_since.clear()
             self._count("recovered", "restart")
             parts = {"detect": detect_s, "teardown": t1 - t0, "launch": t2 - t1}
             for k, v in parts.items():

@@ -79,11 +79,24 @@ def follow_parent(parent_pid: int) -> bool:
     """The start of every child process of xpod (die, master, output process): Ctrl-C and a
     closed terminal (SIGINT, SIGHUP: sent to the whole process group) are the parent's to
     handle, and the parent's exit sends this process SIGTERM. False if the parent is already
-    gone (it died before the request took effect): the caller cleans up and exits."""
+    gone (it died before the request took effect): the caller cleans up and exits.
+
+    A child forked while the parent's event loop handles its signals (a serving engine's
+    restart) would inherit that loop's wakeup fd: its signals would only write a byte to the
+    parent's pipe. The fd is cleared here; a child that does not install its own SIGTERM
+    handler must restore the default (`default_sigterm`), or its parent-death signal does
+    nothing (found as two masters a SIGKILLed server left behind)."""
+    with contextlib.suppress(ValueError):  # not the main thread: nothing was inherited
+        signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     parent_death_signal(signal.SIGTERM)
     return os.getppid() == parent_pid
+
+
+def default_sigterm() -> None:
+    """SIGTERM kills this process (a child whose parent-death signal must end it)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def pin_to_core(index: int, cores: int) -> int:

@@ -68,6 +68,8 @@ def _check_replay(eng: Engine) -> None:
     [
         ("kill:die=1,step=3", "exit"),  # during the prefills (32-token budget: several steps)
         ("kill:die=1,step=60", "exit"),  # during decode
+        ("kill:die=1,step=60,layer=1,phase=dispatch", "exit"),  # mid-dispatch for its peers
+        ("kill:die=0,step=60,layer=2,phase=combine", "exit"),  # mid-combine
         ("kill:master=0,step=60", "exit"),
         # stopped for good: a hang under load, seen by the collectives' op deadline and its
         # probe (the peer is stopped: not a lost write) or by the stall of the progress words
@@ -202,7 +204,8 @@ def test_fault_plans_parse_and_bad_ones_are_named():
         ("err:die=1,step=2,at=2s", "takes step=S"),
         ("delay:die=1,step=2", "needs for=T"),
         ("drop:die=1,step=2,phase=attention", "dispatch or combine"),
-        ("kill:die=1,step=2,layer=1", "for err/drop/delay"),
+        ("stop:die=1,step=2,layer=1", "for err/drop/delay"),
+        ("kill:master=1,step=2,phase=combine", "targets a die"),
         ("kill:die=1,master=1,step=2", "two targets"),
         ("kill:die=1,step=2,for=1s", "stop and delay only"),
         ("stop:die=1,step=x", "step=x"),
@@ -331,3 +334,24 @@ def test_a_fault_during_recovery_is_recovered_too(fault_free, tmp_path):
     events = [json.loads(line)["event"] for line in log.read_text().splitlines()]
     assert rel["gen"] >= 2 or "relaunch_failed" in events, events
     assert rel["ledger"]["token_gaps"] == 0 and _left(eng.pod_id) == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("target", ["die", "master"])
+def test_an_idle_hang_is_seen_by_the_heartbeat(tmp_path, target):
+    """No requests: no progress to sample; the heartbeat (through the master's loop and the
+    parked die's) sees a stopped die or master within heartbeat_timeout_s + a ping period."""
+    log = tmp_path / "faults.jsonl"
+    eng = Engine.launch(**TINY, inject=f"stop:{target}=1,at=0.3s", fault_log=str(log))
+    try:
+        deadline = time.monotonic() + 20
+        while not eng.reliability()["counts"]["recovered"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        rel = eng.reliability()
+        out = eng.generate(["still serving"], SamplingParams(max_tokens=8))[0]
+    finally:
+        eng.close()
+    assert rel["counts"]["detected"] == {"heartbeat": 1} and rel["gen"] == 1, rel
+    (det,) = [json.loads(x) for x in log.read_text().splitlines() if '"detected"' in x]
+    assert det["detect_s"] < 2.5, det  # the bar: 2 s (1.5 s timeout + 0.25 s pings)
+    assert out.finish_reason == "length"

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
@@ -93,6 +95,7 @@ async def _streams(url: str, n: int) -> list[tuple[str, list[int], int]]:
         ("kill:die=1,step=60", []),
         ("kill:die=0,step=60", ["--output-procs"]),
         ("kill:output=1,step=60", ["--output-procs"]),
+        ("stop:output=0,step=60", ["--output-procs"]),  # the heartbeat does not cross it
     ],
 )
 def test_streams_survive_a_fault(plan, args):
@@ -119,3 +122,31 @@ def test_streams_survive_a_fault(plan, args):
     assert metric(m, "xpod_requests_recomputed_total") >= 1
     assert metric(m, "xpod_requests_accepted_total") == 8
     assert "fault detected" in err and "recovered" in err
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_server_leaves_nothing_after_a_restart():
+    """The processes a restart forks (from the supervisor's thread, while the event loop owns
+    the signals) still follow the server: SIGKILL it and every one of them goes, with its
+    segments."""
+    s = ServerProc("--max-num-seqs", "8", "--inject", "kill:die=1,step=40")
+    try:
+        got = asyncio.run(_streams(s.url, 4))
+        assert [g[0] for g in got] == ["length"] * 4
+        assert metric(s.metrics(), "xpod_faults_recovered_total", tier="restart") == 1
+        kids = psutil.Process(s.proc.pid).children(recursive=True)
+        assert kids and not set(s.pids) & {k.pid for k in kids}, "the restart made new ones"
+        s.proc.kill()
+        s.proc.wait(10)
+        gone, alive = psutil.wait_procs(kids, timeout=10)
+        assert not alive, f"left behind: {alive}"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(
+            n.split(".")[1] in s.pods for n in os.listdir("/dev/shm") if n.startswith("xpod.")
+        ):
+            time.sleep(0.05)
+        left = [n for n in os.listdir("/dev/shm") if n.startswith("xpod.")
+                and n.split(".")[1] in s.pods]  # fmt: skip
+        assert not left, left
+    finally:
+        s.kill()
