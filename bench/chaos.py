@@ -81,6 +81,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add("--hog", type=int, default=0,
         help="CPU hog processes (busy loops) running through both runs: detectors must not"
         " fire on slowness (default 0)")  # fmt: skip
+    add("--batch-invariant", action="store_true",
+        help="both servers in batch-invariant mode: every complete stream must then equal the"
+        " baseline's bit for bit (streams_differing 0)")  # fmt: skip
     add("--json", type=output_file, default=None, help="write the summary (and faults) as JSON")
 
 
@@ -100,6 +103,7 @@ class Options:
     stall_timeout: float
     abort_fraction: float
     hog: int
+    batch_invariant: bool
     json: str | None
 
 
@@ -107,7 +111,7 @@ def parse_options(args: argparse.Namespace) -> Options:
     return Options(args.dies, args.model, args.duration, args.fault_every, tuple(args.kinds),
                    args.request_rate, args.max_concurrency, args.max_tokens, args.input_len,
                    args.seed, args.repeat, args.stall_timeout, args.abort_fraction, args.hog,
-                   args.json)  # fmt: skip
+                   args.batch_invariant, args.json)  # fmt: skip
 
 
 # -- the load ---------------------------------------------------------------------------------
@@ -243,6 +247,8 @@ def one_run(o: Options, reqs: list[Req], plan: str) -> Run:
             "--stall-timeout", str(o.stall_timeout), "--fault-log", log.name]  # fmt: skip
     if any(k.endswith("output") for k in o.kinds):
         argv.append("--output-procs")
+    if o.batch_invariant:
+        argv.append("--batch-invariant")
     if plan:  # the restart-storm guard must let the planned faults through
         path = log.name + ".plan"
         with open(path, "w") as fh:
@@ -446,6 +452,7 @@ def _run(o: Options) -> int:
         **acc,
         "token_gaps_server": gaps,
         "false_recoveries": sum(false_recoveries(c) + false_recoveries(b) for c, b in pairs),
+        "batch_invariant": o.batch_invariant,
         "hogs": o.hog,
         "throughput_ratio": float(np.median(ratios)), "throughput_ratios": ratios,
         "detect_kill_p50_s": _pct(kills, 50), "detect_kill_max_s": _pct(kills, 100),
@@ -488,5 +495,6 @@ def _run(o: Options) -> int:
         write_jsonl(o.json, [summary])
     bad = (summary["faults_verified"] < len(faults) or acc["requests_lost"] or leaks
            or acc["tokens_duplicated"] or acc["tokens_skipped"] or gaps
-           or summary["false_recoveries"])  # fmt: skip
+           or summary["false_recoveries"]
+           or (o.batch_invariant and acc["streams_differing"]))  # fmt: skip
     return 1 if bad else 0
