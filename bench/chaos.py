@@ -76,6 +76,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add("--repeat", type=positive_int, default=1, help="baseline / chaos pairs (default 1)")
     add("--stall-timeout", type=positive_float, default=1.0,
         help="the servers' --stall-timeout (default 1)")  # fmt: skip
+    add("--op-timeout", type=positive_float, default=0.5,
+        help="the servers' --op-timeout (default 0.5)")  # fmt: skip
     add("--abort-fraction", type=float, default=0.0,
         help="share of requests whose client disconnects mid-stream (default 0)")  # fmt: skip
     add("--hog", type=int, default=0,
@@ -101,6 +103,7 @@ class Options:
     seed: int
     repeat: int
     stall_timeout: float
+    op_timeout: float
     abort_fraction: float
     hog: int
     batch_invariant: bool
@@ -110,7 +113,8 @@ class Options:
 def parse_options(args: argparse.Namespace) -> Options:
     return Options(args.dies, args.model, args.duration, args.fault_every, tuple(args.kinds),
                    args.request_rate, args.max_concurrency, args.max_tokens, args.input_len,
-                   args.seed, args.repeat, args.stall_timeout, args.abort_fraction, args.hog,
+                   args.seed, args.repeat, args.stall_timeout, args.op_timeout,
+                   args.abort_fraction, args.hog,
                    args.batch_invariant, args.json)  # fmt: skip
 
 
@@ -244,7 +248,8 @@ def one_run(o: Options, reqs: list[Req], plan: str) -> Run:
     log = tempfile.NamedTemporaryFile(prefix="xpod-chaos-", suffix=".jsonl", delete=False)  # noqa: SIM115
     log.close()
     argv = ["--dies", str(o.dies), "--model", o.model, "--max-num-seqs", str(o.concurrency),
-            "--stall-timeout", str(o.stall_timeout), "--fault-log", log.name]  # fmt: skip
+            "--stall-timeout", str(o.stall_timeout), "--op-timeout", str(o.op_timeout),
+            "--fault-log", log.name]  # fmt: skip
     if any(k.endswith("output") for k in o.kinds):
         argv.append("--output-procs")
     if o.batch_invariant:

@@ -53,6 +53,7 @@ ENGINE_FLAGS = {
     "stop_token_ids": "--stop-token-ids",
     "inject": "--inject",
     "stall_timeout_s": "--stall-timeout",
+    "op_timeout_s": "--op-timeout",
     "heartbeat_timeout_s": "--heartbeat-timeout",
     "max_restarts": "--max-restarts",
 }
@@ -117,6 +118,12 @@ def add_reliability_flags(p: argparse.ArgumentParser) -> None:
     add("--no-recover", action="store_true",
         help="a die / master / output process that dies or hangs ends the engine (every request"
         " fails) instead of a restart that resumes every request")  # fmt: skip
+    add("--op-timeout", type=positive_float, default=0.5, metavar="S",
+        help="deadline of a serving step's collective waits: past it, a lost write (rollback)"
+        " or, if a die or master is stopped, a hang (restart); raise it on a machine whose"
+        " processes stall for longer (default 0.5)")  # fmt: skip
+    add("--no-rollback", action="store_true",
+        help="a link fault or lost write restarts instead of re-running the step")  # fmt: skip
     add("--stall-timeout", type=positive_float, default=1.0, metavar="S",
         help="no die progress for S seconds under load = hang (default 1)")  # fmt: skip
     add("--heartbeat-timeout", type=positive_float, default=1.5, metavar="S",
@@ -156,6 +163,8 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
             eplb=eplb_config(args) if args.eplb == "on" else None,
             recover=not args.no_recover,
             stall_timeout_s=args.stall_timeout,
+            op_timeout_s=args.op_timeout,
+            rollback=not args.no_rollback,
             heartbeat_timeout_s=args.heartbeat_timeout,
             max_restarts=args.max_restarts,
             inject=args.inject,

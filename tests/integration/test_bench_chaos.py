@@ -22,6 +22,7 @@ def test_chaos_soak_accounts_for_every_stream(tmp_path):
     cmd = [sys.executable, "-m", "runtime.cli", "bench", "chaos", "--dies", "2", "--model",
            "tiny", "--duration", "32", "--fault-every", "3.5", "--kinds", KINDS,
            "--request-rate", "8", "--max-tokens", "48", "--abort-fraction", "0.1",
+           "--op-timeout", "0.9", "--stall-timeout", "1.5",  # margin for a busy CI host
            "--json", str(out)]  # fmt: skip
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=380)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -86,4 +86,4 @@ def test_a_planned_kv_fault_is_verified_detected_and_masked(tmp_path):
     assert [o.finish_reason for o in outs] == ["length"] * 3
     c = rel["counts"]
     assert c["verified"] == {"kvfault-die": 1} and c["detected"] == {"kv": 1}, rel
-    assert c["recovered"] == {"mask": 1} and rel["gen"] == 0  # no restart
+    assert c["recovered"].get("mask") == 1 and rel["gen"] == 0  # no restart
