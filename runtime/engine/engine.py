@@ -19,7 +19,8 @@ and a receiver of the masters' messages. Requests go to masters as msgpack frame
 hot path (master <-> die) is the shared-memory step ring (`runtime.engine.step_ring`).
 
 This module starts, watches and stops the processes; the books of the requests (which group,
-tokens, streams, finishes) are `runtime.engine.tracker.RequestTracker`'s.
+tokens, streams, finishes) are `runtime.engine.tracker.RequestTracker`'s; what the supervisor
+reads and the steps of a restart or a rollback are `runtime.engine.recovery`'s (a base class).
 """
 
 from __future__ import annotations
@@ -38,18 +39,16 @@ from collections.abc import AsyncIterator
 import zmq
 
 from memory import layout as L
-from memory.errors import LinkError, PeerTimeout, PodError
+from memory.errors import PodError
 from runtime.engine import wire
 from runtime.engine.config import EngineConfig
 from runtime.engine.executor import (
     ServeSpec,
-    drop_loop,
-    rollback_point,
-    serve_main,
 )
-from runtime.engine.faults import FaultPlan, parse_faults, proc_state
+from runtime.engine.faults import FaultPlan, parse_faults
 from runtime.engine.master import MasterSpec, master_main
 from runtime.engine.output import OutputSpec, output_main
+from runtime.engine.recovery import EngineRecovery
 from runtime.engine.step_ring import Bell, bell_path
 from runtime.engine.supervisor import Supervisor
 from runtime.engine.tracker import (
@@ -63,21 +62,17 @@ from runtime.engine.wire import engine_socket, master_socket, output_socket
 from runtime.model import EOS
 from runtime.model.forward import prepared_for_fork
 from runtime.pod import Pod, PodConfig
-from runtime.pod.launcher import ABORT_GRACE_S
 from sched import LoadBalancer, SamplingParams
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 60.0
 CLOSE_TIMEOUT_S = 10.0
 WATCH_EVERY_S = 0.2  # how often the receiver thread checks that every master lives
-MAX_ROLLBACKS = 3  # rollbacks of one step before a restart (vllm-ascend's max_reinference_times)
-ROLLBACK_FAULTS = (LinkError, PeerTimeout)  # the root errors a rollback answers
-DOWN_STATES = ("", "T", "t", "Z", "X")  # procfs states of a process that cannot make progress
 
 __all__ = ["Engine"]
 
 
-class Engine:
+class Engine(EngineRecovery):
     """A running serving engine. Build with `Engine.launch`; use as a context manager."""
 
     def __init__(self, config: EngineConfig):
@@ -251,63 +246,6 @@ class Engine:
         self._threads.append(t)
 
     # -- background threads ---------------------------------------------------------------------
-
-    def _pod_loop(self, serve: ServeSpec, gen: int) -> None:
-        pod, resume, tries = self.pod, None, {}
-        grace = 0.0 if serve.rollback else ABORT_GRACE_S
-        while True:
-            try:
-                self.pod_result = pod.run(serve_main, serve, resume, abort_grace_s=grace)
-                return
-            except BaseException as e:  # noqa: BLE001 - every failure is named: a rollback,
-                t_fail = time.monotonic()  # a restart or the end
-                if self.closing or gen != self.gen:
-                    return
-                if not (serve.rollback and isinstance(e, ROLLBACK_FAULTS) and not pod.closed):
-                    self._fault(f"the pod failed: {type(e).__name__}: {e}", gen)
-                    return
-                # The probe: a deadline passed because a process is stopped or gone (a hung
-                # die, or a die waiting for its stopped master) is not a lost write: restart.
-                down = [
-                    f"{w} {i} (pid {p}, state {proc_state(p) or 'gone'})"
-                    for w, i, p in self.processes()
-                    if proc_state(p) in DOWN_STATES
-                ]
-                if down:
-                    self._fault(f"{type(e).__name__}: {e}; not a link fault:"
-                                f" {', '.join(down)}", gen, "hang")  # fmt: skip
-                    return
-                try:
-                    resume = min(pod.run(rollback_point, serve, timeout_s=5.0)) + 1
-                except BaseException as e2:  # noqa: BLE001 - a fault during the rollback
-                    self._fault(f"rollback after {type(e).__name__} failed: {e2}", gen)
-                    return
-                tries[resume] = tries.get(resume, 0) + 1
-                at = max(self._serve_words(L.SV_FAULT_AT) or [0]) / 1e9
-                stall = time.monotonic() - at if 0 < at <= t_fail else None
-                rec = {"step": resume, "attempt": tries[resume], "error": f"{type(e).__name__}:"
-                       f" {e}", "kind": "link" if isinstance(e, LinkError) else "deadline",
-                       "rollback_s": time.monotonic() - t_fail, "stall_s": stall}  # fmt: skip
-                if tries[resume] > MAX_ROLLBACKS:
-                    with contextlib.suppress(BaseException):
-                        pod.run(drop_loop, serve, timeout_s=5.0)
-                    self._fault(f"step {resume} rolled back {MAX_ROLLBACKS} times; the last"
-                                f" fault: {rec['error']}", gen, "rollbacks")  # fmt: skip
-                    return
-                self.rollbacks.append(rec)
-                if self.supervisor is not None:
-                    self.supervisor.on_rollback(rec)
-                log.warning("rollback %d of step %d (%s): %.1f ms", tries[resume], resume,
-                            rec["error"], rec["rollback_s"] * 1e3)  # fmt: skip
-
-    def _fault(self, detail: str, gen: int, kind: str = "exit") -> None:
-        """A process of incarnation `gen` died (or a step would not roll back): the supervisor
-        restarts, or the engine fails."""
-        sup = self.supervisor
-        if sup is not None and self.config.recover:
-            sup.report(kind, detail, gen)
-        elif gen == self.gen:
-            self._fail(EngineError(detail))
 
     def _receive(self) -> None:
         poller = zmq.Poller()
@@ -531,156 +469,6 @@ class Engine:
             except (PodError, IndexError, ValueError, TypeError):
                 return {}
         return out
-
-    # -- supervision (runtime.engine.supervisor) ------------------------------------------------
-
-    @property
-    def gen(self) -> int:
-        """The incarnation: 0 at launch, +1 per restart."""
-        return self.tracker.gen
-
-    def sentinels(self) -> dict:
-        """sentinel -> ("master" | "output", group, process) of the current incarnation."""
-        out = {}
-        for what, procs in (("master", self.masters), ("output", self.outputs)):
-            for g, p in enumerate(list(procs)):
-                with contextlib.suppress(ValueError):  # closed by a teardown meanwhile
-                    out[p.sentinel] = (what, g, p)
-        return out
-
-    def processes(self) -> list[tuple[str, int, int]]:
-        """(kind, index, pid) of every die, master and output process now."""
-        out = []
-        pod = self.pod
-        if pod is not None and not pod.closed:
-            out += [("die", r, p.pid) for r, p in enumerate(list(pod.procs))]
-        out += [("master", g, p.pid) for g, p in enumerate(list(self.masters))]
-        out += [("output", g, p.pid) for g, p in enumerate(list(self.outputs))]
-        return out
-
-    def pid_of(self, what: str, index: int) -> int:
-        """The pid of die / master / output `index` now (0 if there is none)."""
-        return next((pid for w, i, pid in self.processes() if w == what and i == index), 0)
-
-    def _serve_words(self, word: int) -> list[int]:
-        pod = self.pod
-        if pod is None or pod.closed or self.recovering:
-            return []
-        i = pod.layout.serve_word(word)
-        try:
-            return [int(pod.region(g).words[i]) for g in range(self.config.dies)]
-        except (PodError, IndexError, ValueError, TypeError):
-            return []
-
-    def progress_words(self) -> list[int]:
-        """Every die's progress word (`memory.layout.unpack_progress`); [] while down."""
-        return self._serve_words(L.SV_PROGRESS)
-
-    def fault_hits(self) -> list[int]:
-        """Every die's count of die-side injected faults it fired ([] while down)."""
-        return self._serve_words(L.SV_FAULT_HITS)
-
-    def die_step(self) -> int:
-        """Die 0's step in the current incarnation (0 while down)."""
-        steps = self._serve_words(L.SV_VOTE_STEP)
-        return steps[0] if steps else 0
-
-    def busy(self) -> bool:
-        """Do the masters have requests (so the dies must be making progress)?"""
-        t = self.tracker
-        return not self.recovering and len(t.reqs) > len(t.pending)
-
-    def masked_blocks(self, group: int) -> list[int]:
-        """KV blocks group's master masked (memory faults), from its latest stats."""
-        return list((self.stats.get(group) or {}).get("kv_masked_blocks", []))
-
-    def report_kv_fault(self, die: int, block: int = -1) -> None:
-        """A memory fault report in die's `kv_fault` serving word (`block` -1: a block its next
-        rows hold): the die drops the rows that hold it, its master masks it for good."""
-        pod = self.pod
-        if pod is None or pod.closed:
-            raise EngineError("the pod is down")
-        self.kv_fault_seq += 1
-        i = pod.layout.serve_word(L.SV_KV_FAULT)
-        pod.region(die).words[i] = (self.kv_fault_seq << 32) | (block + 1)
-
-    def arm_fault(self, die: int, ordinal: int) -> None:
-        """Arm die's die-side injected faults up to `ordinal` (its `fault_arm` word)."""
-        pod = self.pod
-        if pod is None or pod.closed or self.recovering:
-            return
-        with contextlib.suppress(PodError, IndexError, ValueError):
-            pod.region(die).words[pod.layout.serve_word(L.SV_FAULT_ARM)] = ordinal
-
-    def fail_now(self, detail: str) -> None:
-        """Give up (the supervisor): every request ends with an error, the engine is down."""
-        self.recovering = False
-        self._fail(EngineError(detail))
-
-    def begin_recovery(self) -> None:
-        """Hold dispatches (requests wait in the tracker) and report "recovering"."""
-        with self.lock:
-            self.recovering = True
-            self.tracker.hold = True
-
-    def teardown_processes(self) -> None:
-        """SIGKILL every die, master and output process (their state is rebuilt from the
-        tracker's books) and close the pod; the run directory, the inbox and the threads of
-        the shell stay."""
-        with self.lock:
-            for s in [*self.to_master, *self.to_output]:
-                s.close(linger=0)
-            self.to_master, self.to_output = [], []
-        pod = self.pod
-        procs = list(self.masters) + list(self.outputs)
-        if pod is not None and not pod.closed:
-            pod.abort()
-            procs += list(pod.procs)
-        for p in procs:
-            with contextlib.suppress(Exception):
-                p.kill()  # a stopped process dies of SIGKILL too
-        for p in procs:
-            with contextlib.suppress(Exception):
-                p.join(5)
-        runs = [t for t in self._threads if t.name == "xpod-pod-run"]
-        for t in runs:
-            t.join(CLOSE_TIMEOUT_S)
-            self._threads.remove(t)
-        if pod is not None:
-            pod.close(fast=True)
-        for p in list(self.masters) + list(self.outputs):
-            with contextlib.suppress(Exception):
-                p.close()
-        self.masters, self.outputs = [], []
-
-    def readmit(self) -> list[TrackedRequest]:
-        """Bump the incarnation and re-queue every request the masters had (held)."""
-        with self.lock:
-            self.pongs, self.stats = {}, {}
-            return self.tracker.readmit(self.gen + 1)
-
-    def launch_processes(self) -> None:
-        """A new pod under the same id, new masters and output processes; wait until ready."""
-        while self.ready.acquire(blocking=False):  # readies of the old incarnation
-            pass
-        self._launch_pod()
-        self._fork_group_processes()
-        self._connect_and_run()
-
-    def end_recovery(self) -> None:
-        """Dispatch again: the re-queued requests first."""
-        with self.lock:
-            self.recovering = False
-            self.alive_since = time.monotonic()
-            self.tracker.hold = False
-            self.tracker.dispatch_pending()
-            self.tracker.deliver()
-
-    def reliability(self) -> dict:
-        """The supervisor's counters and the ledger's (`/metrics`, summaries, bench chaos)."""
-        snap = self.supervisor.snapshot() if self.supervisor is not None else {}
-        return {**snap, "ledger": dict(self.tracker.ledger), "gen": self.gen,
-                "recovering": self.recovering}  # fmt: skip
 
     # -- heartbeat ------------------------------------------------------------------------------
 
