@@ -54,6 +54,15 @@ class EngineRecovery:
         out += [("output", g, p.pid) for g, p in enumerate(list(self.outputs))]
         return out
 
+    def in_state(self, states: tuple[str, ...]) -> list[tuple[str, int, int, str]]:
+        """(kind, index, pid, procfs state) of the processes in one of `states` ("": gone)."""
+        out = []
+        for what, i, pid in self.processes():
+            st = proc_state(pid)
+            if st in states:
+                out.append((what, i, pid, st))
+        return out
+
     def pid_of(self, what: str, index: int) -> int:
         """The pid of die / master / output `index` now (0 if there is none)."""
         return next((pid for w, i, pid in self.processes() if w == what and i == index), 0)
@@ -196,11 +205,8 @@ class EngineRecovery:
                     return
                 # The probe: a deadline passed because a process is stopped or gone (a hung
                 # die, or a die waiting for its stopped master) is not a lost write: restart.
-                down = [
-                    f"{w} {i} (pid {p}, state {proc_state(p) or 'gone'})"
-                    for w, i, p in self.processes()
-                    if proc_state(p) in DOWN_STATES
-                ]
+                down = [f"{w} {i} (pid {p}, state {st or 'gone'})"
+                        for w, i, p, st in self.in_state(DOWN_STATES)]  # fmt: skip
                 if down:
                     self._fault(f"{type(e).__name__}: {e}; not a link fault:"
                                 f" {', '.join(down)}", gen, "hang")  # fmt: skip

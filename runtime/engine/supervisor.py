@@ -360,12 +360,11 @@ class Supervisor:
     def _stopped(self) -> str:
         """The engine's processes in procfs state T (stopped), named."""
         out = []
-        for what, i, pid in self.engine.processes():
-            if proc_state(pid) in ("T", "t"):
-                where = ""
-                if what == "die":
-                    where = " at " + describe_progress(self.engine.progress_words()[i])
-                out.append(f"{what} {i} (pid {pid}) is stopped{where}")
+        for what, i, pid, _ in self.engine.in_state(("T", "t")):
+            where = ""
+            if what == "die":
+                where = " at " + describe_progress(self.engine.progress_words()[i])
+            out.append(f"{what} {i} (pid {pid}) is stopped{where}")
         return "; ".join(out)
 
     @staticmethod
