@@ -11,7 +11,17 @@ Every function takes the calling die first (`runtime.Die`, a `comm.Endpoint`):
     d = comm.dispatch(die, x, topk_idx, topk_weights); y = comm.combine(die, rows, d.handle)
 """
 
-from comm.alltoall import A2EHandle, DispatchHandle, DispatchResult, a2e, combine, dispatch, e2a
+from comm.alltoall import (
+    A2EHandle,
+    DispatchHandle,
+    DispatchResult,
+    Split,
+    a2e,
+    a2e_align,
+    combine,
+    dispatch,
+    e2a,
+)
 from comm.endpoint import Endpoint, barrier
 from comm.p2p import VARIANTS, Request, irecv, isend, recv, resync, send
 from comm.trace import Trace, steps_of, to_chrome, write_chrome
@@ -28,7 +38,9 @@ from memory.errors import (
 __all__ = [
     "VARIANTS",
     "A2EHandle",
+    "Split",
     "a2e",
+    "a2e_align",
     "e2a",
     "DispatchHandle",
     "DispatchResult",

@@ -12,6 +12,7 @@ One module per data path, as DeepEP keeps one kernel file per path:
                    and the pull protocol (§6)
     fused.py       FusedDispatch / FusedCombine with AIV-Direct (§7)
     trampoline.py  `a2e` / `e2a` with trampoline forwarding (§8)
+    split.py       `Split`: attention / expert dies, DP domains, micro-batches, op numbers
     refuse.py      a die with bad input still takes part, so every die's counters stay in step
     fields.py      the field and flag protocol the three share
     inputs.py      what a die validates before it publishes
@@ -44,8 +45,9 @@ from comm.alltoall.fields import (
 from comm.alltoall.handles import A2EHandle, DedupGroups, DispatchHandle, DispatchResult
 from comm.alltoall.inputs import EVENT_LIMIT, PROTOCOLS, QUANTS
 from comm.alltoall.pull import combine, dispatch, weighted_sum
+from comm.alltoall.split import Split
 from comm.alltoall.state import A2AState, a2a_counters, a2a_realign, kernels
-from comm.alltoall.trampoline import DEST_SHIFT, a2e, e2a
+from comm.alltoall.trampoline import DEST_SHIFT, a2e, a2e_align, e2a
 
 __all__ = [
     "BAD_EVENT",
@@ -71,12 +73,14 @@ __all__ = [
     "REFUSED",
     "A2AState",
     "A2EHandle",
+    "Split",
     "DedupGroups",
     "DispatchHandle",
     "DispatchResult",
     "a2a_counters",
     "a2a_realign",
     "a2e",
+    "a2e_align",
     "combine",
     "dispatch",
     "e2a",

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from comm.alltoall.split import Split
 from comm.routing import DedupLayout, DispatchLayout, Placement
 
 
@@ -112,19 +113,34 @@ class A2EHandle:
     """What `e2a` needs from `a2e` (treat as opaque).
 
     Attributes:
-        n_att: attention dies (0..n_att-1); expert dies are n_att..num_dies-1 and the first
-            n_att of them are the trampolines (trampoline of attention die i: n_att + i).
+        split: the pod's `comm.alltoall.split.Split` (attention dies, expert dies, domains).
         role: "attention" or "expert".
         dispatch: an expert die's DispatchHandle (None on attention dies).
         topk_idx, topk_weights: an attention die's routing (None on expert dies).
         partner_slots: on a trampoline, the (batch_slot, k_index) pairs its attention die routed.
         metadata_writes: fields this die wrote in other dies' meta areas during `a2e`.
+        op: the pod-wide operation number of the call (`Split.next_op`); e2a uses it too.
+        event_id: the operation's event id (an expert die may have learned it from the packets).
+        slot_base: an attention die's first batch slot of the micro-batch.
+        trampoline: an attention die's trampoline; partner: a trampoline's attention die.
+        domain, microbatch: the (domain, micro-batch) position of the call.
     """
 
-    n_att: int
+    split: Split
     role: str
     dispatch: DispatchHandle | None
     topk_idx: np.ndarray | None
     topk_weights: np.ndarray | None
     partner_slots: tuple[np.ndarray, np.ndarray] | None
     metadata_writes: int
+    op: int = 0
+    event_id: int = 0
+    slot_base: int = 0
+    trampoline: int = -1
+    partner: int | None = None
+    domain: int = 0
+    microbatch: int = 0
+
+    @property
+    def n_att(self) -> int:
+        return len(self.split.att_dies)

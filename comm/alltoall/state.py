@@ -31,6 +31,8 @@ class A2AState:
         fused_combined: the fused dispatch operation this die combined last (once only).
         place_info: per-die facts of the last placement used; comb_f32: combine buffer views;
             views: word views (`meta_words`) and flat combine buffers, made once per area.
+        a2e_open: an attention die's A2E calls awaiting their E2A, op -> (event id, slot base,
+            rows); a2e_next_mb: the micro-batch its next A2E call must be.
     """
 
     pull_ops: list[int] = field(default_factory=lambda: [0, 0])
@@ -43,6 +45,8 @@ class A2AState:
     place_info: _PlaceInfo | None = None
     comb_f32: dict = field(default_factory=dict)
     views: dict = field(default_factory=dict)
+    a2e_open: dict = field(default_factory=dict)
+    a2e_next_mb: int = 0
 
     def counters(self) -> list[int]:
         return [*self.pull_ops, *self.fused_ops]
@@ -51,6 +55,8 @@ class A2AState:
         """Set the operation numbers (the launcher's resync passes the maximum over dies)."""
         self.pull_ops[:] = counters[:2]
         self.fused_ops[:] = counters[2:4]
+        self.a2e_open.clear()
+        self.a2e_next_mb = 0
 
 
 def a2a_state(ep: Endpoint) -> A2AState:
