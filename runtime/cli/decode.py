@@ -22,12 +22,16 @@ from runtime.cli.model_flags import (
     add_eplb_flags,
     add_model_flags,
     add_pin_flag,
+    add_split_flags,
     eplb_config,
+    model_overrides,
     quant_of,
+    split_dies,
 )
 from runtime.decode.options import EPLB_MODES, MAX_BATCH, DecodeOptions, progress
 from runtime.decode.report import jsonable, print_eplb, print_summary
-from runtime.decode.run import pod_config, run_decode
+from runtime.decode.run import make_split, pod_config, run_decode
+from runtime.decode.split import print_split
 from runtime.model import ModelConfig
 
 
@@ -76,6 +80,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--wait", default="auto", choices=("auto", "spin", "yield"), help="PodConfig.wait"
     )
+    add_split_flags(p)
 
 
 # ModelConfig / PodConfig fields -> the flags that set them (for errors found after parsing)
@@ -86,8 +91,8 @@ _MODEL_FLAGS = {
     "topk_group": "--groups",
     "seed": "--seed",
     "num_dies": "--dies",
-    "expert_dies": "--dies",
-    "num_experts": "--dies",
+    "expert_dies": "--dies/--expert-dies",
+    "num_experts": "--experts/--dies/--expert-dies",
 }
 _POD_FLAGS = {
     "num_dies": "--dies",
@@ -105,8 +110,13 @@ def parse_options(args: argparse.Namespace) -> DecodeOptions:
     Raises:
         ConfigError naming the flag(s).
     """
+    dies, att, exp = split_dies(args)
     opts = DecodeOptions(
-        dies=args.dies,
+        dies=dies,
+        attention_dies=att,
+        expert_dies=exp,
+        domains=args.domains,
+        microbatches=args.microbatches,
         batch=args.batch
         if args.batch is not None
         else (8 * args.dies if args.eplb == "compare" else 8),
@@ -136,11 +146,7 @@ def parse_options(args: argparse.Namespace) -> DecodeOptions:
 
 def _model_overrides(args: argparse.Namespace) -> dict:
     """ModelConfig overrides of the flags: the seed, --score-bias, --groups."""
-    out: dict = {"seed": args.seed}
-    if args.score_bias is not None:
-        out["score_bias"] = args.score_bias
-    if args.batch_invariant:
-        out["batch_invariant"] = True
+    out: dict = {"seed": args.seed, **model_overrides(args)}
     if args.groups is not None:
         try:
             n_group, topk_group = (int(v) for v in args.groups.split(":"))
@@ -155,9 +161,16 @@ def _model_overrides(args: argparse.Namespace) -> dict:
 def _check_options(opts: DecodeOptions) -> None:
     try:
         model = ModelConfig.preset(opts.model, **opts.overrides)
-        model.validate(opts.dies)
+        model.validate(opts.dies, opts.expert_dies or None)
     except ConfigError as e:
         raise flag_error(e, _MODEL_FLAGS) from None
+    if opts.split:
+        try:
+            make_split(opts, model)
+        except ConfigError as e:
+            raise ConfigError(f"argument --attention-dies/--expert-dies/--domains: {e}") from None
+    elif opts.domains != 1 or opts.microbatches != 1:
+        raise ConfigError("argument --domains/--microbatches: need --attention-dies")
     if opts.repeat > 1 and opts.eplb == "compare":
         raise ConfigError("argument --repeat: --eplb compare runs its own pair of pods; drop one")
     if opts.prompt_len + opts.steps > model.max_seq_len:
@@ -188,7 +201,9 @@ def _check_options(opts: DecodeOptions) -> None:
 
 def run(opts: DecodeOptions) -> int:
     s = run_decode(opts)
-    if s.get("bench") == "decode-eplb":
+    if s.get("layout") == "split":
+        print_split(s)
+    elif s.get("bench") == "decode-eplb":
         print_eplb(s)
     else:
         print_summary(s)
@@ -198,7 +213,11 @@ def run(opts: DecodeOptions) -> int:
         with open(opts.json, "a") as f:
             f.write(json.dumps(s, default=jsonable) + "\n")
         progress(f"  appended the summary to {opts.json}")
-    if opts.check and opts.quant is None and (s["mismatched_tokens"] or not s["logits_bit_equal"]):
+    if (
+        opts.check
+        and (opts.quant is None or opts.split)
+        and (s["mismatched_tokens"] or not s["logits_bit_equal"])
+    ):
         return 1
     if s.get("bench") == "decode-eplb" and (s["mismatched_tokens"] or not s["logits_bit_equal"]):
         return 1

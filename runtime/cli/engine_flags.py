@@ -21,6 +21,7 @@ from runtime.cli.model_flags import (
     add_model_flags,
     add_pin_flag,
     eplb_config,
+    model_overrides,
     quant_of,
 )
 from runtime.engine import EngineConfig
@@ -158,8 +159,7 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
             pin=args.pin,
             timeout_s=args.timeout,
             trace=args.trace or "",
-            model_overrides={**({"score_bias": args.score_bias} if args.score_bias else {}),
-                             **({"batch_invariant": True} if args.batch_invariant else {})},
+            model_overrides=model_overrides(args),
             eplb=eplb_config(args) if args.eplb == "on" else None,
             recover=not args.no_recover,
             stall_timeout_s=args.stall_timeout,

@@ -8,15 +8,19 @@ import argparse
 
 import comm
 from comm.quant import COMBINE_DTYPES
+from memory.errors import ConfigError
 from runtime.cli.argtypes import nonneg_int, positive_int
 from runtime.model import PRESETS, SCORE_BIASES, EPLBConfig
 from sched.eplb import POLICIES
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    """--model, --score-bias, --batch-invariant."""
+    """--model, --experts, --score-bias, --batch-invariant."""
     p.add_argument("--model", default="small", choices=tuple(PRESETS),
                    help="model preset (default small)")  # fmt: skip
+    p.add_argument("--experts", type=positive_int, default=None, metavar="N",
+                   help="routed experts (default: the preset's); they must split evenly over the"
+                   " dies that host them (e.g. 30 for 5 or 6 expert dies)")  # fmt: skip
     p.add_argument("--score-bias", default=None, choices=SCORE_BIASES,
                    help="router correction bias (default: the preset's); skew makes a few experts"
                    " hot")  # fmt: skip
@@ -24,6 +28,52 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="every row computed independently of its batch mates (fixed reduction"
                    " order for any row count): output does not change under load, a recomputed"
                    " stream equals the fault-free one bit for bit; slower")  # fmt: skip
+
+
+def model_overrides(args: argparse.Namespace) -> dict:
+    """ModelConfig overrides of --experts, --score-bias and --batch-invariant."""
+    out: dict = {}
+    if getattr(args, "experts", None) is not None:
+        out["num_experts"] = args.experts
+    if args.score_bias is not None:
+        out["score_bias"] = args.score_bias
+    if args.batch_invariant:
+        out["batch_invariant"] = True
+    return out
+
+
+def add_split_flags(p: argparse.ArgumentParser, what: str = "decode") -> None:
+    """--attention-dies, --expert-dies, --domains, --microbatches: MoE-attention disaggregation."""
+    g = p.add_argument_group("MoE-attention disaggregation (001 §5.2; default: colocated)")
+    g.add_argument("--attention-dies", type=nonneg_int, default=0, metavar="A",
+                   help=f"{what} on a split pod: A attention dies (the DP groups: MLA, KV, dense"
+                   " layers, gate, shared expert) and the expert dies (routed experts in a"
+                   " persistent loop); 0 = colocated (default)")  # fmt: skip
+    g.add_argument("--expert-dies", type=nonneg_int, default=0, metavar="E",
+                   help="expert dies (default: the rest of --dies); >= A (one trampoline per"
+                   " attention die)")  # fmt: skip
+    g.add_argument("--domains", type=positive_int, default=1, metavar="D",
+                   help="DP domains: the attention dies in D groups that take turns on the"
+                   " expert dies (1 <= D <= A)")  # fmt: skip
+    g.add_argument("--microbatches", type=int, default=1, choices=(1, 2),
+                   help="micro-batches per domain and layer (1 or 2)")  # fmt: skip
+
+
+def split_dies(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(dies, attention dies, expert dies) of --dies / --attention-dies / --expert-dies."""
+    a, e = args.attention_dies, args.expert_dies
+    if not a:
+        if e:
+            raise ConfigError("argument --expert-dies: needs --attention-dies")
+        return args.dies, 0, 0
+    if not e:
+        e = args.dies - a
+    if e < 1:
+        raise ConfigError(
+            f"argument --expert-dies: {a} attention dies leave no expert die of --dies"
+            f" {args.dies}; give --expert-dies"
+        )
+    return a + e, a, e
 
 
 def add_alltoall_flags(p: argparse.ArgumentParser) -> None:

@@ -35,6 +35,15 @@ class DecodeOptions:
     wait: str = "auto"
     eplb: str = "off"  # off | on | compare (both runs, same prompts)
     eplb_config: EPLBConfig = field(default_factory=EPLBConfig)
+    # MoE-attention disaggregation: 0 attention dies = colocated (every die does both)
+    attention_dies: int = 0
+    expert_dies: int = 0
+    domains: int = 1
+    microbatches: int = 1
+
+    @property
+    def split(self) -> bool:
+        return self.attention_dies > 0
 
 
 def progress(msg: str) -> None:

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import comm
+from comm.alltoall import Split
 from memory.errors import ConfigError, PodError
 from runtime.decode.options import EPLB_MODES, DecodeOptions, progress
 from runtime.decode.report import (
@@ -56,6 +57,7 @@ from runtime.decode.report import (
     single_process,
     summarize,
 )
+from runtime.decode.split import split_check, split_decode_main, split_summary
 from runtime.model import EPLBConfig, ModelConfig, encode, pod_config_for, sample
 from runtime.model.forward import Clock, build_model, forward, prepared_for_fork
 from runtime.pod import Pod
@@ -92,6 +94,7 @@ class DecodeSpec:
     block_size: int = 16
     keep_logits: bool = True
     eplb: EPLBConfig | None = None
+    split: Split | None = None  # a split pod (runtime.decode.split), or colocated
 
 
 def blocks_needed(prompts: list[list[int]], steps: int, block_size: int) -> int:
@@ -101,6 +104,8 @@ def blocks_needed(prompts: list[list[int]], steps: int, block_size: int) -> int:
 def decode_main(die, spec: DecodeSpec) -> dict:
     """Run on every die: build the model, prefill, decode `spec.steps` steps; return timings,
     tokens and (optionally) logits of this die's requests."""
+    if spec.split is not None:
+        return split_decode_main(die, spec)
     cfg = spec.model
     me = die.die_id
     prompts, ids = spec.prompts[me], spec.request_ids[me]
@@ -197,7 +202,11 @@ def pod_config(
     model: ModelConfig, spec_prompts, opts: DecodeOptions, eplb: EPLBConfig | None = None
 ) -> PodConfig:
     """A PodConfig sized for this run: all-to-all areas for the longest prefill of a die, an app
-    area for its KV pool (and, with EPLB, its expert bank)."""
+    area for its KV pool (and, with EPLB, its expert bank); on a split pod, the experts' areas
+    for the expert dies only."""
+    extra = {}
+    if opts.split:
+        extra["a2a_max_local_experts"] = model.num_experts // max(opts.expert_dies, 1)
     return pod_config_for(
         model,
         opts.dies,
@@ -211,13 +220,29 @@ def pod_config(
         timeout_s=opts.timeout_s,
         pin=opts.pin,
         wait=opts.wait,
+        **extra,
     )
+
+
+def make_split(opts: DecodeOptions, model: ModelConfig) -> Split:
+    """The Split of --attention-dies / --expert-dies / --domains / --microbatches, checked (the
+    model's experts over the expert dies) before any process starts."""
+    n = opts.attention_dies + opts.expert_dies
+    if opts.dies != n:
+        raise ConfigError(f"dies: {opts.dies}, but attention + expert dies = {n}")
+    if opts.eplb != "off":
+        raise ConfigError("eplb: decode on a split pod runs without EPLB (serving has it)")
+    if opts.protocol != "fused":
+        raise ConfigError("protocol: a split pod moves rows with A2E / E2A (protocol fused)")
+    model.validate(n, opts.expert_dies)
+    return Split.make(n, opts.attention_dies, opts.domains, opts.microbatches)
 
 
 def run_decode(opts: DecodeOptions) -> dict:
     """Launch a pod, decode, optionally check against the reference; return the summary dict."""
     model = ModelConfig.preset(opts.model, **opts.overrides)
-    model.validate(opts.dies)  # before any process starts
+    sp = make_split(opts, model) if opts.split else None
+    model.validate(opts.dies, opts.expert_dies or None)  # before any process starts
     if opts.protocol not in comm.alltoall.PROTOCOLS:
         raise ConfigError(f"protocol: {opts.protocol!r} is not one of {comm.alltoall.PROTOCOLS}")
     if opts.quant not in (None, "int8"):
@@ -243,6 +268,8 @@ def run_decode(opts: DecodeOptions) -> dict:
     eplb = None if opts.eplb == "off" else opts.eplb_config
     if eplb is not None:
         eplb.check(model, opts.dies)
+    if sp is not None:
+        return _run_split(opts, model, prompts, sp)
     per_die, ids = spread(prompts, opts.dies)
     if opts.eplb == "compare":
         off = _run(opts, model, per_die, ids, None, keep_logits=True, trace=False)[0][0]
@@ -268,6 +295,40 @@ def run_decode(opts: DecodeOptions) -> dict:
         summary.update(check(res, per_die, opts, model, baseline=opts.repeat == 1))
     if opts.repeat > 1:
         summary.update(repeats(runs, opts, model))
+    return summary
+
+
+def _run_split(opts: DecodeOptions, model: ModelConfig, prompts, sp: Split) -> dict:
+    """A split pod's decode run (`runtime.decode.split`): the batch over the attention dies."""
+    if opts.repeat != 1:
+        raise ConfigError("repeat: 1 on a split pod")
+    per_att, ids = spread(prompts, len(sp.att_dies))
+    spec = DecodeSpec(model, per_att, ids, opts.steps, "fused", opts.quant, opts.temperature,
+                      opts.seed, opts.block_size, keep_logits=opts.check, split=sp)  # fmt: skip
+    sizing = per_att + [[] for _ in sp.exp_dies]
+    cfg = pod_config(model, sizing, opts)
+    progress(
+        f"xpod decode: model {opts.model} ({model.n_layers} layers, hidden {model.hidden},"
+        f" {model.num_experts} experts top-{model.topk}) on a split pod: attention dies"
+        f" {list(sp.att_dies)} in {sp.num_domains} domain(s) {[list(d) for d in sp.domains]},"
+        f" {sp.microbatches} micro-batch(es), expert dies {list(sp.exp_dies)}; batch"
+        f" {opts.batch} ({', '.join(str(len(p)) for p in per_att)} per attention die), prompt"
+        f" {opts.prompt_len}, {opts.steps} steps, {opts.quant or 'float32'} A2E,"
+        f" {opts.combine_dtype} E2A, {cfg.cores} cores"
+    )
+    t0 = time.monotonic()
+    with prepared_for_fork(model):
+        pod_cm = Pod.launch(cfg if opts.trace else cfg.replace(trace=False))
+    with pod_cm as pod:
+        progress(f"  pod {pod.pod_id} up in {time.monotonic() - t0:.1f} s; decoding ...")
+        res = pod.run(decode_main, spec)
+        cpu = list(pod.last_cpu_s)
+        if opts.trace:
+            n = pod.write_trace(opts.trace)
+            progress(f"  wrote {n} trace events to {opts.trace}")
+    summary = split_summary(res, opts, model, sp, cpu)
+    if opts.check:
+        summary.update(split_check(res, per_att, opts, model, sp))
     return summary
 
 

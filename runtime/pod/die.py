@@ -58,6 +58,7 @@ class Die(comm.Endpoint):
         self.config = config
         self.region = regions[die_id]
         self.ctl = ctl
+        self.commands = 0  # messages received from the launcher (runs, stops)
         lo = self.layout
         self.allocator = AppAllocator(self.region.app, lo.app_off, f"die {die_id} app area")
         self.user: dict = {}  # scratch space that survives between pod.run calls
@@ -201,6 +202,7 @@ def _serve(die: Die, conn) -> None:
             msg = conn.recv()
         except (EOFError, OSError):
             return  # the launcher is gone
+        die.commands += 1
         if msg[0] == "stop":
             return
         _, fn, args, epoch = msg

@@ -1,0 +1,231 @@
+"""The toy model on a split pod (MoE-attention disaggregation, 001 §5.2, docs/architecture.md §5.4):
+attention dies are the DP groups (embedding, MLA and its latent KV, dense layers, the gate, the
+shared expert, the LM head), expert dies host the routed experts and run one persistent loop.
+
+```
+attention die, one step (`attention_step`), its domain d, m micro-batches:
+    per layer:  dense: attention + dense FFN per micro-batch
+                MoE:   per micro-batch: attention, gate, a2e (to its trampoline)   <- overlaps
+                       per micro-batch: e2a, shared expert + routed sum                the experts
+expert die (`expert_loop`), inside one pod.run, until the end marker:
+    a2e (learns step, layer, domain, micro-batch from the event id) -> experts -> e2a
+```
+
+The expert dies serve the domains' micro-batches in the split's order ((0, 0), (0, 1), (1, 0),
+...), one cycle per MoE layer; no per-step message reaches them (`Die.commands` counts what does).
+An idle expert die waits inside the comm wait policy (spin, yield, then park). Event ids name
+(step, layer, domain, micro-batch) (`split_event`); `END_EVENT` tells the expert dies the run is
+over (one empty a2e per attention die, no e2a).
+
+Bit-exactness: the same DieModel phases on the same micro-batches as
+`runtime.model.split_reference.SplitReference`, with A2E / E2A delivering `a2e_ref` / `e2a_ref`
+per (layer, domain, micro-batch), so tokens and logits are equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import comm
+from comm.alltoall import Split
+from comm.quant import dequantize_int8
+from comm.routing import Placement
+from memory.errors import ProtocolError
+from runtime.model.config import ModelConfig
+from runtime.model.die_model import DieModel, batch_rows, last_rows
+from runtime.model.forward import Clock
+from runtime.model.kv import PagedKV
+from runtime.model.weights import build_weights
+
+END_EVENT = 0  # the a2e event id that ends an expert die's loop
+_D = 16  # domains in an event id (Split's MAX_DOMAINS)
+_M = 2  # micro-batches in an event id
+
+
+def split_event(step: int, layer: int, domain: int, microbatch: int, n_layers: int) -> int:
+    """The event id of (step, layer, domain, micro-batch): >= 1, so never END_EVENT."""
+    return ((step * n_layers + layer) * _D + domain) * _M + microbatch + 1
+
+
+def parse_event(ev: int, n_layers: int) -> tuple[int, int, int, int]:
+    """(step, layer, domain, micro-batch) of `split_event`."""
+    rest, mb = divmod(ev - 1, _M)
+    sl, d = divmod(rest, _D)
+    step, layer = divmod(sl, n_layers)
+    return step, layer, d, mb
+
+
+def microbatches(segments: list, m: int) -> list[list]:
+    """A die's segments in m contiguous micro-batches of near-equal row counts (in order; a
+    micro-batch may be empty)."""
+    if m == 1:
+        return [list(segments)]
+    sizes = [len(t) for _, t, _ in segments]
+    total, out, cur, acc = sum(sizes), [], [], 0
+    for seg, n in zip(segments, sizes, strict=True):
+        # a segment joins the next micro-batch once this one holds its share of the rows
+        if len(out) < m - 1 and cur and acc + n / 2 > total * (len(out) + 1) / m:
+            out.append(cur)
+            cur = []
+        cur.append(seg)
+        acc += n
+    out.append(cur)
+    return out + [[] for _ in range(m - len(out))]
+
+
+def build_split_model(die, cfg: ModelConfig, split: Split, n_blocks: int, block_size: int):
+    """(DieModel, KV pool or None): an attention die builds no routed expert and a KV pool; an
+    expert die builds its experts (`Placement.default` over the expert dies) and no KV."""
+    if die.die_id in split.att_dies:
+        pool = die.alloc((cfg.n_layers, max(n_blocks, 1), block_size, cfg.kv_cache_dim),
+                         np.float32)  # fmt: skip
+        return DieModel(cfg, build_weights(cfg, []), PagedKV(pool)), pool
+    placement = Placement.default(cfg.num_experts, split.exp_dies)
+    experts = placement.experts_on(die.die_id).tolist()
+    return DieModel(cfg, build_weights(cfg, experts), PagedKV.zeros(cfg.n_layers, 1, 1, 1)), None
+
+
+def attention_step(die, model: DieModel, segments, split: Split, quant, clock: Clock,
+                   counters: dict | None = None):  # fmt: skip
+    """One step of an attention die: float32 logits [n_segments, vocab] in segment order.
+    `clock.step` names the step (event ids); every attention die calls it every step (an empty
+    `segments` is a dummy step: its micro-batches are empty a2e calls). `counters`, if given,
+    adds "a2e_calls" and "a2e_writes" (metadata words this die wrote in other dies)."""
+    cfg, m = model.cfg, split.microbatches
+    d = split.domain_of(die.die_id)
+    t = time.perf_counter_ns()
+    mbs = microbatches(list(segments), m)
+    rows = [batch_rows(s) for s in mbs]
+    bases = np.concatenate([[0], np.cumsum([len(r[0]) for r in rows])]).tolist()
+    hs = [model.embed(r[0]) for r in rows]
+    t = clock.span(5, -1, t)
+    for layer in range(cfg.n_layers):
+        if not model.is_moe(layer):
+            for i in range(m):
+                hs[i] = model.attention(layer, hs[i], mbs[i], rows[i])
+                t = clock.span(0, layer, t)
+                hs[i] = model.dense_ffn(layer, hs[i])
+                t = clock.span(3, layer, t)
+            continue
+        sent = []
+        for i in range(m):
+            hs[i] = model.attention(layer, hs[i], mbs[i], rows[i])
+            t = clock.span(0, layer, t)
+            xn, idx, w = model.gate(layer, hs[i])
+            t = clock.span(1, layer, t)
+            ev = split_event(clock.step, layer, d, i, cfg.n_layers)
+            if clock.fault is not None:
+                clock.fault(clock.step, layer, "dispatch")
+            _, h = comm.a2e(die, xn, idx, w, split, quant=quant, event_id=ev, microbatch=i,
+                            slot_base=bases[i])  # fmt: skip
+            sent.append((xn, h, ev))
+            if counters is not None:
+                counters["a2e_calls"] = counters.get("a2e_calls", 0) + 1
+                counters["a2e_writes"] = counters.get("a2e_writes", 0) + h.metadata_writes
+            t = clock.span(2, layer, t)
+        for i, (xn, h, ev) in enumerate(sent):
+            if clock.fault is not None:
+                clock.fault(clock.step, layer, "combine")
+            routed = comm.e2a(die, None, h, event_id=ev)
+            t = clock.span(4, layer, t)
+            hs[i] = model.finish_moe(layer, hs[i], xn, routed)
+            t = clock.span(3, layer, t)
+    logits = [model.logits(hs[i][last_rows(mbs[i])]) for i in range(m) if mbs[i]]
+    out = np.concatenate(logits) if logits else np.zeros((0, cfg.vocab_size), np.float32)
+    clock.span(5, -1, t)
+    return out
+
+
+def end_experts(die, split: Split, quant=None) -> None:
+    """An attention die's last call of a run: the end marker (an empty a2e, no e2a), then the
+    counters rounded up to the end of the cycle, as every expert die's."""
+    lo = die.layout
+    comm.a2e(die, np.zeros((0, lo.a2a_hidden), np.float32), np.zeros((0, lo.a2a_topk), np.int64),
+             np.zeros((0, lo.a2a_topk), np.float32), split, quant, END_EVENT)  # fmt: skip
+    comm.a2e_align(die, split)
+
+
+@dataclass
+class ExpertStats:
+    """An expert die's own counters, per step (index = step): a2e wall and waited ns (waiting
+    for input), experts ns, e2a ns, rows, a2e calls; the control messages it received while
+    looping; (step, layer, domain, micro-batch) of each call if `keep_order`."""
+
+    a2e_ns: list = field(default_factory=list)
+    a2e_wait_ns: list = field(default_factory=list)
+    experts_ns: list = field(default_factory=list)
+    e2a_ns: list = field(default_factory=list)
+    rows: list = field(default_factory=list)
+    calls: list = field(default_factory=list)
+    control_messages: int = 0
+    order: list = field(default_factory=list)
+
+    def grow(self, step: int) -> None:
+        while len(self.calls) <= step:
+            for f in (self.a2e_ns, self.a2e_wait_ns, self.experts_ns, self.e2a_ns, self.rows,
+                      self.calls):  # fmt: skip
+                f.append(0)
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def expert_loop(die, model: DieModel, split: Split, quant, clock: Clock,
+                keep_order: bool = False) -> ExpertStats:  # fmt: skip
+    """An expert die's persistent loop: a2e -> experts -> e2a, learning (step, layer, domain,
+    micro-batch) from each call's event id, until the attention dies' end marker."""
+    cfg = model.cfg
+    placement = Placement.default(cfg.num_experts, split.exp_dies)
+    local = placement.experts_on(die.die_id).tolist()
+    stats = ExpertStats()
+    ctx = die.ctx
+    commands0 = getattr(die, "commands", 0)
+    comm.a2e_align(die, split)
+    while True:
+        t0, w0 = time.perf_counter_ns(), ctx.waited_ns
+        clock.mark(-1, 2, 1)
+        res, h = comm.a2e(die, None, None, None, split, quant=quant, event_id=None)
+        if h.event_id == END_EVENT:
+            break
+        step, layer, d, mb = parse_event(h.event_id, cfg.n_layers)
+        if (d, mb) != (h.domain, h.microbatch) or not model.is_moe(layer):
+            raise ProtocolError(
+                f"die {die.die_id}: a2e event {h.event_id} names (step {step}, layer {layer},"
+                f" domain {d}, micro-batch {mb}), the call is at domain {h.domain} micro-batch"
+                f" {h.microbatch}"
+            )
+        clock.step, clock.counting = step, step >= 1  # the decode steps, as attention dies
+        t1 = clock.span(2, layer, t0)
+        x = dequantize_int8(res.x, res.scales) if quant == "int8" else res.x
+        y = model.experts(layer, x, res.expert_counts, local)
+        t2 = clock.span(3, layer, t1)
+        comm.e2a(die, y, h, event_id=None)
+        t3 = clock.span(4, layer, t2)
+        stats.grow(step)
+        stats.a2e_ns[step] += t1 - t0
+        stats.a2e_wait_ns[step] += ctx.waited_ns - w0
+        stats.experts_ns[step] += t2 - t1
+        stats.e2a_ns[step] += t3 - t2
+        stats.rows[step] += len(res.x)
+        stats.calls[step] += 1
+        if keep_order:
+            stats.order.append((step, layer, d, mb))
+    comm.a2e_align(die, split)
+    stats.control_messages = getattr(die, "commands", 0) - commands0
+    return stats
+
+
+__all__ = [
+    "END_EVENT",
+    "ExpertStats",
+    "attention_step",
+    "build_split_model",
+    "end_experts",
+    "expert_loop",
+    "microbatches",
+    "parse_event",
+    "split_event",
+]

@@ -1,0 +1,130 @@
+"""Single-process reference of the toy model on a split pod (`runtime.model.split`).
+
+`SplitReference` holds a `DieModel` per attention die (no routed expert, its own KV) and per
+expert die (its experts over `Placement.default(num_experts, exp_dies)`), and runs a step the way
+the split pod groups its work:
+
+    per layer, per attention die, per micro-batch: attention (+ dense FFN), the gate
+    MoE layer, per domain d, per micro-batch i:
+        a2e_ref over domain d's attention dies' micro-batch i -> experts on every expert die
+        -> e2a_ref -> finish_moe on each of those attention dies
+    logits of each micro-batch's last rows, in segment order
+
+A split pod calling the same phases on the same micro-batches, with A2E / E2A delivering
+`a2e_ref` / `e2a_ref`, reproduces these logits bit for bit. `generate` is `ReferencePod`'s, the
+"dies" being the attention dies in `split.att_dies` order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from comm.alltoall import Split
+from comm.quant import COMBINE_DTYPES
+from comm.reference import QUANT_MODES, a2e_ref, dequantize_dispatch, e2a_ref
+from comm.routing import Placement
+from memory.errors import ConfigError
+from runtime.model.config import ModelConfig
+from runtime.model.die_model import DieModel, Segment, batch_rows, last_rows
+from runtime.model.kv import DictKV
+from runtime.model.reference import ReferencePod
+from runtime.model.split import microbatches
+from runtime.model.weights import build_weights
+
+__all__ = ["SplitReference"]
+
+
+class SplitReference(ReferencePod):
+    """The split pod's model in one process.
+
+    Arguments:
+        cfg: model config (`cfg.validate(num_dies, expert_dies)` is checked first).
+        split: the pod's `comm.alltoall.Split`.
+        quant, combine_dtype: as `ReferencePod`.
+        kv: one KV store per attention die (default a `DictKV` each), in `att_dies` order.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        split: Split,
+        quant: str | None = None,
+        kv: Sequence | None = None,
+        combine_dtype: str = "bfloat16",
+    ):
+        n = len(split.att_dies) + len(split.exp_dies)
+        split.check(n)
+        cfg.validate(n, len(split.exp_dies))
+        if quant not in QUANT_MODES:
+            raise ConfigError(f"quant: expected one of {QUANT_MODES}, got {quant!r}")
+        if combine_dtype not in COMBINE_DTYPES:
+            raise ConfigError(
+                f"combine_dtype: expected one of {COMBINE_DTYPES}, got {combine_dtype!r}"
+            )
+        if kv is not None and len(kv) != len(split.att_dies):
+            raise ValueError(f"kv: expected {len(split.att_dies)} stores, got {len(kv)}")
+        self.cfg, self.split, self.quant = cfg, split, quant
+        self.num_dies = len(split.att_dies)  # generate's "dies": the attention dies
+        self.combine_dtype = combine_dtype
+        self.maps = []
+        self.placement = Placement.default(cfg.num_experts, split.exp_dies)
+        att_weights = build_weights(cfg, [])
+        self.dies = [
+            DieModel(cfg, att_weights, kv[i] if kv is not None else DictKV(cfg.kv_cache_dim))
+            for i in range(len(split.att_dies))
+        ]
+        self.experts = {
+            x: DieModel(
+                cfg,
+                build_weights(cfg, self.placement.experts_on(x).tolist()),
+                DictKV(cfg.kv_cache_dim),
+            )
+            for x in split.exp_dies
+        }
+        self.step_no = 0
+
+    def step(
+        self, batches: Sequence[Sequence[Segment]], step: int | None = None
+    ) -> list[np.ndarray]:
+        """One forward: `batches[i]` is attention die `split.att_dies[i]`'s segments; returns
+        its float32 logits [n_segments, vocab] at each segment's last row."""
+        sp, cfg = self.split, self.cfg
+        if len(batches) != len(sp.att_dies):
+            raise ValueError(f"batches: expected {len(sp.att_dies)}, got {len(batches)}")
+        self.step_no = self.step_no + 1 if step is None else int(step)
+        m = sp.microbatches
+        pos = {a: i for i, a in enumerate(sp.att_dies)}
+        mbs = [microbatches(list(b), m) for b in batches]
+        rows = [[batch_rows(s) for s in mb] for mb in mbs]
+        hs = [[die.embed(r[0]) for r in rs] for die, rs in zip(self.dies, rows, strict=True)]
+        for layer in range(cfg.n_layers):
+            for i, die in enumerate(self.dies):
+                for j in range(m):
+                    hs[i][j] = die.attention(layer, hs[i][j], mbs[i][j], rows[i][j])
+                    if not cfg.is_moe(layer):
+                        hs[i][j] = die.dense_ffn(layer, hs[i][j])
+            if not cfg.is_moe(layer):
+                continue
+            gates = [[die.gate(layer, h) for h in hs[i]] for i, die in enumerate(self.dies)]
+            for dom in sp.domains:
+                for j in range(m):
+                    at = [pos[a] for a in dom]
+                    xns = [gates[i][j][0] for i in at]
+                    idxs = [gates[i][j][1] for i in at]
+                    ws = [gates[i][j][2] for i in at]
+                    outs = a2e_ref(xns, idxs, self.placement, list(dom), self.quant)
+                    eouts = {
+                        x: self.experts[x].experts(layer, dequantize_dispatch(o).x,
+                                                   o.expert_counts, self.placement.experts_on(x))
+                        for x, o in outs.items()
+                    }  # fmt: skip
+                    routed = e2a_ref(eouts, outs, idxs, ws, list(dom), self.combine_dtype)
+                    for k, i in enumerate(at):
+                        hs[i][j] = self.dies[i].finish_moe(layer, hs[i][j], xns[k], routed[k])
+        out = []
+        for i, die in enumerate(self.dies):
+            lg = [die.logits(hs[i][j][last_rows(mbs[i][j])]) for j in range(m) if mbs[i][j]]
+            out.append(np.concatenate(lg) if lg else np.zeros((0, cfg.vocab_size), np.float32))
+        return out
