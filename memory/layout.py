@@ -43,7 +43,9 @@ All-to-all fields (only in a pod launched with `a2a_max_batch`), in the meta are
  fused_cflag[slot][k]   int64 combine completion word = operation number, writer: the die that
                           computed (slot, k) (or the trampoline forwarding it in E2A')
  a2e_flag[half]         | event_id | count    | seq      | quant    |   writer: the partner
-                          attention die of this trampoline; seq LAST
+                          attention die of this trampoline; seq LAST. On an attention die:
+                          its trampoline's E2A done flag (count = rows or REFUSED), after
+                          the rows
  fused_refuse[src]      int64: the fused-combine / E2A operation number at which src refused
                           its part (bad input); written before src's completion words
  fused_cevent[src]      int64: the event id of src's latest fused-combine / E2A rows into this
@@ -75,6 +77,11 @@ Serving fields (only in a pod launched with `serve_slot_bytes`), after the all-t
    done_step                         writer: this die   the last step it finished
    fault_at                          writer: this die   when its last die-side fault fired (ns)
    fault_arm                         writer: the shell  die-side faults armed by time (ordinal)
+   a2e_ns, e2a_ns                    writer: this die   a split pod: cumulative A2E / E2A time
+   idle_ns, expert_ns, a2e_calls     writer: this die   an expert die: waiting for A2E input,
+                                                        computing experts, calls served
+   parked[64]                        writer: attention  in an expert die, one per attention die
+                                     die a (word a)     a: 2s + 1 parked after step s, 2s running
 ```
 Expert load balancing fields (only in a pod launched with `eplb_layers`), after the serving
 words (runtime.model.expert_balancer):
@@ -117,7 +124,8 @@ import numpy as np
 from memory.errors import ConfigError
 
 MAGIC = 0x314D4248444F5058  # b"XPODHBM1" little-endian
-LAYOUT_VERSION = 4  # 2: fused_refuse, fused_cevent; 3: serve heartbeat, phase times; 4: eplb
+LAYOUT_VERSION = 5  # 2: fused_refuse, fused_cevent; 3: serve heartbeat, phase times; 4: eplb;
+# 5: split pods (A2E done flag in the attention die's a2e_flag, serve words a2e_ns .. parked)
 PAGE = 4096
 HEADER_BYTES = PAGE
 FIELD_BYTES = 32
@@ -150,7 +158,15 @@ SV_FAULT_HITS = SV_KV_FAULT + 1  # die-side faults (err / drop / delay) this die
 SV_DONE_STEP = SV_FAULT_HITS + 1  # the last step this die finished (rollback target: min + 1)
 SV_FAULT_AT = SV_DONE_STEP + 1  # CLOCK_MONOTONIC ns of this die's last die-side fault
 SV_FAULT_ARM = SV_FAULT_AT + 1  # the shell arms this die's at=T die-side faults (an ordinal)
-SERVE_WORDS = SV_FAULT_ARM + 1
+# a split pod (MoE-attention disaggregation): cumulative A2E / E2A ns of a die's calls, an
+# expert die's idle (waiting for A2E input) and expert-compute ns and A2E calls, and the parked
+# word of every attention die in each expert die (2s + 1: parked after step s; 2s: running s)
+SV_A2E_NS, SV_E2A_NS, SV_IDLE_NS, SV_EXPERT_NS, SV_A2E_CALLS = range(
+    SV_FAULT_ARM + 1, SV_FAULT_ARM + 6
+)
+SV_PARKED = SV_A2E_CALLS + 1
+MAX_PARKED = 64  # attention dies of a split serving pod
+SERVE_WORDS = SV_PARKED + MAX_PARKED
 # Expert load balancing words (word index inside the eplb block), see the diagram.
 EP_PLAN_SEQ, EP_PLAN_STEP, EP_READY, EP_SWITCHED, EP_COUNT_STEP = range(5)
 EP_MOVED_BYTES, EP_MOVE_NS, EP_BALANCE_PPM, EP_ROWS = range(5, 9)

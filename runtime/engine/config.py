@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from comm.alltoall import Split
 from comm.quant import COMBINE_DTYPES
+from memory import layout as L
 from memory.errors import ConfigError
 from runtime.model import EPLBConfig, ModelConfig, pod_config_for
 from runtime.pod import PodConfig
@@ -16,7 +18,12 @@ class EngineConfig:
     """Every knob of an engine (validated at construction).
 
     Attributes:
-        dies: DP groups = dies (TP = 1).
+        dies: DP groups = dies (TP = 1); on a split pod, the attention dies.
+        expert_dies: 0 = colocated (every die attends and hosts experts); E > 0 = a split pod
+            (MoE-attention disaggregation, 001 §5.2): `dies` attention dies (the DP groups,
+            dies 0..dies-1) and E expert dies running one persistent loop.
+        domains, microbatches: a split pod's DP domains (the attention dies in D groups taking
+            turns on the expert dies) and micro-batches per domain and layer (1 or 2).
         model: preset name; model_overrides: ModelConfig fields to change.
         max_num_seqs: batch limit of a group (running + prefilling requests).
         queue_ahead: requests a group's master may hold waiting beyond its batch limit, so the
@@ -101,10 +108,28 @@ class EngineConfig:
     restart_window_s: float = 60.0
     inject: str = ""
     fault_log: str = ""
+    expert_dies: int = 0
+    domains: int = 1
+    microbatches: int = 1
 
     def __post_init__(self) -> None:
         m = self.model_config()
-        m.validate(self.dies)
+        if (
+            isinstance(self.expert_dies, bool)
+            or not isinstance(self.expert_dies, int)
+            or (self.expert_dies < 0)
+        ):
+            raise ConfigError(f"expert_dies: {self.expert_dies!r} must be an int >= 0")
+        m.validate(self.pod_dies, self.expert_dies or None)
+        if self.expert_dies:
+            self.split  # noqa: B018 - checked here (ConfigError)
+            if self.eplb is not None:
+                raise ConfigError("eplb: not on a split pod (expert_dies > 0); not built yet")
+            if self.dies > L.MAX_PARKED:
+                raise ConfigError(f"dies: a split serving pod has at most {L.MAX_PARKED}"
+                                  " attention dies")  # fmt: skip
+        elif self.domains != 1 or self.microbatches != 1:
+            raise ConfigError("domains / microbatches: need a split pod (expert_dies > 0)")
         if self.eplb is not None:
             if not isinstance(self.eplb, EPLBConfig):
                 raise ConfigError(f"eplb: expected an EPLBConfig or None, got {self.eplb!r}")
@@ -160,6 +185,18 @@ class EngineConfig:
         return ModelConfig.preset(self.model, **self.model_overrides)
 
     @property
+    def pod_dies(self) -> int:
+        """Dies of the pod: the DP groups, plus the expert dies of a split pod."""
+        return self.dies + self.expert_dies
+
+    @property
+    def split(self) -> Split | None:
+        """The split pod's topology (attention dies 0..dies-1), or None when colocated."""
+        if not self.expert_dies:
+            return None
+        return Split.make(self.pod_dies, self.dies, self.domains, self.microbatches)
+
+    @property
     def blocks_per_seq(self) -> int:
         return math.ceil(self.model_config().max_seq_len / self.block_size)
 
@@ -169,9 +206,11 @@ class EngineConfig:
 
     def pod_config(self) -> PodConfig:
         m = self.model_config()
+        extra = {"a2a_max_local_experts": m.num_experts // self.expert_dies} if (
+            self.expert_dies) else {}  # fmt: skip
         return pod_config_for(
             m,
-            self.dies,
+            self.pod_dies,
             max_rows=self.max_num_batched_tokens,
             num_blocks=self.blocks,
             block_size=self.block_size,
@@ -183,6 +222,7 @@ class EngineConfig:
             serve_slot_bytes=self.slot_bytes(m),
             timeout_s=self.timeout_s,
             pin=self.pin,
+            **extra,
         )
 
     def slot_bytes(self, m: ModelConfig) -> int:

@@ -143,8 +143,9 @@ class Engine(EngineRecovery):
         self._launch_pod()
         self.run_dir = f"/dev/shm/xpod.{self.pod.pod_id}.run"
         os.mkdir(self.run_dir, 0o700)
-        for r in range(cfg.dies):
+        for r in range(cfg.pod_dies):
             Bell.create(bell_path(self.run_dir, f"d{r}"))
+        for r in range(cfg.dies):
             Bell.create(bell_path(self.run_dir, f"m{r}"))
         self._fork_group_processes()
         self.ctx = zmq.Context()  # after the forks: a forked child must not inherit a context
@@ -213,7 +214,8 @@ class Engine(EngineRecovery):
         serve = ServeSpec(self.model, cfg.protocol, cfg.quant, cfg.blocks, cfg.block_size,
                           self.run_dir, cfg.keep_logits, cfg.gc_every, cfg.eplb, rollback,
                           cfg.op_timeout_s if rollback else 0.0,
-                          plan.unfired_die_side() if plan is not None else ())  # fmt: skip
+                          plan.unfired_die_side() if plan is not None else (),
+                          cfg.split)  # fmt: skip
         self._thread(self._pod_loop, serve, self.gen, name="xpod-pod-run")
         if not any(t.name == "xpod-engine-receive" for t in self._threads) and not (
             self.rx_handover

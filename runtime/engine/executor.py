@@ -48,15 +48,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from comm.alltoall import Split
 from comm.trace import STEP_NAMES, TRACK_NAMES
 from memory import layout as L
 from memory.errors import LinkError, PeerTimeout, PodAborted, ProtocolError
 from runtime.engine import wire
+from runtime.engine.split_loop import end_of_run, expert_serve, notify_parked
 from runtime.engine.step_ring import Bell, Ring, bell_path
 from runtime.model.config import ModelConfig
 from runtime.model.expert_balancer import EPLBConfig
 from runtime.model.forward import PHASES, Clock, build_model, forward
 from runtime.model.sampler import sample_rows
+from runtime.model.split import attention_step, build_split_model
 
 SERVE_LANE = 98  # trace track of the serving loop (vote, park, step)
 SERVE_OP = "serve"
@@ -88,6 +91,8 @@ class ServeSpec:
         op_timeout_s: deadline of the step's collective waits (0: the pod's timeout_s).
         faults: die-side injected faults (`runtime.engine.faults.Fault` of kinds err, drop,
             delay); a die installs a hook only if one targets it.
+        split: a split pod (MoE-attention disaggregation): the attention dies run this loop
+            (voting among themselves), the expert dies `runtime.engine.split_loop`; or None.
     """
 
     model: ModelConfig
@@ -102,6 +107,7 @@ class ServeSpec:
     rollback: bool = False
     op_timeout_s: float = 0.0
     faults: tuple = ()
+    split: Split | None = None
 
 
 class _Loop:
@@ -110,7 +116,10 @@ class _Loop:
     def __init__(self, die, spec: ServeSpec):
         self.die, self.spec = die, spec
         lo = die.layout
-        self.me, self.n = die.die_id, die.num_dies
+        self.split = spec.split
+        self.me = die.die_id
+        # the dies that vote: every die, or a split pod's attention dies (dies 0..n_att-1)
+        self.n = die.num_dies if self.split is None else len(self.split.att_dies)
         self.words = die.words
         self.vote_step = lo.serve_word(L.SV_VOTE_STEP)
         self.vote_rows = lo.serve_word(L.SV_VOTE_ROWS)
@@ -123,12 +132,18 @@ class _Loop:
         self.results = Ring(die.region, "res", writer=True)
         self.bell = Bell(bell_path(spec.run_dir, f"d{self.me}"))
         self.peer_bells = [
-            Bell(bell_path(spec.run_dir, f"d{p}")) for p in range(self.n) if p != self.me
+            Bell(bell_path(spec.run_dir, f"d{p}")) for p in range(die.num_dies) if p != self.me
         ]
         self.master_bell = Bell(bell_path(spec.run_dir, f"m{self.me}"))
-        self.model, self.pool, self.bal = build_model(
-            die, spec.model, spec.num_blocks, spec.block_size, spec.eplb
-        )
+        if self.split is None:
+            self.model, self.pool, self.bal = build_model(
+                die, spec.model, spec.num_blocks, spec.block_size, spec.eplb
+            )
+        else:
+            self.model, self.pool = build_split_model(die, spec.model, self.split,
+                                                      spec.num_blocks, spec.block_size)  # fmt: skip
+            self.bal = _NoBalancer()
+            self.a2e_word, self.e2a_word = lo.serve_word(L.SV_A2E_NS), lo.serve_word(L.SV_E2A_NS)
         self.clock = Clock(die, spec.model.n_layers)
         # Where this die is, for the shell's hang detector (runtime.engine.supervisor): the
         # clock stores (step, layer, phase ended) at every phase, the loop its vote / park.
@@ -285,6 +300,8 @@ class _Loop:
         self.clock.mark(-1, 0, L.PROGRESS_STATES.index("park"))
         t0 = time.perf_counter_ns()
         abort = self.die.ctx.abort
+        if self.split is not None:  # the expert dies may sleep once every attention die does
+            notify_parked(self.die, self.split, s, True)
         try:
             while True:
                 self.bell.drain()
@@ -301,6 +318,8 @@ class _Loop:
                     raise PodAborted(f"die {self.me}: aborted by the launcher while parked")
                 self.bell.wait(PARK_POLL_S)
         finally:
+            if self.split is not None:  # running again: before this die rings its peers
+                notify_parked(self.die, self.split, s + 1, False)
             self.die.trace.rec(t0, time.perf_counter_ns() - t0, SERVE_OP, 2, -1, SERVE_LANE, s, 0)
             self.prev_end = 0  # time parked is not a scheduling bubble
 
@@ -365,8 +384,12 @@ class _Loop:
         if self.op_policy is not None:  # the collectives' waits: the op deadline
             self.die.policy = self.op_policy
         try:
-            logits = forward(self.die, self.model, segments, self.spec.protocol, self.spec.quant,
-                             self.clock, self.bal)  # fmt: skip
+            if self.split is None:
+                logits = forward(self.die, self.model, segments, self.spec.protocol,
+                                 self.spec.quant, self.clock, self.bal)  # fmt: skip
+            else:
+                logits = attention_step(self.die, self.model, segments, self.split,
+                                        self.spec.quant, self.clock)  # fmt: skip
         finally:
             self.die.policy = self.policy
         self.bal.end_step(busy)
@@ -381,6 +404,9 @@ class _Loop:
         w[self.attn_word] += cur[0]
         w[self.moe_word] += cur[2] + cur[4]
         w[self.step_word] += t1 - t0
+        if self.split is not None:
+            w[self.a2e_word] += cur[2]
+            w[self.e2a_word] += cur[4]
         if not rows:
             self.stats["dummy_steps"] += 1
             w[self.dummy_word] = self.stats["dummy_steps"]
@@ -437,6 +463,8 @@ class _Loop:
             self.run_step(s, cmd)
             w[self.done_word] = s
             gc_step = self._gc(gc_step)
+        if self.split is not None:  # the expert dies' end marker
+            end_of_run(self.die, self.split, self.spec.quant, self.spec.run_dir)
         out = {"die": self.me, "last_step": s, **self.stats}
         if self.spec.eplb is not None:
             out["eplb"] = self.bal.report()
@@ -466,6 +494,19 @@ class _Loop:
         self.die.free(self.pool)
 
 
+class _NoBalancer:
+    """A split pod's attention die routes to the logical experts (EPLB: not on a split pod)."""
+
+    def begin_step(self, b: int) -> None:
+        pass
+
+    def end_step(self, b: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 _LOOPS: dict[str, _Loop] = {}  # a die's loop kept across a failed run (iteration rollback)
 ROLLBACK_ERRORS = (LinkError, PeerTimeout, PodAborted)
 
@@ -474,6 +515,8 @@ def serve_main(die, spec: ServeSpec, resume: int | None = None) -> dict:
     """Run on every die (one long pod.run): the serving loop until every master says stop.
     Returns this die's counters (steps, dummy steps, parks, bubble, ...). `resume`: an
     iteration rollback to that step, with the loop the failed run left (module docstring)."""
+    if spec.split is not None and die.die_id not in spec.split.att_dies:
+        return expert_serve(die, spec)  # stateless: a rollback starts it again
     loop = _LOOPS.pop(spec.run_dir, None)
     if loop is not None and resume is not None:
         loop.rewind(resume)
@@ -497,7 +540,10 @@ def serve_main(die, spec: ServeSpec, resume: int | None = None) -> dict:
 
 
 def rollback_point(die, spec: ServeSpec) -> int:
-    """The last step this die finished (-1 without a kept loop): R = min over dies + 1."""
+    """The last step this die finished (-1 without a kept loop): R = min over dies + 1. An
+    expert die of a split pod keeps no step: it does not bound R."""
+    if spec.split is not None and die.die_id not in spec.split.att_dies:
+        return 1 << 62
     loop = _LOOPS.get(spec.run_dir)
     return int(loop.words[loop.me][loop.done_word]) if loop is not None else -1
 

@@ -15,11 +15,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from comm.alltoall import Split
 from runtime.engine import wire
 from runtime.model import ModelConfig
 from runtime.model.kv import PagedKV
 from runtime.model.reference import ReferencePod
 from runtime.model.sampler import sample_rows
+from runtime.model.split_reference import SplitReference
 
 
 @dataclass
@@ -54,14 +56,19 @@ def replay(
     logs: dict[int, list[dict]],
     combine_dtype: str = "bfloat16",
     expert_maps: list | None = None,
+    split: Split | None = None,
 ) -> ReplayReport:
     """Replay every logged step (logs: group -> the master's step records); combine_dtype:
     the served pod's (`EngineConfig.combine_dtype`); expert_maps: an EPLB pod's
     `(switch step, phy2log)` list (the dies' `eplb.maps`), whose steps count the steps with
-    rows (busy steps), as the dies' balancer does."""
+    rows (busy steps), as the dies' balancer does; split: a split pod's topology
+    (`EngineConfig.split`: the groups are its attention dies), replayed by `SplitReference`."""
     kv = [PagedKV.zeros(cfg.n_layers, num_blocks, block_size, cfg.kv_cache_dim)
           for _ in range(num_dies)]  # fmt: skip
-    pod = ReferencePod(cfg, num_dies, quant, kv, combine_dtype, expert_maps=expert_maps)
+    if split is not None:
+        pod = SplitReference(cfg, split, quant, kv, combine_dtype)
+    else:
+        pod = ReferencePod(cfg, num_dies, quant, kv, combine_dtype, expert_maps=expert_maps)
     by_step: dict[int, dict[int, dict]] = {}
     for group, records in logs.items():
         for rec in records:
