@@ -2,7 +2,12 @@
 
 ```
 xpod bench engine --dies 4 --batch 8 [--prompt-len 64] [--steps 64] [--json FILE] [--quick]
+xpod bench engine --attention-dies 2 --expert-dies 6 --domains 1,2,3 --microbatches 1,2
 ```
+
+With --attention-dies, the run is the split pod's instead (`bench.split`): per (domains,
+micro-batches) shape, decode and the engine, the expert dies' idle share, the per-role time
+shares, and the step model's prediction against the measured step.
 
 Parts, all in one run on the same machine (the machine is shared and noisy: compare only
 within a run):
@@ -37,7 +42,9 @@ import numpy as np
 import psutil
 
 from bench.common import progress, run_info
-from runtime.cli.argtypes import nonneg_int, output_file, positive_float, positive_int
+from bench.split import check_options, print_split, run_split
+from memory.errors import ConfigError
+from runtime.cli.argtypes import int_list, nonneg_int, output_file, positive_float, positive_int
 from runtime.decode import DecodeOptions, make_prompts, run_decode
 from runtime.engine import Engine, EngineConfig
 from runtime.engine.replay import replay
@@ -59,6 +66,11 @@ class Options:
     gc_every: int = 0
     pin: str = "auto"
     seed: int = 0
+    attention_dies: int = 0  # > 0: the split pod's shapes (bench.split)
+    expert_dies: int = 0
+    domains: tuple = (1,)
+    microbatches: tuple = (1,)
+    overrides: dict | None = None
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -83,6 +95,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
         choices=("auto", "on", "off"),
         help="pin dies and masters to cores (default auto)",
     )
+    g = p.add_argument_group("MoE-attention disaggregation (bench.split; default colocated)")
+    g.add_argument("--attention-dies", type=nonneg_int, default=0, metavar="A",
+                   help="run the split pod's shapes instead: A attention dies")  # fmt: skip
+    g.add_argument("--expert-dies", type=nonneg_int, default=0, metavar="E",
+                   help="expert dies (default: --dies minus A)")  # fmt: skip
+    g.add_argument("--domains", type=int_list(1, 16), default=[1, 2], metavar="D,...",
+                   help="DP domains to run (default 1,2)")  # fmt: skip
+    g.add_argument("--microbatches", type=int_list(1, 2), default=[1], metavar="M,...",
+                   help="micro-batches to run (default 1)")  # fmt: skip
+    g.add_argument("--experts", type=positive_int, default=None, metavar="N",
+                   help="routed experts (default: the preset's; a multiple of E)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="short run (CI smoke test)")
     p.add_argument("--json", type=output_file, default=None, help="write the figures to FILE")
 
@@ -91,8 +114,23 @@ def parse_options(args: argparse.Namespace) -> Options:
     steps, waves, idle, repeat = args.steps, args.waves, args.idle_s, args.repeat
     if args.quick:
         steps, waves, idle, repeat = min(steps, 16), 1, min(idle, 1.0), 1
-    opts = Options(args.dies, args.batch, args.prompt_len, steps, waves, args.model, idle,
-                   args.json, repeat, args.gc_every, args.pin)  # fmt: skip
+    a, e = args.attention_dies, args.expert_dies
+    if a:
+        e = e or args.dies - a
+        if e < 1:
+            raise ConfigError(f"argument --expert-dies: {a} attention dies leave no expert die")
+    elif e:
+        raise ConfigError("argument --expert-dies: needs --attention-dies")
+    overrides = {"num_experts": args.experts} if args.experts else {}
+    opts = Options(a + e if a else args.dies, args.batch, args.prompt_len, steps, waves,
+                   args.model, idle, args.json, repeat, args.gc_every, args.pin, 0, a, e,
+                   tuple(args.domains), tuple(args.microbatches), overrides)  # fmt: skip
+    if a:
+        try:
+            check_options(opts)
+        except ConfigError as err:
+            raise ConfigError(f"argument --attention-dies/--expert-dies/--experts: {err}") from None
+        return opts
     engine_config(opts)  # every check before anything starts (ConfigError names the field)
     return opts
 
@@ -252,6 +290,14 @@ def replay_check(opts: Options) -> dict:
 
 
 def run(opts: Options) -> int:
+    if opts.attention_dies:
+        res = {**run_split(opts), **run_info()}
+        print_split(res)
+        if opts.json:
+            with open(opts.json, "w") as f:
+                json.dump(res, f, indent=1)
+            progress(f"  wrote {opts.json}")
+        return 0
     progress(f"xpod bench engine: {opts.dies} dies, batch {opts.batch}, prompt {opts.prompt_len},"
              f" {opts.steps} tokens, {opts.waves} waves, model {opts.model}")  # fmt: skip
     decs, ons = [], []

@@ -166,6 +166,34 @@ class Metrics:
                 m.add_metric([str(g)], (s or {}).get(key, 0) * scale)
             yield m
 
+    def _split(self):
+        """A split pod (MoE-attention disaggregation): per-role time shares, the expert dies'
+        idle share, A2E / E2A seconds per step (`runtime.engine.split_stats`)."""
+        sp = self.engine.split_stats() if hasattr(self.engine, "split_stats") else None
+        if not sp:
+            return
+        m = GaugeMetricFamily("xpod_role_time_share", "Share of a role's time per phase"
+                              " (attention dies: of their forward time; expert dies: of their"
+                              " loop time).", labels=["role", "phase"])  # fmt: skip
+        for role, key in (("attention", "attention_share"), ("expert", "expert_share")):
+            for phase, v in sp[key].items():
+                m.add_metric([role, phase], v)
+        yield m
+        for name, doc, v in (
+            ("xpod_expert_idle_share", "Expert dies' time waiting for A2E input, of their"
+             " loop time.", sp["expert_idle_share"]),
+            ("xpod_a2e_seconds_per_step", "An attention die's A2E time per step (all MoE"
+             " layers).", sp["a2e_ms_per_step"] / 1e3),
+            ("xpod_e2a_seconds_per_step", "An attention die's E2A time per step (all MoE"
+             " layers).", sp["e2a_ms_per_step"] / 1e3),
+        ):  # fmt: skip
+            yield GaugeMetricFamily(name, doc, value=v)
+        c = CounterMetricFamily("xpod_expert_a2e_calls", "A2E calls an expert die served.",
+                                labels=["die"])  # fmt: skip
+        for x, n in sp["expert_a2e_calls"].items():
+            c.add_metric([str(x)], n)
+        yield c
+
     def collect(self):
         stats = dict(self.engine.stats)
         fresh = self.engine.die_counters() if hasattr(self.engine, "die_counters") else {}
@@ -229,6 +257,7 @@ class Metrics:
         yield GaugeMetricFamily("xpod_attention_imbalance_mean", "Mean per-step attention"
                                 " imbalance since start.", value=mean)  # fmt: skip
         yield from self._eplb(by)
+        yield from self._split()
         for name, fn in self.extra.items():
             yield GaugeMetricFamily(name, fn.__doc__ or name, value=fn())
         yield from self._processes()

@@ -283,8 +283,9 @@ class Server:
 
     async def _heartbeat(self) -> None:
         while True:
-            with contextlib.suppress(EngineError):
-                self.engine.ping()
+            if getattr(self.engine, "supervisor", None) is None:  # else it pings already
+                with contextlib.suppress(EngineError):
+                    self.engine.ping()
             if self.engine.failure is not None:
                 say(f"error: {self.engine.failure}")
                 self.exit_status = 1

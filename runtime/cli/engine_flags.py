@@ -20,9 +20,11 @@ from runtime.cli.model_flags import (
     add_eplb_flags,
     add_model_flags,
     add_pin_flag,
+    add_split_flags,
     eplb_config,
     model_overrides,
     quant_of,
+    split_dies,
 )
 from runtime.engine import EngineConfig
 
@@ -32,8 +34,11 @@ ENGINE_FLAGS = {
     "score_bias": "--score-bias",
     "eplb": "--eplb/--redundant/--model",
     "num_dies": "--dies",
-    "expert_dies": "--dies",
-    "num_experts": "--dies/--model",
+    "expert_dies": "--dies/--attention-dies/--expert-dies",
+    "num_experts": "--experts/--dies/--expert-dies/--model",
+    "domains": "--domains",
+    "microbatches": "--microbatches",
+    "split": "--attention-dies/--expert-dies/--domains",
     "max_num_seqs": "--max-num-seqs",
     "max_num_batched_tokens": "--max-num-batched-tokens",
     "a2a_max_batch": "--max-num-batched-tokens",
@@ -63,7 +68,8 @@ ENGINE_FLAGS = {
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """The engine's flags (`xpod generate`, `xpod serve`, `xpod bench serve --launch`)."""
     add = p.add_argument
-    add("--dies", type=positive_int, default=4, help="dies = DP groups (default 4)")
+    add("--dies", type=positive_int, default=4,
+        help="dies = DP groups (default 4); with --attention-dies, the pod's dies")  # fmt: skip
     add_model_flags(p)
     add("--max-num-seqs", type=positive_int, default=8, help="batch limit per group (default 8)")
     add(
@@ -109,6 +115,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="write a Perfetto timeline (masters above dies) to FILE when done",
     )
+    add_split_flags(p, "serve")
     add_reliability_flags(p)
 
 
@@ -142,8 +149,12 @@ def add_reliability_flags(p: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
     """The EngineConfig of the engine flags (and `extra` fields); ConfigError names the flag."""
     try:
+        dies, att, exp = split_dies(args)
         cfg = EngineConfig(
-            dies=args.dies,
+            dies=att or dies,
+            expert_dies=exp,
+            domains=args.domains,
+            microbatches=args.microbatches,
             model=args.model,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,

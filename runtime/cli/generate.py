@@ -289,15 +289,24 @@ def run(opts: Options) -> int:
     --json. Returns 0 if every request ended with stop or length, else 1."""
     cfg = opts.engine
     pcfg = cfg.pod_config()
+    what = (
+        f"{cfg.dies} attention + {cfg.expert_dies} expert dies ({cfg.domains} domain(s),"
+        f" {cfg.microbatches} micro-batch(es))"
+        if cfg.expert_dies
+        else f"{cfg.dies} dies"
+    )
     print(
-        f"{PROG}: launching {cfg.dies} dies, model {cfg.model}, {pcfg.cores} cores"
+        f"{PROG}: launching {what}, model {cfg.model}, {pcfg.cores} cores"
         f" (pin {cfg.pin}), {len(opts.prompts)} prompts",
         file=sys.stderr,
         flush=True,
     )
     with Engine.launch(cfg) as eng:
         outs, wall_s = collect(eng, opts)
+        split = eng.split_stats()  # read from the dies' words: before the pod closes
     summary = summarize(outs, wall_s, eng)
+    if split is not None:
+        summary["split"] = split
     if not opts.quiet:
         for out in outs:
             print(completion_line(out))
@@ -498,6 +507,23 @@ def print_summary(s: dict) -> None:
         )
     if not all(g["final_stats"] for g in s["groups"]):
         print("  (some group sent no final stats: its numbers are the latest it sent)")
+    if s.get("split"):
+        print_split_stats(s["split"])
+
+
+def print_split_stats(sp: dict) -> None:
+    """A split pod's roles: time shares, the expert idle share, A2E / E2A per step."""
+    a, e = sp["attention_share"], sp["expert_share"]
+    print(
+        f"\n  split pod: attention dies {sp['attention_dies']} in {sp['domains']} domain(s) x"
+        f" {sp['microbatches']} micro-batch(es), expert dies {sp['expert_dies']}, {sp['steps']}"
+        " steps"
+    )
+    print("  attention dies' forward time: " + ", ".join(f"{k} {v:.0%}" for k, v in a.items()))
+    print("  expert dies' time: " + ", ".join(f"{k} {v:.0%}" for k, v in e.items())
+          + f" (idle = waiting for A2E input: {sp['expert_idle_share']:.0%})")  # fmt: skip
+    print(f"  A2E {sp['a2e_ms_per_step']:.2f} ms, E2A {sp['e2a_ms_per_step']:.2f} ms per step"
+          " (an attention die's calls, all layers)")  # fmt: skip
 
 
 def request_entry(o: CompletionOutput) -> dict:

@@ -26,9 +26,16 @@ import numpy as np
 import comm
 from comm.alltoall import Split
 from runtime.decode.options import DecodeOptions, progress
+from runtime.decode.step_model import check
 from runtime.model import ModelConfig, sample
-from runtime.model.forward import PHASES, Clock
-from runtime.model.split import attention_step, build_split_model, end_experts, expert_loop
+from runtime.model.forward import PHASES
+from runtime.model.split import (
+    attention_step,
+    build_split_model,
+    end_experts,
+    expert_loop,
+    split_clock,
+)
 from sched import KVManager
 
 __all__ = ["print_split", "split_check", "split_decode_main", "split_summary"]
@@ -39,7 +46,7 @@ def split_decode_main(die, spec) -> dict:
     expert die loops until the attention dies' end marker."""
     sp: Split = spec.split
     cfg, me = spec.model, die.die_id
-    clock = Clock(die, cfg.n_layers)
+    clock = split_clock(die, cfg.n_layers)
     cpu0 = time.process_time()
     if me not in sp.att_dies:
         model, _ = build_split_model(die, cfg, sp, 0, spec.block_size)
@@ -134,6 +141,7 @@ def split_summary(res: list[dict], opts: DecodeOptions, model: ModelConfig, sp: 
         "quant": opts.quant or "none",
         "combine_dtype": opts.combine_dtype,
         "tokens_per_s": opts.batch * steps / decode_s if decode_s else 0.0,
+        "step_mean_ms": max(r["decode_ns"] for r in att) / steps / 1e6,
         "tpot_p50_ms": float(np.percentile(step_ms, 50)) if steps else 0.0,
         "tpot_p99_ms": float(np.percentile(step_ms, 99)) if steps else 0.0,
         "prefill_ms": max(r["prefill_ns"] for r in att) / 1e6,
@@ -158,7 +166,56 @@ def split_summary(res: list[dict], opts: DecodeOptions, model: ModelConfig, sp: 
         "cpu_s_attention": float(np.mean([r["cpu_decode_s"] for r in att])),
         "cpu_s_expert": float(np.mean([r["cpu_s"] for r in exp])),
     }
+    out["phases"] = phase_times(res, opts, model, sp)
+    # the step model on this one shape: its costs from this run, composed (step_model); the
+    # prediction of other shapes is `xpod bench engine --attention-dies ... --domains 1,2,3`
+    sm = check(out["phases"])
+    out.update(step_model_ms=sm["step_model_ms"], step_measured_ms=sm["step_measured_ms"],
+               model_error_max=sm["model_error"])  # fmt: skip
     return out
+
+
+def phase_times(res: list[dict], opts: DecodeOptions, model: ModelConfig, sp: Split) -> dict:
+    """The measured phase times per decode step of every die, in us (the step model's input,
+    `runtime.decode.step_model`): an attention die's compute (attention, gate, dense / shared
+    FFN, embedding, LM head, sampling), A2E send and E2A (wait + reduce); an expert die's
+    expert compute, its A2E and E2A time less their waits, the rows it served; every die's CPU."""
+    import os
+
+    steps = max(opts.steps, 1)
+    att = [r for r in res if r["role"] == "attention"]
+    exp = [r for r in res if r["role"] == "expert"]
+    col = {p: i for i, p in enumerate(PHASES)}
+
+    def per_step(r: dict, *names: str) -> float:
+        ns = sum(float(r["layer_ns"][:, col[n]].sum()) for n in names)
+        return ns / steps / 1e3
+
+    def span(r: dict, key: str) -> float:
+        return float(sum(r["stats"][key][1 : opts.steps + 1])) / steps / 1e3
+
+    return {
+        "cores": len(os.sched_getaffinity(0)),
+        "attention_dies": len(sp.att_dies), "expert_dies": len(sp.exp_dies),
+        "domains": sp.num_domains, "microbatches": sp.microbatches,
+        "n_layers": model.n_layers, "moe_layers": model.n_layers - model.n_dense_layers,
+        "att_rows": [len(r["request_ids"]) for r in att],
+        "att_ctx": [float(np.mean(r["ctx_len"])) if r["ctx_len"] else 0.0 for r in att],
+        "att_compute_us": [per_step(r, "attention", "gate", "experts")
+                           + r["other_ns"] / steps / 1e3 for r in att],
+        "att_a2e_us": [per_step(r, "dispatch") for r in att],
+        "att_e2a_us": [per_step(r, "combine") for r in att],
+        "att_cpu_us": [r["cpu_decode_s"] / steps * 1e6 for r in att],
+        "exp_rows": [span(r, "rows") * 1e3 for r in exp],
+        "exp_calls": [span(r, "calls") * 1e3 for r in exp],
+        "exp_compute_us": [span(r, "experts_ns") for r in exp],
+        "exp_a2e_busy_us": [span(r, "a2e_ns") - span(r, "a2e_wait_ns") for r in exp],
+        "exp_e2a_busy_us": [span(r, "e2a_ns") - span(r, "e2a_wait_ns") for r in exp],
+        "exp_cpu_us": [r["stats"]["cpu_decode_s"] / steps * 1e6 for r in exp],
+        "step_mean_ms": max(r["decode_ns"] for r in att) / steps / 1e6,
+        "tpot_p50_ms": float(np.percentile(
+            np.max(np.array([r["step_ns"] for r in att], np.float64), axis=0), 50) / 1e6),
+    }  # fmt: skip
 
 
 def split_check(res: list[dict], per_die, opts: DecodeOptions, model: ModelConfig,
@@ -181,7 +238,9 @@ def split_check(res: list[dict], per_die, opts: DecodeOptions, model: ModelConfi
     out["logits_bit_equal"] = exact["logits_bit_equal"]
     # the colocated model: every prompt on a pod of the same dies, each attending and hosting
     progress("  --check: the colocated model on the same prompts ...")
-    n = len(sp.att_dies) + len(sp.exp_dies)
+    # the colocated pod of as many dies as the split's, or the most that split the experts
+    n = max(k for k in range(1, len(sp.att_dies) + len(sp.exp_dies) + 1)
+            if model.num_experts % k == 0)  # fmt: skip
     flat = [p for ps in per_die for p in ps]
     colo = [[p for r, p in enumerate(flat) if r % n == d] for d in range(n)]
     col = ReferencePod(model, n, quant=opts.quant, combine_dtype=opts.combine_dtype).generate(
@@ -209,6 +268,7 @@ def split_check(res: list[dict], per_die, opts: DecodeOptions, model: ModelConfi
         for a, b in zip(g, w, strict=True)
     )
     out["colocated_logits_max_abs_diff"] = diff
+    out["colocated_dies"] = n
     return out
 
 
@@ -242,6 +302,11 @@ def print_split(s: dict) -> None:
     print(
         f"  attention dies: {s['a2e_metadata_writes_per_step']:.2f} metadata writes per A2E"
         f" call, waiting {s['wait_share_attention']:.0%} of decode time"
+    )
+    print(
+        f"  step model (runtime.decode.step_model, this run's costs): {s['step_model_ms']:.2f}"
+        f" ms against {s['step_measured_ms']:.2f} ms measured (mean step), error"
+        f" {s['model_error_max']:.0%}"
     )
     if "replay_logits_bit_equal" in s:
         print(

@@ -164,7 +164,7 @@ class EngineConfig:
             from runtime.engine.faults import FaultSpecError, parse_faults
 
             try:
-                parse_faults(self.inject, self.dies, self.output_procs)
+                parse_faults(self.inject, self.dies, self.output_procs, self.pod_dies)
             except FaultSpecError as e:
                 raise ConfigError(f"inject: {e}") from None
         if self.combine_dtype not in COMBINE_DTYPES:

@@ -49,6 +49,7 @@ from runtime.engine.faults import FaultPlan, parse_faults
 from runtime.engine.master import MasterSpec, master_main
 from runtime.engine.output import OutputSpec, output_main
 from runtime.engine.recovery import EngineRecovery
+from runtime.engine.split_stats import role_counters, split_summary
 from runtime.engine.step_ring import Bell, bell_path
 from runtime.engine.supervisor import Supervisor
 from runtime.engine.tracker import (
@@ -139,7 +140,8 @@ class Engine(EngineRecovery):
     def _start(self) -> None:
         cfg = self.config
         if cfg.inject:
-            self.first_plan = FaultPlan(parse_faults(cfg.inject, cfg.dies, cfg.output_procs))
+            self.first_plan = FaultPlan(parse_faults(cfg.inject, cfg.dies, cfg.output_procs,
+                                                     cfg.pod_dies))  # fmt: skip
         self._launch_pod()
         self.run_dir = f"/dev/shm/xpod.{self.pod.pod_id}.run"
         os.mkdir(self.run_dir, 0o700)
@@ -446,6 +448,13 @@ class Engine(EngineRecovery):
     @observer.setter
     def observer(self, obs) -> None:
         self.tracker.observer = obs
+
+    def split_stats(self) -> dict | None:
+        """A split pod's per-role time shares, expert idle share and A2E / E2A ms per step,
+        read now (None when colocated or closed; `runtime.engine.split_stats`)."""
+        m = self.model
+        return split_summary(role_counters(self.pod, self.config.split),
+                             m.n_layers - m.n_dense_layers, self.config.split)  # fmt: skip
 
     def die_counters(self) -> dict[int, dict[int, int]]:
         """Per die, read now from its serving words (the shell launched the pod and maps every

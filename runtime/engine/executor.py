@@ -59,7 +59,7 @@ from runtime.model.config import ModelConfig
 from runtime.model.expert_balancer import EPLBConfig
 from runtime.model.forward import PHASES, Clock, build_model, forward
 from runtime.model.sampler import sample_rows
-from runtime.model.split import attention_step, build_split_model
+from runtime.model.split import attention_step, build_split_model, split_clock
 
 SERVE_LANE = 98  # trace track of the serving loop (vote, park, step)
 SERVE_OP = "serve"
@@ -144,7 +144,11 @@ class _Loop:
                                                       spec.num_blocks, spec.block_size)  # fmt: skip
             self.bal = _NoBalancer()
             self.a2e_word, self.e2a_word = lo.serve_word(L.SV_A2E_NS), lo.serve_word(L.SV_E2A_NS)
-        self.clock = Clock(die, spec.model.n_layers)
+        self.clock = (
+            Clock(die, spec.model.n_layers)
+            if self.split is None
+            else split_clock(die, spec.model.n_layers)
+        )
         # Where this die is, for the shell's hang detector (runtime.engine.supervisor): the
         # clock stores (step, layer, phase ended) at every phase, the loop its vote / park.
         self.clock.progress = (self.words[self.me], lo.serve_word(L.SV_PROGRESS))

@@ -125,9 +125,12 @@ def read_plan(text: str) -> str:
         raise FaultSpecError(f"fault plan file {text[1:]!r}: {e.strerror}") from None
 
 
-def parse_faults(text: str, num_groups: int, output_procs: bool = False) -> list[Fault]:
+def parse_faults(text: str, num_groups: int, output_procs: bool = False,
+                 num_dies: int | None = None) -> list[Fault]:  # fmt: skip
     """The faults of a plan (see the module docstring; `@FILE` reads it from a file);
-    FaultSpecError names a bad one."""
+    FaultSpecError names a bad one. `num_dies`: the pod's dies when more than the groups (a
+    split pod's expert dies, which a plan may kill or stop)."""
+    num_dies = num_groups if num_dies is None else num_dies
     text = read_plan(text or "")
     faults = []
     for part in (p.strip() for p in (text or "").split(";")):
@@ -152,9 +155,10 @@ def parse_faults(text: str, num_groups: int, output_procs: bool = False) -> list
             if key in TARGETS:
                 if f.target:
                     raise FaultSpecError(f"fault {part!r}: two targets ({f.target}, {key})")
-                if not val.isdigit() or int(val) >= num_groups:
+                top = num_dies if key == "die" else num_groups
+                if not val.isdigit() or int(val) >= top:
                     raise FaultSpecError(f"fault {part!r}: {key}={val}: must be an index in"
-                                         f" [0, {num_groups})")  # fmt: skip
+                                         f" [0, {top})")  # fmt: skip
                 f.target, f.index = key, int(val)
             elif key == "step":
                 if not val.isdigit() or int(val) < 1:
@@ -190,6 +194,10 @@ def parse_faults(text: str, num_groups: int, output_procs: bool = False) -> list
                                      " times)")  # fmt: skip
         if not f.target:
             raise FaultSpecError(f"fault {part!r}: no target (die=N, master=N or output=N)")
+        expert = f.target == "die" and f.index >= num_groups
+        if expert and (kind not in ("kill", "stop") or f.phase or f.layer >= 0):
+            raise FaultSpecError(f"fault {part!r}: die {f.index} is an expert die of a split"
+                                 " pod: kill or stop it (at a step or a time)")  # fmt: skip
         if kind in ("kvfault", *DIE_SIDE) and f.target != "die":
             raise FaultSpecError(f"fault {part!r}: {kind} targets a die (die=N)")
         if kind == "kill" and (f.phase or f.layer >= 0 or f.times != 1):

@@ -67,19 +67,22 @@ class EngineRecovery:
         """The pid of die / master / output `index` now (0 if there is none)."""
         return next((pid for w, i, pid in self.processes() if w == what and i == index), 0)
 
-    def _serve_words(self, word: int) -> list[int]:
+    def _serve_words(self, word: int, every_die: bool = False) -> list[int]:
+        """The word of every group's die (`every_die`: of every die, a split pod's expert
+        dies too)."""
         pod = self.pod
         if pod is None or pod.closed or self.recovering:
             return []
         i = pod.layout.serve_word(word)
+        n = self.config.pod_dies if every_die else self.config.dies
         try:
-            return [int(pod.region(g).words[i]) for g in range(self.config.dies)]
+            return [int(pod.region(g).words[i]) for g in range(n)]
         except (PodError, IndexError, ValueError, TypeError):
             return []
 
     def progress_words(self) -> list[int]:
         """Every die's progress word (`memory.layout.unpack_progress`); [] while down."""
-        return self._serve_words(L.SV_PROGRESS)
+        return self._serve_words(L.SV_PROGRESS, every_die=True)
 
     def fault_hits(self) -> list[int]:
         """Every die's count of die-side injected faults it fired ([] while down)."""

@@ -29,8 +29,13 @@ from comm.routing import Placement
 from memory import layout as L
 from memory.errors import PodAborted, ProtocolError
 from runtime.engine.step_ring import Bell, bell_path
-from runtime.model.forward import Clock
-from runtime.model.split import END_EVENT, build_split_model, end_experts, parse_event
+from runtime.model.split import (
+    END_EVENT,
+    build_split_model,
+    end_experts,
+    parse_event,
+    split_clock,
+)
 
 PARK_POLL_S = 0.5  # a parked expert die looks at the launcher's abort word this often
 
@@ -66,7 +71,7 @@ class ExpertServer:
             ("a2e", L.SV_A2E_NS), ("e2a", L.SV_E2A_NS), ("idle", L.SV_IDLE_NS),
             ("expert", L.SV_EXPERT_NS), ("calls", L.SV_A2E_CALLS))}  # fmt: skip
         self.bell = Bell(bell_path(spec.run_dir, f"d{die.die_id}"))
-        self.clock = Clock(die, cfg.n_layers)
+        self.clock = split_clock(die, cfg.n_layers)
         self.clock.progress = (self.w, lo.serve_word(L.SV_PROGRESS))
         self.stats = {"die": die.die_id, "role": "expert", "calls": 0, "rows": 0, "parks": 0}
 
@@ -104,9 +109,11 @@ class ExpertServer:
         self.clock.mark(-1, 0, L.PROGRESS_STATES.index("park"))
         abort = self.die.ctx.abort
         w = self.w
+        t0 = time.perf_counter_ns()
         while True:
             self.bell.drain()  # before the checks: a ring after them wakes the wait below
             if w[idx] >= op or not self._all_parked():
+                self.die.ctx.waited_ns += time.perf_counter_ns() - t0  # parked is waiting
                 return
             if abort is not None and abort[0][abort[1]] != abort[2]:
                 raise PodAborted(f"die {self.die.die_id}: aborted by the launcher while parked")
@@ -123,7 +130,6 @@ class ExpertServer:
             t0, w0 = time.perf_counter_ns(), ctx.waited_ns
             self.clock.mark(-1, 2, L.PROGRESS_STATES.index("wait"))
             self.wait_input()
-            waited = ctx.waited_ns - w0
             if op_policy is not None:  # the rest of the call: the serving op deadline
                 die.policy = op_policy
             try:
@@ -139,6 +145,7 @@ class ExpertServer:
                     )
                 self.clock.step = step
                 t1 = self.clock.span(2, layer, t0)
+                waited = ctx.waited_ns - w0  # for its input, and for the forwarded flags
                 x = dequantize_int8(res.x, res.scales) if quant == "int8" else res.x
                 y = self.model.experts(layer, x, res.expert_counts, self.local)
                 t2 = self.clock.span(3, layer, t1)

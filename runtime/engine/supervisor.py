@@ -47,6 +47,8 @@ from runtime.model.forward import PHASES
 log = logging.getLogger(__name__)
 TICK_S = 0.02  # progress sampling and fault-plan period
 PING_EVERY_S = 0.25
+IDLE_PING_S = 1.0  # an idle engine: a heartbeat a second (every ping wakes each master and die),
+# and the silence allowed grows by as much (heartbeat_timeout_s + IDLE_PING_S - PING_EVERY_S)
 KV_VERIFY_S = 10.0  # a KV fault the die's master has not masked by then did not fire
 CAUSES = {  # detection -> the injected kinds it can be the detection of
     "exit": ("kill",), "stall": ("stop",), "hang": ("stop",), "heartbeat": ("stop",),
@@ -140,8 +142,12 @@ class Supervisor:
                     os.read(self.wake_r, 4096)
                 continue
             sentinels = eng.sentinels()
+            # idle: the progress words need no sampling (exits still wake the wait at once);
+            # a tick every 20 ms was ~2 % of a core for an idle server
+            pending = self.plan is not None and (self.plan.armed or self.plan.die_side)
+            tick = TICK_S if pending or self.recovering or eng.busy() else IDLE_PING_S
             try:
-                ready = mp_wait([*sentinels, self.wake_r], TICK_S)
+                ready = mp_wait([*sentinels, self.wake_r], tick)
             except OSError:  # a sentinel closed under us (a restart): look again
                 ready = []
             if self.wake_r in ready:
@@ -335,7 +341,7 @@ class Supervisor:
         process of the engine stopped that long (an output process too, which the heartbeat
         does not cross: its group's tokens would just pile up)."""
         eng = self.engine
-        if now - self._pinged >= PING_EVERY_S:
+        if now - self._pinged >= (PING_EVERY_S if eng.busy() else IDLE_PING_S):
             self._pinged = now
             try:
                 eng.ping()
@@ -349,10 +355,11 @@ class Supervisor:
                         return "heartbeat", seen, now
                 else:
                     self._stopped_since.pop(pid, None)
+        limit = self.heartbeat_timeout_s + (0.0 if eng.busy() else IDLE_PING_S - PING_EVERY_S)
         for g in range(eng.config.dies):
             _, when, _ = eng.pongs.get(g, (0, self._epoch, 0))
             age = now - max(when, self._epoch)
-            if age > self.heartbeat_timeout_s:
+            if age > limit:
                 culprit = self._stopped() or f"group {g} (its master or die)"
                 return "heartbeat", f"group {g} silent for {age:.2f} s: {culprit}", now
         return None

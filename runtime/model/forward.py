@@ -54,6 +54,7 @@ class Clock:
         self.cur = [0] * len(PHASES)  # this step's ns per phase (serving: reset every step)
         self.progress = None  # serving: (words, index) of the die's progress word
         self.fault = None  # serving: an injected fault's hook(step, layer, phase), or None
+        self.op, self.lanes = TRACE_OP, None  # a split pod: op "split", a track per phase
 
     def mark(self, layer: int, phase: int, state: int = 0) -> None:
         """Store where this die is in its progress word (serving; one int64 store)."""
@@ -63,7 +64,8 @@ class Clock:
 
     def span(self, phase: int, layer: int, t0: int) -> int:
         t1 = time.perf_counter_ns()
-        self.trace.rec(t0, t1 - t0, TRACE_OP, phase, layer, MODEL_LANE, self.step, 0)
+        lane = MODEL_LANE if self.lanes is None else self.lanes[phase]
+        self.trace.rec(t0, t1 - t0, self.op, phase, layer, lane, self.step, 0)
         self.cur[phase] += t1 - t0
         if self.progress is not None:
             words, i = self.progress

@@ -33,6 +33,7 @@ import comm
 from comm.alltoall import Split
 from comm.quant import dequantize_int8
 from comm.routing import Placement
+from comm.trace import STEP_NAMES, TRACK_NAMES
 from memory.errors import ProtocolError
 from runtime.model.config import ModelConfig
 from runtime.model.die_model import DieModel, batch_rows, last_rows
@@ -41,6 +42,22 @@ from runtime.model.kv import PagedKV
 from runtime.model.weights import build_weights
 
 END_EVENT = 0  # the a2e event id that ends an expert die's loop
+# the timeline of a split pod: a track per phase on every die (001 Fig. 19)
+SPLIT_OP = "split"
+SPLIT_PHASES = ("attention", "gate", "A2E", "experts", "E2A", "other")
+SPLIT_LANES = (90, 91, 92, 93, 94, 95)
+STEP_NAMES.update({(SPLIT_OP, i): p for i, p in enumerate(SPLIT_PHASES)})
+TRACK_NAMES.update({lane: p for lane, p in zip(SPLIT_LANES, SPLIT_PHASES, strict=True)})
+
+
+def split_clock(die, n_layers: int) -> Clock:
+    """A Clock whose spans go to a split pod's tracks: attention, gate, A2E, experts (an
+    attention die's dense and shared FFN too), E2A, other."""
+    clock = Clock(die, n_layers)
+    clock.op, clock.lanes = SPLIT_OP, SPLIT_LANES
+    return clock
+
+
 _D = 16  # domains in an event id (Split's MAX_DOMAINS)
 _M = 2  # micro-batches in an event id
 
@@ -162,11 +179,13 @@ class ExpertStats:
     calls: list = field(default_factory=list)
     control_messages: int = 0
     order: list = field(default_factory=list)
+    e2a_wait_ns: list = field(default_factory=list)
+    cpu_decode_s: float = 0.0  # CPU seconds from its first call of step 1 to the end marker
 
     def grow(self, step: int) -> None:
         while len(self.calls) <= step:
             for f in (self.a2e_ns, self.a2e_wait_ns, self.experts_ns, self.e2a_ns, self.rows,
-                      self.calls):  # fmt: skip
+                      self.calls, self.e2a_wait_ns):  # fmt: skip
                 f.append(0)
 
     def to_dict(self) -> dict:
@@ -183,6 +202,7 @@ def expert_loop(die, model: DieModel, split: Split, quant, clock: Clock,
     stats = ExpertStats()
     ctx = die.ctx
     commands0 = getattr(die, "commands", 0)
+    cpu1 = None
     comm.a2e_align(die, split)
     while True:
         t0, w0 = time.perf_counter_ns(), ctx.waited_ns
@@ -198,7 +218,10 @@ def expert_loop(die, model: DieModel, split: Split, quant, clock: Clock,
                 f" {h.microbatch}"
             )
         clock.step, clock.counting = step, step >= 1  # the decode steps, as attention dies
+        if step >= 1 and cpu1 is None:
+            cpu1 = time.process_time()
         t1 = clock.span(2, layer, t0)
+        w1 = ctx.waited_ns
         x = dequantize_int8(res.x, res.scales) if quant == "int8" else res.x
         y = model.experts(layer, x, res.expert_counts, local)
         t2 = clock.span(3, layer, t1)
@@ -209,12 +232,14 @@ def expert_loop(die, model: DieModel, split: Split, quant, clock: Clock,
         stats.a2e_wait_ns[step] += ctx.waited_ns - w0
         stats.experts_ns[step] += t2 - t1
         stats.e2a_ns[step] += t3 - t2
+        stats.e2a_wait_ns[step] += ctx.waited_ns - w1
         stats.rows[step] += len(res.x)
         stats.calls[step] += 1
         if keep_order:
             stats.order.append((step, layer, d, mb))
     comm.a2e_align(die, split)
     stats.control_messages = getattr(die, "commands", 0) - commands0
+    stats.cpu_decode_s = time.process_time() - cpu1 if cpu1 is not None else 0.0
     return stats
 
 
@@ -227,5 +252,6 @@ __all__ = [
     "expert_loop",
     "microbatches",
     "parse_event",
+    "split_clock",
     "split_event",
 ]

@@ -54,7 +54,8 @@ ABORT_REPLY_S = 1.0  # after the abort, how long a die may take to answer before
 STOP_GRACE_S = 2.0  # close(): how long idle dies may take to exit before SIGKILL
 CRASH_GRACE_S = 0.1  # the same when a die crashed or hung (the others were just aborted)
 POLL_S = 0.1  # run() wakes at least this often to check its deadlines
-STATE_EVERY_S = 0.25  # and reads the pending dies' process states (stopped?) this often
+STATE_EVERY_S = 1.0  # and reads the pending dies' process states (stopped?) this often: the
+# limit is the pod's timeout_s; at 4 Hz it was most of an idle serving shell's CPU
 
 
 class DieCrashed(PodError):
