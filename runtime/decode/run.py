@@ -204,9 +204,6 @@ def pod_config(
     """A PodConfig sized for this run: all-to-all areas for the longest prefill of a die, an app
     area for its KV pool (and, with EPLB, its expert bank); on a split pod, the experts' areas
     for the expert dies only."""
-    extra = {}
-    if opts.split:
-        extra["a2a_max_local_experts"] = model.num_experts // max(opts.expert_dies, 1)
     return pod_config_for(
         model,
         opts.dies,
@@ -220,7 +217,7 @@ def pod_config(
         timeout_s=opts.timeout_s,
         pin=opts.pin,
         wait=opts.wait,
-        **extra,
+        expert_dies=opts.expert_dies or None,
     )
 
 

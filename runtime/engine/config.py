@@ -123,8 +123,6 @@ class EngineConfig:
         m.validate(self.pod_dies, self.expert_dies or None)
         if self.expert_dies:
             self.split  # noqa: B018 - checked here (ConfigError)
-            if self.eplb is not None:
-                raise ConfigError("eplb: not on a split pod (expert_dies > 0); not built yet")
             if self.dies > L.MAX_PARKED:
                 raise ConfigError(f"dies: a split serving pod has at most {L.MAX_PARKED}"
                                   " attention dies")  # fmt: skip
@@ -133,7 +131,7 @@ class EngineConfig:
         if self.eplb is not None:
             if not isinstance(self.eplb, EPLBConfig):
                 raise ConfigError(f"eplb: expected an EPLBConfig or None, got {self.eplb!r}")
-            self.eplb.check(m, self.dies)
+            self.eplb.check(m, self.expert_dies or self.dies)
         if self.queue_ahead == -1:
             object.__setattr__(self, "queue_ahead", self.max_num_seqs)
         for name, lo in (
@@ -206,8 +204,6 @@ class EngineConfig:
 
     def pod_config(self) -> PodConfig:
         m = self.model_config()
-        extra = {"a2a_max_local_experts": m.num_experts // self.expert_dies} if (
-            self.expert_dies) else {}  # fmt: skip
         return pod_config_for(
             m,
             self.pod_dies,
@@ -222,7 +218,7 @@ class EngineConfig:
             serve_slot_bytes=self.slot_bytes(m),
             timeout_s=self.timeout_s,
             pin=self.pin,
-            **extra,
+            expert_dies=self.expert_dies or None,
         )
 
     def slot_bytes(self, m: ModelConfig) -> int:

@@ -56,7 +56,7 @@ from runtime.engine import wire
 from runtime.engine.split_loop import end_of_run, expert_serve, notify_parked
 from runtime.engine.step_ring import Bell, Ring, bell_path
 from runtime.model.config import ModelConfig
-from runtime.model.expert_balancer import EPLBConfig
+from runtime.model.expert_balancer import EPLBConfig, ExpertBalancer
 from runtime.model.forward import PHASES, Clock, build_model, forward
 from runtime.model.sampler import sample_rows
 from runtime.model.split import attention_step, build_split_model, split_clock
@@ -142,7 +142,8 @@ class _Loop:
         else:
             self.model, self.pool = build_split_model(die, spec.model, self.split,
                                                       spec.num_blocks, spec.block_size)  # fmt: skip
-            self.bal = _NoBalancer()
+            self.bal = _NoBalancer() if spec.eplb is None else ExpertBalancer(
+                die, self.model, spec.eplb, members=self.split.exp_dies, router=True)  # fmt: skip
             self.a2e_word, self.e2a_word = lo.serve_word(L.SV_A2E_NS), lo.serve_word(L.SV_E2A_NS)
         self.clock = (
             Clock(die, spec.model.n_layers)
@@ -392,8 +393,9 @@ class _Loop:
                 logits = forward(self.die, self.model, segments, self.spec.protocol,
                                  self.spec.quant, self.clock, self.bal)  # fmt: skip
             else:
+                bal = None if self.spec.eplb is None else self.bal
                 logits = attention_step(self.die, self.model, segments, self.split,
-                                        self.spec.quant, self.clock)  # fmt: skip
+                                        self.spec.quant, self.clock, bal=bal)  # fmt: skip
         finally:
             self.die.policy = self.policy
         self.bal.end_step(busy)
@@ -499,7 +501,7 @@ class _Loop:
 
 
 class _NoBalancer:
-    """A split pod's attention die routes to the logical experts (EPLB: not on a split pod)."""
+    """A split pod's attention die without EPLB routes to the logical experts."""
 
     def begin_step(self, b: int) -> None:
         pass

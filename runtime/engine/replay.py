@@ -66,7 +66,7 @@ def replay(
     kv = [PagedKV.zeros(cfg.n_layers, num_blocks, block_size, cfg.kv_cache_dim)
           for _ in range(num_dies)]  # fmt: skip
     if split is not None:
-        pod = SplitReference(cfg, split, quant, kv, combine_dtype)
+        pod = SplitReference(cfg, split, quant, kv, combine_dtype, expert_maps)
     else:
         pod = ReferencePod(cfg, num_dies, quant, kv, combine_dtype, expert_maps=expert_maps)
     by_step: dict[int, dict[int, dict]] = {}

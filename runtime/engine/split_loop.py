@@ -29,6 +29,9 @@ from comm.routing import Placement
 from memory import layout as L
 from memory.errors import PodAborted, ProtocolError
 from runtime.engine.step_ring import Bell, bell_path
+from runtime.model.die_model import DieModel
+from runtime.model.expert_balancer import ExpertBalancer
+from runtime.model.kv import PagedKV
 from runtime.model.split import (
     END_EVENT,
     build_split_model,
@@ -36,6 +39,7 @@ from runtime.model.split import (
     parse_event,
     split_clock,
 )
+from runtime.model.weights import build_weights
 
 PARK_POLL_S = 0.5  # a parked expert die looks at the launcher's abort word this often
 
@@ -58,9 +62,15 @@ class ExpertServer:
     def __init__(self, die, spec):
         self.die, self.spec, self.split = die, spec, spec.split
         cfg = spec.model
-        self.model, _ = build_split_model(die, cfg, self.split, 0, spec.block_size)
-        self.local = Placement.default(cfg.num_experts, self.split.exp_dies).experts_on(
-            die.die_id).tolist()  # fmt: skip
+        self.bal = None
+        if spec.eplb is None:
+            self.model, _ = build_split_model(die, cfg, self.split, 0, spec.block_size)
+            local = Placement.default(cfg.num_experts, self.split.exp_dies).experts_on(die.die_id)
+            self.local = local.tolist()
+        else:  # the balancer's bank holds the experts (runtime.model.expert_balancer)
+            self.model = DieModel(cfg, build_weights(cfg, []), PagedKV.zeros(cfg.n_layers, 1, 1, 1))
+            self.bal = ExpertBalancer(die, self.model, spec.eplb, members=self.split.exp_dies)
+        self.per_step = (cfg.n_layers - cfg.n_dense_layers) * self.split.cycle  # calls a step
         lo = die.layout
         self.w = die.words[die.die_id]
         self.parked0 = lo.serve_word(L.SV_PARKED)
@@ -147,10 +157,13 @@ class ExpertServer:
                 t1 = self.clock.span(2, layer, t0)
                 waited = ctx.waited_ns - w0  # for its input, and for the forwarded flags
                 x = dequantize_int8(res.x, res.scales) if quant == "int8" else res.x
-                y = self.model.experts(layer, x, res.expert_counts, self.local)
+                local = self._local(layer, res.expert_counts)
+                y = self.model.experts(layer, x, res.expert_counts, local)
                 t2 = self.clock.span(3, layer, t1)
                 comm.e2a(die, y, h, event_id=None)
                 t3 = self.clock.span(4, layer, t2)
+                if self.bal is not None and (self.stats["calls"] + 1) % self.per_step == 0:
+                    self.bal.end_step(self.stats["calls"] // self.per_step)
             finally:
                 die.policy = policy
             w[k["idle"]] += waited
@@ -161,10 +174,27 @@ class ExpertServer:
             self.stats["calls"] += 1
             self.stats["rows"] += int(len(res.x))
         comm.a2e_align(die, sp)
+        if self.bal is not None:
+            self.stats["eplb"] = self.bal.report()
         return self.stats
+
+    def _local(self, layer: int, counts) -> list[int]:
+        """The logical expert of each local slot (EPLB: the map in force; a busy step's first
+        call starts the step on the balancer: moves and switches happen there, on every expert
+        die at the same call)."""
+        bal = self.bal
+        if bal is None:
+            return self.local
+        b, pos = divmod(self.stats["calls"], self.per_step)
+        if pos == 0:
+            bal.begin_step(b)
+        bal.record(layer, counts)
+        return bal.local_ids(layer)
 
     def close(self) -> None:
         self.bell.close()
+        if self.bal is not None:
+            self.bal.close()
 
 
 def expert_serve(die, spec) -> dict:

@@ -245,10 +245,17 @@ class ExpertBalancer:
     """
 
     def __init__(self, die, model: DieModel, eplb: EPLBConfig | None, keep_history: bool = False,
-                 fill=None):  # fmt: skip
+                 fill=None, members: tuple[int, ...] | None = None,
+                 router: bool = False):  # fmt: skip
         cfg = model.cfg
         self.die, self.model, self.cfg, self.eplb = die, model, cfg, eplb
-        self.me, self.n = die.die_id, die.num_dies
+        # the dies that host the experts (a split pod's expert dies; every die colocated), and
+        # this die's index among them; a router (a split pod's attention die) only routes
+        self.members = tuple(range(die.num_dies)) if members is None else tuple(members)
+        self.router = router
+        self.n = len(self.members)
+        self.me = -1 if router else self.members.index(die.die_id)
+        self.leader = self.members[0]
         self.first = cfg.n_dense_layers
         self.n_moe = cfg.n_layers - cfg.n_dense_layers
         self.history: list[np.ndarray] | None = [] if keep_history else None
@@ -272,14 +279,25 @@ class ExpertBalancer:
                 f" {lo.a2a_experts_per_die} slots, the model needs {self.n_moe} x {self.slots}"
             )
         self.window = lo.eplb_window
-        self.w = die.words[self.me]
+        self.w = die.words[die.die_id]
         self.word = {k: lo.eplb_word(v) for k, v in (
             ("plan_seq", L.EP_PLAN_SEQ), ("plan_step", L.EP_PLAN_STEP), ("ready", L.EP_READY),
             ("switched", L.EP_SWITCHED), ("count_step", L.EP_COUNT_STEP),
             ("moved_bytes", L.EP_MOVED_BYTES), ("move_ns", L.EP_MOVE_NS),
             ("balance", L.EP_BALANCE_PPM), ("rows", L.EP_ROWS))}  # fmt: skip
-        self.rings = [self._ring(p) for p in range(self.n)]
-        self.plans = [self._plan_area(p) for p in range(self.n)]
+        self.plans = [self._plan_area(p) for p in self.members]
+        self.seq = 0  # plans taken
+        self.win_start = 0
+        self.plan_at = self._next_plan(0)
+        self.pending: _Pending | None = None
+        self.counts = np.zeros((self.n_moe, self.slots), np.int64)
+        self.maps.append({"seq": 0, "plan_step": -1, "switch_step": 0,
+                          "phy2log": self.map.phy2log.tolist()})  # fmt: skip
+        if router:  # routes with the map in force; the expert dies hold the bank
+            self.slot_buf = np.zeros((self.n_moe, self.slots), np.int64)
+            self.local = []
+            return
+        self.rings = [self._ring(p) for p in self.members]
         self.ring = self.rings[self.me]
         h, inter = cfg.hidden, cfg.moe_inter
         self.pool = die.alloc((self.n_moe, 2 * self.slots, 3, h * inter), np.float32)
@@ -292,14 +310,7 @@ class ExpertBalancer:
                 buf[0], buf[1], buf[2] = f.w_gate.ravel(), f.w_up.ravel(), f.w_down.ravel()
         self.local: list[list[int]] = []
         self._install()
-        self.seq = 0  # plans taken
-        self.win_start = 0
-        self.plan_at = self._next_plan(0)
-        self.pending: _Pending | None = None
-        self.counts = np.zeros((self.n_moe, self.slots), np.int64)
         self.estimate = np.zeros((self.n_moe, cfg.num_experts), np.float64)  # the leader's
-        self.maps.append({"seq": 0, "plan_step": -1, "switch_step": 0,
-                          "phy2log": self.map.phy2log.tolist()})  # fmt: skip
 
     # -- shared-memory views ------------------------------------------------------------------
 
@@ -349,7 +360,7 @@ class ExpertBalancer:
             return topk_idx
         j = layer - self.first
         return replica_for(
-            self.map, j, topk_idx, row_positions(topk_idx.shape[0], self.me, self.step)
+            self.map, j, topk_idx, row_positions(topk_idx.shape[0], self.die.die_id, self.step)
         )
 
     def local_ids(self, layer: int) -> list[int]:
@@ -357,8 +368,9 @@ class ExpertBalancer:
         return self.local[layer - self.first]
 
     def record(self, layer: int, expert_counts: np.ndarray) -> None:
-        """Rows each local slot received in `layer` this step."""
-        self.counts[layer - self.first] = expert_counts  # with EPLB: the ring row itself
+        """Rows each local slot received in `layer` this step (a split pod's expert die
+        receives a layer in D x m calls: they add up)."""
+        self.counts[layer - self.first] += expert_counts  # with EPLB: the ring row itself
 
     # -- step boundaries ----------------------------------------------------------------------
 
@@ -368,14 +380,15 @@ class ExpertBalancer:
         if self.eplb is None:
             self.counts[:] = 0
             return
-        row = self.ring[b % self.window]
-        row[1:] = 0
-        row[0] = b
-        self.counts = row[1:].reshape(self.n_moe, self.slots)  # `record` writes the ring
+        if not self.router:
+            row = self.ring[b % self.window]
+            row[1:] = 0
+            row[0] = b
+            self.counts = row[1:].reshape(self.n_moe, self.slots)  # `record` writes the ring
         if self.pending is None and self.plan_at is not None and b == self.plan_at + 2:
             self._take_plan(b)
         p = self.pending
-        if p is not None and p.start <= b < p.switch:
+        if p is not None and p.start <= b < p.switch and not self.router:
             self._move(b - p.start, p)
         if p is not None and b == p.switch:
             self._switch(p)
@@ -384,11 +397,11 @@ class ExpertBalancer:
         """After the forward of busy step `b`."""
         if self.history is not None:
             self.history.append(self.counts.copy())
-        if self.eplb is None:
+        if self.eplb is None or self.router:
             return
         self.w[self.word["rows"]] += int(self.counts.sum())
         self.w[self.word["count_step"]] = b + 1  # steps complete
-        if self.me == LEADER and b == self.plan_at and self.pending is None:
+        if self.me == 0 and b == self.plan_at and self.pending is None:
             self._make_plan(b)
 
     # -- the leader ------------------------------------------------------------------------------
@@ -410,7 +423,7 @@ class ExpertBalancer:
 
     def _make_plan(self, b: int) -> None:
         t0 = time.perf_counter_ns()
-        for p in range(self.n):
+        for p in self.members:
             self.die.wait_ge(self.die.words[p], self.word["count_step"], b + 1, p,
                              "eplb.count_step (its load of the window)")  # fmt: skip
         t1 = time.perf_counter_ns()
@@ -437,7 +450,7 @@ class ExpertBalancer:
             groups, nodes = e.hierarchy(self.cfg, self.n)
             fresh = plan(load, self.n, e.redundant_per_die, e.policy, groups, nodes)
             phy2log = keep_in_place(self.map, fresh.phy2log, e.dies_per_node)
-        self.plans[self.me][:] = phy2log
+        self.plans[0][:] = phy2log
         self.w[self.word["plan_step"]] = b
         self.w[self.word["plan_seq"]] = k  # LAST
         # the plan's slice: event_id = the step, bytes = the window's balancedness x 1e6
@@ -448,12 +461,12 @@ class ExpertBalancer:
 
     def _take_plan(self, b: int) -> None:
         k = self.seq + 1
-        lw = self.die.words[LEADER]
-        self.die.wait_ge(lw, self.word["plan_seq"], k, LEADER, f"eplb.plan_seq (plan {k})")
+        lw = self.die.words[self.leader]
+        self.die.wait_ge(lw, self.word["plan_seq"], k, self.leader, f"eplb.plan_seq (plan {k})")
         if lw[self.word["plan_step"]] != b - 2:
-            raise ProtocolError(f"die {self.me}: eplb plan {k} was made at step"
+            raise ProtocolError(f"die {self.die.die_id}: eplb plan {k} was made at step"
                               f" {lw[self.word['plan_step']]}, expected {b - 2}")  # fmt: skip
-        new = ExpertMap.from_phy2log(self.plans[LEADER].copy(), self.cfg.num_experts, self.n)
+        new = ExpertMap.from_phy2log(self.plans[0].copy(), self.cfg.num_experts, self.n)
         self.seq = k
         self.pending = _Pending(k, new, b, b + self.n_moe, np.full_like(self.slot_buf, -1))
 
@@ -473,11 +486,12 @@ class ExpertBalancer:
             if dst == me:
                 b = free.pop(0)
                 p.slot_buf[j, slot] = b
-                reqs.append(comm.irecv(self.die, self.pool[j, b], src, ev, variant="zero-copy"))
+                reqs.append(comm.irecv(self.die, self.pool[j, b], self.members[src], ev,
+                                       variant="zero-copy"))  # fmt: skip
                 got += self.pool[j, b].nbytes
             elif src == me:
                 buf = self.pool[j, held[e]]
-                reqs.append(comm.isend(self.die, buf, dst, ev, variant="zero-copy"))
+                reqs.append(comm.isend(self.die, buf, self.members[dst], ev, variant="zero-copy"))
         for r in reqs:
             r.wait()
         dt = time.perf_counter_ns() - t0
@@ -491,11 +505,14 @@ class ExpertBalancer:
 
     def _switch(self, p: _Pending) -> None:
         t0 = time.perf_counter_ns()
-        for q in range(self.n):
-            self.die.wait_ge(self.die.words[q], self.word["ready"], p.seq, q,
-                             f"eplb.ready (its expert moves of plan {p.seq})")  # fmt: skip
-        self.map, self.slot_buf = p.map, p.slot_buf
-        self._install()
+        if self.router:  # the expert dies switch at the same step, or the pod fails
+            self.map = p.map
+        else:
+            for q in self.members:
+                self.die.wait_ge(self.die.words[q], self.word["ready"], p.seq, q,
+                                 f"eplb.ready (its expert moves of plan {p.seq})")  # fmt: skip
+            self.map, self.slot_buf = p.map, p.slot_buf
+            self._install()
         self.pending = None
         self.win_start = p.switch
         self.plan_at = self._next_plan(p.switch)
@@ -516,5 +533,5 @@ class ExpertBalancer:
         }
 
     def close(self) -> None:
-        if self.eplb is not None:
+        if self.eplb is not None and not self.router:
             self.die.free(self.pool)

@@ -38,7 +38,7 @@ from runtime.model.sampler import sample
 from runtime.model.weights import LayerWeights, build_weights
 from sched.eplb import ExpertMap, replica_for, row_positions
 
-__all__ = ["GenerateResult", "ReferencePod", "mla_decompressed"]
+__all__ = ["GenerateResult", "ReferencePod", "expert_maps_of", "mla_decompressed"]
 
 
 @dataclass(slots=True)
@@ -105,7 +105,7 @@ class ReferencePod:
             )
         self.cfg, self.num_dies, self.quant = cfg, num_dies, quant
         self.combine_dtype = combine_dtype
-        self.maps = _expert_maps(expert_maps, cfg, num_dies)
+        self.maps = expert_maps_of(expert_maps, cfg, num_dies)
         phys = self.maps[0][1].num_physical if self.maps else cfg.num_experts
         self.placement = Placement.default(phys, tuple(range(num_dies)))
         if kv is not None and len(kv) != num_dies:
@@ -252,7 +252,7 @@ class ReferencePod:
         return sample(logits, temperature, rngs)
 
 
-def _expert_maps(expert_maps, cfg: ModelConfig, num_dies: int) -> list:
+def expert_maps_of(expert_maps, cfg: ModelConfig, num_dies: int) -> list:
     """[(switch_step, ExpertMap)] in step order, checked (ValueError naming the entry)."""
     if not expert_maps:
         return []

@@ -28,6 +28,7 @@ def pod_config_for(
     eplb: EPLBConfig | None = None,
     headroom_bytes: int = 1 << 20,
     trace: bool = False,
+    expert_dies: int | None = None,
     **pod: Any,
 ) -> PodConfig:
     """A PodConfig for `num_dies` dies running `model`.
@@ -40,17 +41,23 @@ def pod_config_for(
             pod out for the physical slots.
         headroom_bytes: app-area bytes beyond the KV pool and the bank (the caller's buffers).
         trace: record the protocol trace (a larger trace ring).
+        expert_dies: the dies hosting the experts (a split pod's; default every die): the
+            expert areas (and EPLB's physical slots and bank) are sized over them.
         pod: any other PodConfig field (timeout_s, pin, wait, serve_slot_bytes, ...).
     """
+    hosts = expert_dies or num_dies
     app = kv_pool_bytes(model, num_blocks, block_size) + headroom_bytes
     if eplb is not None:
-        app += bank_bytes(model, num_dies, eplb)
+        app += bank_bytes(model, hosts, eplb)
+    physical = model.num_experts if eplb is None else eplb.physical(model, hosts)
+    if expert_dies:
+        pod.setdefault("a2a_max_local_experts", physical // hosts)
     return PodConfig(
         num_dies=num_dies,
         a2a_max_batch=max(1, max_rows),
         a2a_hidden=model.hidden,
         a2a_topk=model.topk,
-        num_experts=model.num_experts if eplb is None else eplb.physical(model, num_dies),
+        num_experts=physical,
         eplb_layers=0 if eplb is None else model.n_layers - model.n_dense_layers,
         eplb_window=0 if eplb is None else eplb.window,
         a2a_dispatch_dtype="int8" if quant == "int8" else "float32",

@@ -106,11 +106,13 @@ def build_split_model(die, cfg: ModelConfig, split: Split, n_blocks: int, block_
 
 
 def attention_step(die, model: DieModel, segments, split: Split, quant, clock: Clock,
-                   counters: dict | None = None):  # fmt: skip
+                   counters: dict | None = None, bal=None):  # fmt: skip
     """One step of an attention die: float32 logits [n_segments, vocab] in segment order.
     `clock.step` names the step (event ids); every attention die calls it every step (an empty
     `segments` is a dummy step: its micro-batches are empty a2e calls). `counters`, if given,
-    adds "a2e_calls" and "a2e_writes" (metadata words this die wrote in other dies)."""
+    adds "a2e_calls" and "a2e_writes" (metadata words this die wrote in other dies). `bal`: an
+    EPLB router (`ExpertBalancer(router=True)`) mapping each micro-batch's logical experts to
+    physical slots, or None."""
     cfg, m = model.cfg, split.microbatches
     d = split.domain_of(die.die_id)
     t = time.perf_counter_ns()
@@ -132,6 +134,8 @@ def attention_step(die, model: DieModel, segments, split: Split, quant, clock: C
             hs[i] = model.attention(layer, hs[i], mbs[i], rows[i])
             t = clock.span(0, layer, t)
             xn, idx, w = model.gate(layer, hs[i])
+            if bal is not None:
+                idx = bal.route(layer, idx)
             t = clock.span(1, layer, t)
             ev = split_event(clock.step, layer, d, i, cfg.n_layers)
             if clock.fault is not None:

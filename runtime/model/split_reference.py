@@ -29,9 +29,10 @@ from memory.errors import ConfigError
 from runtime.model.config import ModelConfig
 from runtime.model.die_model import DieModel, Segment, batch_rows, last_rows
 from runtime.model.kv import DictKV
-from runtime.model.reference import ReferencePod
+from runtime.model.reference import ReferencePod, expert_maps_of
 from runtime.model.split import microbatches
 from runtime.model.weights import build_weights
+from sched.eplb import replica_for, row_positions
 
 __all__ = ["SplitReference"]
 
@@ -44,6 +45,9 @@ class SplitReference(ReferencePod):
         split: the pod's `comm.alltoall.Split`.
         quant, combine_dtype: as `ReferencePod`.
         kv: one KV store per attention die (default a `DictKV` each), in `att_dies` order.
+        expert_maps: an EPLB run's `(switch step, phy2log)` maps over the expert dies (as
+            `ReferencePod`'s; steps are busy steps, passed to `step`): an attention die routes
+            each micro-batch's rows with `replica_for` at its own die id.
     """
 
     def __init__(
@@ -53,6 +57,7 @@ class SplitReference(ReferencePod):
         quant: str | None = None,
         kv: Sequence | None = None,
         combine_dtype: str = "bfloat16",
+        expert_maps: Sequence | None = None,
     ):
         n = len(split.att_dies) + len(split.exp_dies)
         split.check(n)
@@ -68,21 +73,24 @@ class SplitReference(ReferencePod):
         self.cfg, self.split, self.quant = cfg, split, quant
         self.num_dies = len(split.att_dies)  # generate's "dies": the attention dies
         self.combine_dtype = combine_dtype
-        self.maps = []
-        self.placement = Placement.default(cfg.num_experts, split.exp_dies)
+        n_exp = len(split.exp_dies)
+        self.maps = expert_maps_of(expert_maps, cfg, n_exp)
+        phys = self.maps[0][1].num_physical if self.maps else cfg.num_experts
+        self.placement = Placement.default(phys, split.exp_dies)
         att_weights = build_weights(cfg, [])
         self.dies = [
             DieModel(cfg, att_weights, kv[i] if kv is not None else DictKV(cfg.kv_cache_dim))
             for i in range(len(split.att_dies))
         ]
-        self.experts = {
-            x: DieModel(
-                cfg,
-                build_weights(cfg, self.placement.experts_on(x).tolist()),
-                DictKV(cfg.kv_cache_dim),
-            )
-            for x in split.exp_dies
-        }
+        if not self.maps:
+            built = {x: sorted(self.placement.experts_on(x).tolist()) for x in split.exp_dies}
+        else:  # every logical expert a die holds under any of the maps
+            s = phys // n_exp
+            built = {x: sorted({int(e) for _, m in self.maps
+                                for e in m.phy2log[:, q * s : (q + 1) * s].ravel()})
+                     for q, x in enumerate(split.exp_dies)}  # fmt: skip
+        self.experts = {x: DieModel(cfg, build_weights(cfg, built[x]), DictKV(cfg.kv_cache_dim))
+                        for x in split.exp_dies}  # fmt: skip
         self.step_no = 0
 
     def step(
@@ -108,6 +116,12 @@ class SplitReference(ReferencePod):
             if not cfg.is_moe(layer):
                 continue
             gates = [[die.gate(layer, h) for h in hs[i]] for i, die in enumerate(self.dies)]
+            m_now = [mp for start, mp in self.maps if start <= self.step_no][-1] if (
+                self.maps) else None  # fmt: skip
+            if m_now is not None:  # EPLB: each micro-batch's logical experts -> physical slots
+                j0 = layer - cfg.n_dense_layers
+                gates = [[(xn, self._route(m_now, j0, idx, a), w) for xn, idx, w in g]
+                         for a, g in zip(sp.att_dies, gates, strict=True)]  # fmt: skip
             for dom in sp.domains:
                 for j in range(m):
                     at = [pos[a] for a in dom]
@@ -117,7 +131,7 @@ class SplitReference(ReferencePod):
                     outs = a2e_ref(xns, idxs, self.placement, list(dom), self.quant)
                     eouts = {
                         x: self.experts[x].experts(layer, dequantize_dispatch(o).x,
-                                                   o.expert_counts, self.placement.experts_on(x))
+                                                   o.expert_counts, self._ids(x, layer, m_now))
                         for x, o in outs.items()
                     }  # fmt: skip
                     routed = e2a_ref(eouts, outs, idxs, ws, list(dom), self.combine_dtype)
@@ -128,3 +142,14 @@ class SplitReference(ReferencePod):
             lg = [die.logits(hs[i][j][last_rows(mbs[i][j])]) for j in range(m) if mbs[i][j]]
             out.append(np.concatenate(lg) if lg else np.zeros((0, cfg.vocab_size), np.float32))
         return out
+
+    def _route(self, m, j: int, idx: np.ndarray, die: int) -> np.ndarray:
+        return replica_for(m, j, idx, row_positions(idx.shape[0], die, self.step_no))
+
+    def _ids(self, x: int, layer: int, m) -> list[int]:
+        """The logical expert of each local slot of expert die x (the map in force)."""
+        if m is None:
+            return self.placement.experts_on(x).tolist()
+        s = m.slots_per_die
+        q = self.split.exp_dies.index(x)
+        return m.phy2log[layer - self.cfg.n_dense_layers, q * s : (q + 1) * s].tolist()

@@ -191,10 +191,6 @@ def test_fault_plans_for_expert_dies_are_checked():
                 "kill:die=4,step=5", "stop:master=2,step=5"):  # fmt: skip
         with pytest.raises(ConfigError, match="inject"):
             EngineConfig(**SPLIT, inject=bad)
-    with pytest.raises(ConfigError, match="eplb"):
-        from runtime.model import EPLBConfig
-
-        EngineConfig(**SPLIT, eplb=EPLBConfig())
     with pytest.raises(ConfigError, match="domains"):
         EngineConfig(dies=2, domains=2, model="tiny")
 
@@ -210,3 +206,35 @@ def test_an_idle_split_engine_parks_its_expert_dies():
         time.sleep(2.0)
         used = [sum(p.cpu_times()[:2]) - c for p, c in zip(procs, c0, strict=True)]
     assert len(procs) == 2 and max(used) < 0.04, used  # < 2 % of a core each
+
+
+@pytest.mark.timeout(180)
+def test_split_serving_with_eplb_moves_experts_between_expert_dies_and_replays_bit_equal():
+    """EPLB over the expert dies while serving (every 4 busy steps, skewed router): the expert
+    dies plan, move whole experts between themselves over p2p and switch; the attention dies
+    route with each map from the same busy step; every sampled token and its logits equal the
+    replay of the schedule with the dies' maps; every die agrees on the maps."""
+    from runtime.model import EPLBConfig
+
+    prompts = [f"eplb request {i}: " + "abc" * (i % 5) for i in range(10)]
+    params = [SamplingParams(max_tokens=24 + i % 4, temperature=0.7 * (i % 2), seed=i,
+                             ignore_eos=True) for i in range(10)]  # fmt: skip
+    shape = dict(SPLIT, model_overrides={"num_experts": 16, "score_bias": "skew"},
+                 max_num_seqs=5)  # fmt: skip
+    eng = Engine.launch(**shape, eplb=EPLBConfig(every=4), log_steps=True, keep_logits=True)
+    try:
+        outs = eng.generate(prompts, params, timeout_s=120)
+    finally:
+        eng.close()
+    assert all(len(o.token_ids) == p.max_tokens for o, p in zip(outs, params, strict=True))
+    reports = [r["eplb"] for r in eng.pod_result]  # attention dies (routers), expert dies
+    maps = [(x["switch_step"], x["phy2log"]) for x in reports[0]["maps"]]
+    assert len(maps) >= 3, "the expert dies must have switched maps while serving"
+    assert all([(x["switch_step"], x["phy2log"]) for x in r["maps"]] == maps for r in reports)
+    moved = [sum(m["bytes"] for m in r["moves"]) for r in reports[eng.config.dies :]]
+    assert sum(moved) > 0, "whole experts moved between the expert dies"
+    c = eng.config
+    rep = replay(eng.model, c.dies, c.quant, c.blocks, c.block_size, eng.step_log,
+                 c.combine_dtype, expert_maps=maps, split=c.split)  # fmt: skip
+    assert rep.token_mismatches == [] and rep.logit_mismatches == [], rep
+    assert rep.bit_equal and rep.logits_compared == rep.sampled
