@@ -126,6 +126,18 @@ def test_domains_and_microbatches_match_the_reference(n_att, n_exp, domains, m):
         assert all(r == "ok" for r in a), a
 
 
+@pytest.mark.timeout(120)
+def test_any_set_of_attention_dies():
+    """The roles need not be contiguous: attention dies 1 and 4 (two domains, two micro-batches)
+    among expert dies 0, 2, 3, 5 (trampolines 0 and 2)."""
+    split = Split((1, 4), (0, 2, 3, 5), ((1,), (4,)), 2)
+    split.check(6)
+    assert [split.trampoline(a) for a in split.att_dies] == [0, 2]
+    with Pod.launch(pod_config(6, 4, 8)) as pod:
+        for seed, quant in ((11, None), (12, "int8")):
+            check(pod.run(split_step, seed, split, 8, quant), seed, split, 8, quant, "bfloat16")
+
+
 def colocated_step(die, seed, split):
     rng = np.random.default_rng([seed, die.die_id])
     x = rng.standard_normal((4, H)).astype(np.float32)
