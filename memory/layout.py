@@ -50,6 +50,9 @@ All-to-all fields (only in a pod launched with `a2a_max_batch`), in the meta are
                           its part (bad input); written before src's completion words
  fused_cevent[src]      int64: the event id of src's latest fused-combine / E2A rows into this
                           die; written before src's completion words
+ a2e_seen[src]          int64: in a trampoline, the last A2E operation expert die src finished
+                          (its E2A rows written first): the trampoline's done flag waits for
+                          every expert die, not only those its attention die routed rows to
 ```
 Serving fields (only in a pod launched with `serve_slot_bytes`), after the all-to-all fields:
 
@@ -247,6 +250,7 @@ class RegionLayout:
     a2e_flag_off: int = 0  # meta: [2 halves] one field | event_id | count | seq | quant |
     fused_refuse_off: int = 0  # meta: [num_dies] int64, fused-combine op a die refused
     fused_cevent_off: int = 0  # meta: [num_dies] int64, event id of a die's fused-combine rows
+    a2e_seen_off: int = 0  # meta: [num_dies] int64, the last A2E operation an expert die finished
     serve_slot_bytes: int = 0  # bytes per command / result ring slot (0: no serving area)
     serve_off: int = 0  # meta: SERVE_WORDS words of the serving protocol
     serve_cmd_off: int = 0  # managed: [SERVE_SLOTS] command slots of serve_slot_bytes
@@ -447,7 +451,8 @@ def compute(
     a2e_flag_off = fused_cflag_off + (a2a_max_batch * a2a_topk * WORD if on else 0)
     fused_refuse_off = a2e_flag_off + (2 * FIELD_BYTES if on else 0)
     fused_cevent_off = fused_refuse_off + (num_dies * WORD if on else 0)
-    serve_off = fused_cevent_off + (num_dies * WORD if on else 0)
+    a2e_seen_off = fused_cevent_off + (num_dies * WORD if on else 0)
+    serve_off = a2e_seen_off + (num_dies * WORD if on else 0)
     eplb_off = serve_off + (SERVE_WORDS * WORD if serve_slot_bytes else 0)
     _check("eplb_layers", eplb_layers, 0, 1 << 12)
     _check("eplb_window", eplb_window, 0, 1 << 16)
@@ -513,6 +518,7 @@ def compute(
         a2e_flag_off=a2e_flag_off if on else 0,
         fused_refuse_off=fused_refuse_off if on else 0,
         fused_cevent_off=fused_cevent_off if on else 0,
+        a2e_seen_off=a2e_seen_off if on else 0,
         serve_slot_bytes=serve_slot_bytes,
         serve_off=serve_off if serve_slot_bytes else 0,
         serve_cmd_off=serve_cmd_off if serve_slot_bytes else 0,

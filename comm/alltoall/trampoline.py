@@ -408,10 +408,21 @@ def _e2a_expert(ep, expert_out, handle, op, event_id, bad) -> None:
     else:
         refuse_slots(ep, tramp, d.recv_slot, d.recv_k, op, event_id)
     t1 = now_ns()
+    # this die finished the operation: every trampoline of the domain learns it (after the rows)
+    for a in handle.split.domains[handle.domain]:
+        meta_words(ep, int(_tramp_table(ep, handle.split)[a]), lo.a2e_seen_off,
+                   ep.num_dies)[me] = op  # fmt: skip
     if handle.partner is not None:  # E2A': a trampoline forwards to its partner
         att = handle.partner
         slots, ks = handle.partner_slots
         wait_slots(ep, slots, ks, op, "e2a")
+        # and every expert die finished it: none still reads a block the next calls reuse
+        seen = meta_words(ep, me, lo.a2e_seen_off, ep.num_dies)
+        lw = ep.words[me]
+        base = lo.a2e_seen_off // L.WORD
+        for x in handle.split.exp_dies:
+            if seen[x] < op:
+                ep.wait_ge(lw, base + x, op, x, "a2e.seen (its E2A of the operation)")
         t2 = now_ns()
         partner = np.full(len(slots), att, np.int64)
         refuse = meta_words(ep, me, lo.fused_refuse_off, ep.num_dies)
