@@ -45,13 +45,11 @@ def decode(a: int, e: int, d: int, m: int, quant, batch: int = 6, steps: int = 4
 @pytest.mark.parametrize(
     "a, e, d, m, quant, batch",
     [
-        (2, 2, 1, 1, None, 6),
+        # every shape x D x m x INT8 runs at the collective level (test_split_alltoall.py)
         (2, 2, 2, 2, "int8", 6),
         (2, 6, 1, 2, None, 6),
-        (2, 6, 2, 1, "int8", 5),
         (3, 5, 3, 2, None, 4),  # die 0 holds 2 requests, dies 1 and 2 one: an empty micro-batch
         (3, 5, 2, 1, "int8", 2),  # die 2 (domain 1) has no request: a domain without work
-        (3, 5, 3, 1, None, 7),
     ],
 )
 def test_split_decode_equals_the_replay_and_the_colocated_model(a, e, d, m, quant, batch):
@@ -199,13 +197,13 @@ def test_fault_plans_for_expert_dies_are_checked():
 def test_an_idle_split_engine_parks_its_expert_dies():
     with Engine.launch(**SPLIT) as eng:
         _ = eng.result(eng.submit("wake up", SamplingParams(max_tokens=4)), timeout_s=30)
-        time.sleep(1.0)
+        time.sleep(0.5)
         procs = [psutil.Process(pid) for what, i, pid in eng.processes()
                  if what == "die" and i >= eng.config.dies]  # fmt: skip
         c0 = [sum(p.cpu_times()[:2]) for p in procs]
-        time.sleep(2.0)
+        time.sleep(1.5)
         used = [sum(p.cpu_times()[:2]) - c for p, c in zip(procs, c0, strict=True)]
-    assert len(procs) == 2 and max(used) < 0.04, used  # < 2 % of a core each
+    assert len(procs) == 2 and max(used) < 0.03, used  # < 2 % of a core each
 
 
 @pytest.mark.timeout(180)
