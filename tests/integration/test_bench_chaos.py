@@ -20,15 +20,15 @@ KINDS = "kill-die,err-die,stop-die,drop-die,kill-master,kvfault-die,stop-master,
 def test_chaos_soak_accounts_for_every_stream(tmp_path):
     out = tmp_path / "chaos.json"
     cmd = [sys.executable, "-m", "runtime.cli", "bench", "chaos", "--dies", "2", "--model",
-           "tiny", "--duration", "32", "--fault-every", "3.5", "--kinds", KINDS,
+           "tiny", "--duration", "20", "--fault-every", "2.2", "--kinds", KINDS,
            "--request-rate", "8", "--max-tokens", "48", "--abort-fraction", "0.1",
            "--op-timeout", "0.9", "--stall-timeout", "1.5",  # margin for a busy CI host
            "--json", str(out)]  # fmt: skip
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=380)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     s = json.loads(out.read_text().splitlines()[-1])
-    assert s["requests"] >= 200 and s["client_aborts"] > 0
-    assert s["faults_injected"] == s["faults_verified"] == 9  # 32 s / 3.5 s: each kind once+
+    assert s["requests"] >= 120 and s["client_aborts"] > 0
+    assert s["faults_injected"] == s["faults_verified"] == 9  # 20 s / 2.2 s: each kind once+
     assert s["faults_detected"] == s["faults_recovered"] == 8  # all but the delay
     assert s["requests_accepted"] == s["requests"] and s["requests_lost"] == 0
     assert s["tokens_duplicated"] == s["tokens_skipped"] == 0 == s["token_gaps_server"]

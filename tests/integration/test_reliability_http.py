@@ -88,6 +88,17 @@ async def _streams(url: str, n: int) -> list[tuple[str, list[int], int]]:
         return await asyncio.gather(*[one(i) for i in range(n)])
 
 
+@pytest.fixture(scope="module")
+def fault_free_streams() -> list:
+    """The 8 streams of a fault-free batch-invariant server (output processes only render:
+    the same tokens with or without them)."""
+    clean = ServerProc("--max-num-seqs", "8", "--batch-invariant")
+    try:
+        return asyncio.run(_streams(clean.url, 8))
+    finally:
+        clean.stop()
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
     "plan, args",
@@ -98,15 +109,11 @@ async def _streams(url: str, n: int) -> list[tuple[str, list[int], int]]:
         ("stop:output=0,step=60", ["--output-procs"]),  # the heartbeat does not cross it
     ],
 )
-def test_streams_survive_a_fault(plan, args):
+def test_streams_survive_a_fault(fault_free_streams, plan, args):
     # batch-invariant: a stream recomputed in other batches equals the fault-free one bit for
     # bit (otherwise its logits may move by ulps and flip a token: seen once in a clean clone)
     args = [*args, "--batch-invariant"]
-    clean = ServerProc("--max-num-seqs", "8", *args)
-    try:
-        want = asyncio.run(_streams(clean.url, 8))
-    finally:
-        clean.stop()
+    want = fault_free_streams
     s = ServerProc("--max-num-seqs", "8", "--inject", plan, *args)
     try:
         got = asyncio.run(_streams(s.url, 8))

@@ -158,8 +158,9 @@ def test_split_serving_replays_bit_equal(shape):
     assert rep.bit_equal and rep.logits_compared == rep.sampled > 0, rep
     assert sp["steps"] >= 60 and 0 < sp["expert_idle_share"] < 1
     assert abs(sum(sp["expert_share"].values()) - 1) < 1e-9
-    calls = set(sp["expert_a2e_calls"].values())
-    assert len(calls) == 1 and calls.pop() % (2 * c.domains * c.microbatches) == 0
+    calls = sorted(sp["expert_a2e_calls"].values())  # read while serving: maybe mid-step
+    cycle = 2 * c.domains * c.microbatches  # the calls of a step: MoE layers x D x m
+    assert calls[0] >= 60 * cycle and calls[-1] - calls[0] <= cycle, calls
     assert not [p for p in SHM.iterdir() if p.name.startswith(f"xpod.{eng.pod_id}.")]
 
 
