@@ -20,6 +20,8 @@ run: $(STAMP)
 	$(XPOD) run --dies 4
 	$(XPOD) bench p2p --dies 2 --quick --variants mte,zero-copy --cores 1
 	$(XPOD) decode --dies 4 --batch 8 --prompt-len 32 --steps 16 --model small --check
+	$(XPOD) decode --attention-dies 2 --expert-dies 2 --domains 2 --microbatches 2 --batch 8 \
+		--prompt-len 32 --steps 16 --model small --check
 	$(XPOD) generate --dies 4 --max-tokens 24 --prompt "The pod is" --prompt "Experts run" \
 		--prompt "A decode step" --prompt "Each die owns" --prompt "Tokens travel"
 	$(XPOD) bench serve --launch --dies 4 --max-concurrency 8 --ignore-eos --num-prompts 32 --quick
