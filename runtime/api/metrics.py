@@ -141,10 +141,13 @@ class Metrics:
     # -- scrape time ----------------------------------------------------------------------------
 
     def _eplb(self, by: dict):
-        """Expert load balancing (only when the engine runs it), from the dies' eplb words."""
+        """Expert load balancing (only when the engine runs it), from the eplb words of the
+        dies that host experts (a split pod's expert dies: the label is then the die's id)."""
+        if getattr(self.engine.config, "expert_dies", 0) and hasattr(self.engine, "eplb_counters"):
+            by = self.engine.eplb_counters()
         if not any("eplb_rows" in (s or {}) for s in by.values()):
             return
-        lead = by.get(0) or {}
+        lead = by.get(min(by)) or {}
         yield GaugeMetricFamily("xpod:eplb_balancedness", "Mean over MoE layers of mean / max"
                                 " rows per die in the last EPLB window (1 = balanced).",
                                 value=lead.get("eplb_balance_ppm", 0) / 1e6)  # fmt: skip

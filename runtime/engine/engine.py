@@ -456,6 +456,25 @@ class Engine(EngineRecovery):
         return split_summary(role_counters(self.pod, self.config.split),
                              m.n_layers - m.n_dense_layers, self.config.split)  # fmt: skip
 
+    def eplb_counters(self) -> dict[int, dict[str, int]]:
+        """Per die that hosts experts (a split pod's expert dies, else every die), its EPLB
+        words read now: balancedness of the leader's last window (ppm), rows received, bytes
+        moved, move ns, maps switched to ({} without EPLB or once the pod is closed)."""
+        pod = self.pod
+        if pod is None or pod.closed or not pod.layout.eplb_layers:
+            return {}
+        lo = pod.layout
+        idx = {k: lo.eplb_word(w) for k, w in (
+            ("eplb_balance_ppm", L.EP_BALANCE_PPM), ("eplb_rows", L.EP_ROWS),
+            ("eplb_moved_bytes", L.EP_MOVED_BYTES), ("eplb_move_ns", L.EP_MOVE_NS),
+            ("eplb_switched", L.EP_SWITCHED))}  # fmt: skip
+        split = self.config.split
+        dies = split.exp_dies if split is not None else range(self.config.dies)
+        try:
+            return {d: {k: int(pod.region(d).words[i]) for k, i in idx.items()} for d in dies}
+        except (PodError, IndexError, ValueError, TypeError):
+            return {}
+
     def die_counters(self) -> dict[int, dict[int, int]]:
         """Per die, read now from its serving words (the shell launched the pod and maps every
         region): dummy steps, cumulative attention / MoE wait / forward ns, its step number.

@@ -220,11 +220,20 @@ def test_split_serving_with_eplb_moves_experts_between_expert_dies_and_replays_b
                              ignore_eos=True) for i in range(10)]  # fmt: skip
     shape = dict(SPLIT, model_overrides={"num_experts": 16, "score_bias": "skew"},
                  max_num_seqs=5)  # fmt: skip
+    from prometheus_client import generate_latest
+
+    from runtime.api.metrics import Metrics
+
     eng = Engine.launch(**shape, eplb=EPLBConfig(every=4), log_steps=True, keep_logits=True)
     try:
         outs = eng.generate(prompts, params, timeout_s=120)
+        text = generate_latest(Metrics(eng).registry).decode()  # the expert dies' EPLB words
     finally:
         eng.close()
+    bal = float(text.split("\nxpod:eplb_balancedness ")[1].split()[0])
+    moved = sum(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith("xpod_eplb_moved_bytes_total{"))  # fmt: skip
+    assert 0.0 < bal <= 1.0 and moved > 0, text[-2000:]
     assert all(len(o.token_ids) == p.max_tokens for o, p in zip(outs, params, strict=True))
     reports = [r["eplb"] for r in eng.pod_result]  # attention dies (routers), expert dies
     maps = [(x["switch_step"], x["phy2log"]) for x in reports[0]["maps"]]
