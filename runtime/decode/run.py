@@ -319,11 +319,10 @@ def _run_split(opts: DecodeOptions, model: ModelConfig, prompts, sp: Split) -> d
     with pod_cm as pod:
         progress(f"  pod {pod.pod_id} up in {time.monotonic() - t0:.1f} s; decoding ...")
         res = pod.run(decode_main, spec)
-        cpu = list(pod.last_cpu_s)
         if opts.trace:
             n = pod.write_trace(opts.trace)
             progress(f"  wrote {n} trace events to {opts.trace}")
-    summary = split_summary(res, opts, model, sp, cpu)
+    summary = split_summary(res, opts, model, sp)
     if opts.check:
         summary.update(split_check(res, per_att, opts, model, sp))
     return summary

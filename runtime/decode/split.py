@@ -107,8 +107,8 @@ def split_decode_main(die, spec) -> dict:
             "cpu_prefill_s": cpu1 - cpu0, "counters": counters}  # fmt: skip
 
 
-def split_summary(res: list[dict], opts: DecodeOptions, model: ModelConfig, sp: Split,
-                  cpu_s: list[float] | None = None) -> dict:  # fmt: skip
+def split_summary(res: list[dict], opts: DecodeOptions, model: ModelConfig,
+                  sp: Split) -> dict:  # fmt: skip
     """The split run's summary: throughput and TPOT, per-role phase times, the expert dies'
     idle share and calls, the control messages they received, the a2e metadata writes."""
     att = [r for r in res if r["role"] == "attention"]

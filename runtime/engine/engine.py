@@ -49,7 +49,7 @@ from runtime.engine.faults import FaultPlan, parse_faults
 from runtime.engine.master import MasterSpec, master_main
 from runtime.engine.output import OutputSpec, output_main
 from runtime.engine.recovery import EngineRecovery
-from runtime.engine.split_stats import role_counters, split_summary
+from runtime.engine.split_stats import eplb_counters, role_counters, split_summary
 from runtime.engine.step_ring import Bell, bell_path
 from runtime.engine.supervisor import Supervisor
 from runtime.engine.tracker import (
@@ -458,22 +458,8 @@ class Engine(EngineRecovery):
 
     def eplb_counters(self) -> dict[int, dict[str, int]]:
         """Per die that hosts experts (a split pod's expert dies, else every die), its EPLB
-        words read now: balancedness of the leader's last window (ppm), rows received, bytes
-        moved, move ns, maps switched to ({} without EPLB or once the pod is closed)."""
-        pod = self.pod
-        if pod is None or pod.closed or not pod.layout.eplb_layers:
-            return {}
-        lo = pod.layout
-        idx = {k: lo.eplb_word(w) for k, w in (
-            ("eplb_balance_ppm", L.EP_BALANCE_PPM), ("eplb_rows", L.EP_ROWS),
-            ("eplb_moved_bytes", L.EP_MOVED_BYTES), ("eplb_move_ns", L.EP_MOVE_NS),
-            ("eplb_switched", L.EP_SWITCHED))}  # fmt: skip
-        split = self.config.split
-        dies = split.exp_dies if split is not None else range(self.config.dies)
-        try:
-            return {d: {k: int(pod.region(d).words[i]) for k, i in idx.items()} for d in dies}
-        except (PodError, IndexError, ValueError, TypeError):
-            return {}
+        words read now ({} without EPLB or once closed; `runtime.engine.split_stats`)."""
+        return eplb_counters(self.pod, self.config.split, self.config.dies)
 
     def die_counters(self) -> dict[int, dict[int, int]]:
         """Per die, read now from its serving words (the shell launched the pod and maps every

@@ -69,4 +69,22 @@ def split_summary(counters: dict | None, moe_layers: int, split) -> dict | None:
     }
 
 
-__all__ = ["role_counters", "split_summary"]
+def eplb_counters(pod, split, groups: int) -> dict[int, dict[str, int]]:
+    """Per die that hosts experts (a split pod's expert dies, else the `groups` dies), its EPLB
+    words read now: the leader's last window's balancedness (ppm), rows received, bytes moved,
+    move ns, maps switched to ({} without EPLB, or once the pod is closed)."""
+    if pod is None or pod.closed or not pod.layout.eplb_layers:
+        return {}
+    lo = pod.layout
+    idx = {k: lo.eplb_word(w) for k, w in (
+        ("eplb_balance_ppm", L.EP_BALANCE_PPM), ("eplb_rows", L.EP_ROWS),
+        ("eplb_moved_bytes", L.EP_MOVED_BYTES), ("eplb_move_ns", L.EP_MOVE_NS),
+        ("eplb_switched", L.EP_SWITCHED))}  # fmt: skip
+    dies = split.exp_dies if split is not None else range(groups)
+    try:
+        return {d: {k: int(pod.region(d).words[i]) for k, i in idx.items()} for d in dies}
+    except (PodError, IndexError, ValueError, TypeError):
+        return {}
+
+
+__all__ = ["eplb_counters", "role_counters", "split_summary"]
