@@ -311,7 +311,13 @@ class Server:
         host, port = sock.getsockname()[:2]
         self.url = f"http://{host}:{port}"
         e = self.opts.engine
-        say(f"serving {self.model.name} on {self.url}  ({e.dies} dies, max-num-seqs"
+        dies = (
+            f"{e.dies} attention + {e.expert_dies} expert dies, {e.domains} domain(s) x"
+            f" {e.microbatches} micro-batch(es)"
+            if e.expert_dies
+            else f"{e.dies} dies"
+        )
+        say(f"serving {self.model.name} on {self.url}  ({dies}, max-num-seqs"
             f" {e.max_num_seqs}, lb {e.lb_policy}, output procs"
             f" {'on' if e.output_procs else 'off'})", sys.stdout)  # fmt: skip
         if self.opts.loop_receiver:
@@ -391,7 +397,9 @@ def run(opts: ServerOptions) -> int:
                         level=logging.INFO if opts.access_log else logging.WARNING)  # fmt: skip
     bind(opts.host, opts.port).close()  # a busy port fails before anything starts
     e = opts.engine
-    say(f"launching {e.dies} dies, model {e.model} ...")
+    what = (f"{e.dies} attention + {e.expert_dies} expert dies" if e.expert_dies
+            else f"{e.dies} dies")  # fmt: skip
+    say(f"launching {what}, model {e.model} ...")
     t0 = time.monotonic()
     engine = Engine.launch(e)
     if opts.shell_batch:  # the event loop, the engine's threads and zmq's I/O thread
