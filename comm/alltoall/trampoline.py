@@ -402,7 +402,8 @@ def _e2a_expert(ep, expert_out, handle, op, event_id, bad) -> None:
     d = handle.dispatch
     tr = ep.trace if ep.trace.enabled else None
     t0 = now_ns()
-    tramp = _tramp_table(ep, handle.split)[d.recv_src_rank]  # each row to its trampoline
+    table = _tramp_table(ep, handle.split)
+    tramp = table[d.recv_src_rank]  # each row to its trampoline
     if bad is None:
         write_slots_by_src(ep, expert_out, tramp, d.recv_slot, d.recv_k, op, event_id)
     else:
@@ -410,8 +411,7 @@ def _e2a_expert(ep, expert_out, handle, op, event_id, bad) -> None:
     t1 = now_ns()
     # this die finished the operation: every trampoline of the domain learns it (after the rows)
     for a in handle.split.domains[handle.domain]:
-        meta_words(ep, int(_tramp_table(ep, handle.split)[a]), lo.a2e_seen_off,
-                   ep.num_dies)[me] = op  # fmt: skip
+        meta_words(ep, int(table[a]), lo.a2e_seen_off, ep.num_dies)[me] = op
     if handle.partner is not None:  # E2A': a trampoline forwards to its partner
         att = handle.partner
         slots, ks = handle.partner_slots

@@ -24,7 +24,6 @@ import time
 import comm
 from comm.alltoall import G_SEQ, Split
 from comm.alltoall.state import a2a_state
-from comm.quant import dequantize_int8
 from comm.routing import Placement
 from memory import layout as L
 from memory.errors import PodAborted, ProtocolError
@@ -33,10 +32,10 @@ from runtime.model.die_model import DieModel
 from runtime.model.expert_balancer import ExpertBalancer
 from runtime.model.kv import PagedKV
 from runtime.model.split import (
-    END_EVENT,
     build_split_model,
     end_experts,
-    parse_event,
+    receive_call,
+    run_experts,
     split_clock,
 )
 from runtime.model.weights import build_weights
@@ -130,7 +129,7 @@ class ExpertServer:
             self.bell.wait(PARK_POLL_S)
 
     def run(self) -> dict:
-        sp, cfg, quant = self.split, self.spec.model, self.spec.quant
+        sp, quant = self.split, self.spec.quant
         die, w, k = self.die, self.w, self.words
         ctx = die.ctx
         comm.a2e_align(die, sp)
@@ -143,22 +142,15 @@ class ExpertServer:
             if op_policy is not None:  # the rest of the call: the serving op deadline
                 die.policy = op_policy
             try:
-                res, h = comm.a2e(die, None, None, None, sp, quant=quant, event_id=None)
-                if h.event_id == END_EVENT:
+                got = receive_call(die, self.model, sp, quant)
+                if got is None:
                     break
-                step, layer, d, mb = parse_event(h.event_id, cfg.n_layers)
-                if (d, mb) != (h.domain, h.microbatch) or not cfg.is_moe(layer):
-                    raise ProtocolError(
-                        f"die {die.die_id}: a2e event {h.event_id} names layer {layer}, domain"
-                        f" {d}, micro-batch {mb}; the call is at domain {h.domain}, micro-batch"
-                        f" {h.microbatch}"
-                    )
+                res, h, step, layer = got
                 self.clock.step = step
                 t1 = self.clock.span(2, layer, t0)
                 waited = ctx.waited_ns - w0  # for its input, and for the forwarded flags
-                x = dequantize_int8(res.x, res.scales) if quant == "int8" else res.x
                 local = self._local(layer, res.expert_counts)
-                y = self.model.experts(layer, x, res.expert_counts, local)
+                y = run_experts(self.model, layer, res, quant, local)
                 t2 = self.clock.span(3, layer, t1)
                 comm.e2a(die, y, h, event_id=None)
                 t3 = self.clock.span(4, layer, t2)

@@ -173,7 +173,7 @@ def end_experts(die, split: Split, quant=None) -> None:
 class ExpertStats:
     """An expert die's own counters, per step (index = step): a2e wall and waited ns (waiting
     for input), experts ns, e2a ns, rows, a2e calls; the control messages it received while
-    looping; (step, layer, domain, micro-batch) of each call if `keep_order`."""
+    looping."""
 
     a2e_ns: list = field(default_factory=list)
     a2e_wait_ns: list = field(default_factory=list)
@@ -182,7 +182,6 @@ class ExpertStats:
     rows: list = field(default_factory=list)
     calls: list = field(default_factory=list)
     control_messages: int = 0
-    order: list = field(default_factory=list)
     e2a_wait_ns: list = field(default_factory=list)
     cpu_decode_s: float = 0.0  # CPU seconds from its first call of step 1 to the end marker
 
@@ -196,8 +195,31 @@ class ExpertStats:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-def expert_loop(die, model: DieModel, split: Split, quant, clock: Clock,
-                keep_order: bool = False) -> ExpertStats:  # fmt: skip
+def receive_call(die, model: DieModel, split: Split, quant):
+    """An expert die's next A2E call: (result, handle, step, layer), or None at the end marker.
+    ProtocolError if its event id names another (domain, micro-batch) than the call's position,
+    or a dense layer."""
+    res, h = comm.a2e(die, None, None, None, split, quant=quant, event_id=None)
+    if h.event_id == END_EVENT:
+        return None
+    step, layer, d, mb = parse_event(h.event_id, model.cfg.n_layers)
+    if (d, mb) != (h.domain, h.microbatch) or not model.is_moe(layer):
+        raise ProtocolError(
+            f"die {die.die_id}: a2e event {h.event_id} names (step {step}, layer {layer},"
+            f" domain {d}, micro-batch {mb}), the call is at domain {h.domain} micro-batch"
+            f" {h.microbatch}"
+        )
+    return res, h, step, layer
+
+
+def run_experts(model: DieModel, layer: int, res, quant, local: list[int]) -> np.ndarray:
+    """The routed experts on a call's rows (dequantized when INT8), `local`: the logical
+    expert of each local slot."""
+    x = dequantize_int8(res.x, res.scales) if quant == "int8" else res.x
+    return model.experts(layer, x, res.expert_counts, local)
+
+
+def expert_loop(die, model: DieModel, split: Split, quant, clock: Clock) -> ExpertStats:
     """An expert die's persistent loop: a2e -> experts -> e2a, learning (step, layer, domain,
     micro-batch) from each call's event id, until the attention dies' end marker."""
     cfg = model.cfg
@@ -211,23 +233,16 @@ def expert_loop(die, model: DieModel, split: Split, quant, clock: Clock,
     while True:
         t0, w0 = time.perf_counter_ns(), ctx.waited_ns
         clock.mark(-1, 2, 1)
-        res, h = comm.a2e(die, None, None, None, split, quant=quant, event_id=None)
-        if h.event_id == END_EVENT:
+        got = receive_call(die, model, split, quant)
+        if got is None:
             break
-        step, layer, d, mb = parse_event(h.event_id, cfg.n_layers)
-        if (d, mb) != (h.domain, h.microbatch) or not model.is_moe(layer):
-            raise ProtocolError(
-                f"die {die.die_id}: a2e event {h.event_id} names (step {step}, layer {layer},"
-                f" domain {d}, micro-batch {mb}), the call is at domain {h.domain} micro-batch"
-                f" {h.microbatch}"
-            )
+        res, h, step, layer = got
         clock.step, clock.counting = step, step >= 1  # the decode steps, as attention dies
         if step >= 1 and cpu1 is None:
             cpu1 = time.process_time()
         t1 = clock.span(2, layer, t0)
         w1 = ctx.waited_ns
-        x = dequantize_int8(res.x, res.scales) if quant == "int8" else res.x
-        y = model.experts(layer, x, res.expert_counts, local)
+        y = run_experts(model, layer, res, quant, local)
         t2 = clock.span(3, layer, t1)
         comm.e2a(die, y, h, event_id=None)
         t3 = clock.span(4, layer, t2)
@@ -239,8 +254,6 @@ def expert_loop(die, model: DieModel, split: Split, quant, clock: Clock,
         stats.e2a_wait_ns[step] += ctx.waited_ns - w1
         stats.rows[step] += len(res.x)
         stats.calls[step] += 1
-        if keep_order:
-            stats.order.append((step, layer, d, mb))
     comm.a2e_align(die, split)
     stats.control_messages = getattr(die, "commands", 0) - commands0
     stats.cpu_decode_s = time.process_time() - cpu1 if cpu1 is not None else 0.0
@@ -256,6 +269,8 @@ __all__ = [
     "expert_loop",
     "microbatches",
     "parse_event",
+    "receive_call",
+    "run_experts",
     "split_clock",
     "split_event",
 ]
