@@ -241,14 +241,14 @@ def expert_loop(die, model: DieModel, split: Split, quant, clock: Clock) -> Expe
         if step >= 1 and cpu1 is None:
             cpu1 = time.process_time()
         t1 = clock.span(2, layer, t0)
-        w1 = ctx.waited_ns
+        w1 = ctx.waited_ns  # waits so far: for this call's input (the serving loop's idle too)
         y = run_experts(model, layer, res, quant, local)
         t2 = clock.span(3, layer, t1)
         comm.e2a(die, y, h, event_id=None)
         t3 = clock.span(4, layer, t2)
         stats.grow(step)
         stats.a2e_ns[step] += t1 - t0
-        stats.a2e_wait_ns[step] += ctx.waited_ns - w0
+        stats.a2e_wait_ns[step] += w1 - w0
         stats.experts_ns[step] += t2 - t1
         stats.e2a_ns[step] += t3 - t2
         stats.e2a_wait_ns[step] += ctx.waited_ns - w1
