@@ -85,6 +85,11 @@ Serving fields (only in a pod launched with `serve_slot_bytes`), after the all-t
                                                         computing experts, calls served
    parked[64]                        writer: attention  in an expert die, one per attention die
                                      die a (word a)     a: 2s + 1 parked after step s, 2s running
+   kv_pool                           writer: this die   where its paged KV pool starts (bytes)
+   pd[32][PD_PEER_WORDS]             a PD pod's KV links, per peer die p (comm/kvlink.py): in a
+                                     decode die, written by prefill die p: started, done,
+                                     echo, records[PD_SLOTS]; in a prefill die, written by
+                                     decode die p: ack, probe
 ```
 Expert load balancing fields (only in a pod launched with `eplb_layers`), after the serving
 words (runtime.model.expert_balancer):
@@ -125,10 +130,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from memory.errors import ConfigError
+from memory.progress import PROGRESS_STATES, progress_word, unpack_progress  # noqa: F401
 
 MAGIC = 0x314D4248444F5058  # b"XPODHBM1" little-endian
-LAYOUT_VERSION = 5  # 2: fused_refuse, fused_cevent; 3: serve heartbeat, phase times; 4: eplb;
-# 5: split pods (A2E done flag in the attention die's a2e_flag, serve words a2e_ns .. parked)
+LAYOUT_VERSION = 6  # 2: fused_refuse, fused_cevent; 3: serve heartbeat, phase times; 4: eplb;
+# 5: split pods (A2E done flag in the attention die's a2e_flag, serve words a2e_ns .. parked);
+# 6: PD pods' KV link words (serve pd)
 PAGE = 4096
 HEADER_BYTES = PAGE
 FIELD_BYTES = 32
@@ -169,7 +176,11 @@ SV_A2E_NS, SV_E2A_NS, SV_IDLE_NS, SV_EXPERT_NS, SV_A2E_CALLS = range(
 )
 SV_PARKED = SV_A2E_CALLS + 1
 MAX_PARKED = 64  # attention dies of a split serving pod
-SERVE_WORDS = SV_PARKED + MAX_PARKED
+SV_KV_POOL = SV_PARKED + MAX_PARKED  # byte offset of this die's paged KV pool in its region
+SV_PD, MAX_PD_DIES, PD_SLOTS, PD_REC_WORDS = SV_KV_POOL + 1, 32, 4, 6  # KV links
+PD_STARTED, PD_DONE, PD_ECHO, PD_ACK, PD_PROBE, PD_REC = range(6)  # words of a peer block
+PD_PEER_WORDS = PD_REC + PD_SLOTS * PD_REC_WORDS
+SERVE_WORDS = SV_PD + MAX_PD_DIES * PD_PEER_WORDS
 # Expert load balancing words (word index inside the eplb block), see the diagram.
 EP_PLAN_SEQ, EP_PLAN_STEP, EP_READY, EP_SWITCHED, EP_COUNT_STEP = range(5)
 EP_MOVED_BYTES, EP_MOVE_NS, EP_BALANCE_PPM, EP_ROWS = range(5, 9)
@@ -582,19 +593,3 @@ def _a2a_sizes(
 def _check(name: str, value: int, lo: int, hi: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
         raise ConfigError(f"{name}: {value!r} is out of range [{lo}, {hi}]")
-
-
-# Die progress word (SV_PROGRESS): one store per phase change, read by the serving supervisor.
-PROGRESS_STATES = ("compute", "wait", "vote", "park")
-
-
-def progress_word(step: int, layer: int, phase: int, state: int) -> int:
-    """Pack where a die is: its step, layer (-1: outside the layers), the phase it last ended
-    (`runtime.model.forward.PHASES` index) and its state (PROGRESS_STATES index)."""
-    return (step << 24) | ((layer + 1) & 0xFFF) << 12 | (phase & 0xFF) << 4 | (state & 0xF)
-
-
-def unpack_progress(word: int) -> tuple[int, int, int, int]:
-    """(step, layer, phase, state) of a progress word."""
-    w = int(word)
-    return w >> 24, ((w >> 12) & 0xFFF) - 1, (w >> 4) & 0xFF, w & 0xF

@@ -158,6 +158,17 @@ class KVManager:
                     self._cached[b] = None
         return released
 
+    def rename(self, request_id, holder) -> list[int]:
+        """Move a request's table to another holder key (a PD prefill die's lease on the
+        blocks of a finished request: `Scheduler.lease`); freed later with `free(holder)`."""
+        if holder in self._tables:
+            raise ValueError(f"holder {holder!r} already has a block table")
+        table = self._tables[holder] = self._tables.pop(request_id, None) or []
+        chain = self._chain.pop(request_id, None)
+        if chain is not None:
+            self._chain[holder] = chain
+        return list(table)
+
     def mask(self, block: int) -> bool:
         """Take a faulty block out of service for good (a memory fault, 001 §6.3): never
         allocated or prefix-matched again; a table that holds it keeps it until freed (the

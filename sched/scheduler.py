@@ -117,6 +117,9 @@ class Scheduler:
         self._released: dict[int, None] = {}  # ids for the next plan, in event order
         self._preempted: list[int] = []
         self._num_preemptions = self._hit_tokens = self._query_tokens = 0
+        # PD prefill (runtime.engine.pd): requests whose blocks outlive them, under a lease
+        # key, when they finish normally (their KV goes to a decode die); request -> key
+        self.lease: dict[int, object] = {}
 
     def add(self, req: Request) -> None:
         """Validate and enqueue (WAITING). ValueError / TypeError name the bad field."""
@@ -138,6 +141,24 @@ class Scheduler:
             raise ValueError(f"request {rid}: status must be WAITING with no output")
         self._live[rid] = req
         self.waiting.append(req)
+
+    def add_prefilled(self, req: Request, num_computed: int) -> None:
+        """Add a request whose positions [0, num_computed) already have their KV in the blocks
+        of its table (made by the caller with `kv.alloc_blocks`): a PD decode die's request,
+        written there by its prefill die. It runs at once (RUNNING, no admission: the caller
+        counted it against max_num_seqs); its next row starts at num_computed."""
+        self.kv.block_table(req.request_id)  # ValueError without a table
+        self.add(req)
+        if not 0 < num_computed < len(req.prompt):
+            self._live.pop(req.request_id)
+            self.waiting.pop()
+            raise ValueError(f"request {req.request_id}: num_computed {num_computed} must be in"
+                             f" [1, {len(req.prompt)})")  # fmt: skip
+        self.waiting.pop()
+        self.running.append(req)
+        req.status = RequestStatus.RUNNING
+        req.num_computed = req.num_scheduled = num_computed
+        self._target[req.request_id] = len(req.prompt)
 
     def abort(self, request_id: int) -> Request | None:
         """Finish with ABORT; None for an unknown or finished id. Blocks freed after its last
@@ -354,6 +375,11 @@ class Scheduler:
         """Free req's blocks now, or after the result of its last plan if that is in flight."""
         if req.request_id in self._deferred:
             return
+        if req.is_finished and req.request_id in self.lease:
+            key = self.lease.pop(req.request_id)
+            if req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                self.kv.rename(req.request_id, key)  # its last plan's result is in: KV written
+                return
         if req.last_plan > self._last_result:
             self._deferred[req.request_id] = req.last_plan
         else:

@@ -72,7 +72,9 @@ def a2a_state(ep: Endpoint) -> A2AState:
 
 
 def a2a_counters(ep: Endpoint) -> list[int] | None:
-    """This die's operation numbers (None if it never ran an all-to-all); for resync."""
+    """This die's operation numbers (None if it never ran an all-to-all); for resync. A die
+    in a group (`comm.group_view`) runs its all-to-all through the view: its numbers."""
+    ep = getattr(ep, "group", None) or ep
     st = getattr(ep, "a2a", None)
     return None if st is None else st.counters()
 
@@ -81,6 +83,7 @@ def a2a_realign(ep: Endpoint, counters: list[int]) -> None:
     """Resync after a failed pod.run: every die takes the same (maximum) operation numbers, so
     the next operation is in step whatever each die had done; every field and completion word
     holds at most these numbers, so none of them can satisfy the next wait."""
+    ep = getattr(ep, "group", None) or ep
     if ep.layout.a2a_max_batch:
         a2a_state(ep).realign(counters)
 

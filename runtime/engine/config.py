@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 from comm.alltoall import Split
 from comm.quant import COMBINE_DTYPES
 from memory import layout as L
 from memory.errors import ConfigError
+from runtime.engine.pd import POLICIES, PDTopology
 from runtime.model import EPLBConfig, ModelConfig, pod_config_for
 from runtime.pod import PodConfig
 
@@ -72,6 +74,16 @@ class EngineConfig:
             `timeout_s`: a lost write is seen after it).
         inject: a fault plan (`runtime.engine.faults`), "" = none.
         fault_log: a file: every injection, detection and recovery as a JSON line.
+        prefill_dies, decode_dies: > 0: a PD pod (prefill-decode disaggregation,
+            `runtime.engine.pd`): dies 0..P-1 prefill, P..P+D-1 decode, each part its own
+            lockstep EP group (`dies` becomes P + D; the experts split over each part).
+        decode_blocks: a decode die's KV blocks (0: num_blocks; backpressure experiments).
+        kv_policy: a PD request whose KV transfer failed: "recompute" (the shell sends it
+            again) or "fail" (it ends with an error event).
+        kv_lease_s: a prefill die frees a request's blocks this long after its prefill if the
+            decode side has not read them (vLLM NIXL's kv_lease_duration).
+        kv_timeout_s: a decode master probes the link of a request waiting this long for its
+            KV; no echo within it more = the link is dead (the request fails).
     """
 
     dies: int = 4
@@ -111,16 +123,25 @@ class EngineConfig:
     expert_dies: int = 0
     domains: int = 1
     microbatches: int = 1
+    prefill_dies: int = 0
+    decode_dies: int = 0
+    decode_blocks: int = 0
+    kv_policy: str = "recompute"
+    kv_lease_s: float = 30.0
+    kv_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
         m = self.model_config()
+        if self.prefill_dies or self.decode_dies:
+            self._check_pd(m)
         if (
             isinstance(self.expert_dies, bool)
             or not isinstance(self.expert_dies, int)
             or (self.expert_dies < 0)
         ):
             raise ConfigError(f"expert_dies: {self.expert_dies!r} must be an int >= 0")
-        m.validate(self.pod_dies, self.expert_dies or None)
+        if self.pd is None:
+            m.validate(self.pod_dies, self.expert_dies or None)
         if self.expert_dies:
             self.split  # noqa: B018 - checked here (ConfigError)
             if self.dies > L.MAX_PARKED:
@@ -179,6 +200,35 @@ class EngineConfig:
                 f" ({self.blocks_per_seq} blocks of {self.block_size} tokens)"
             )
 
+    def _check_pd(self, m: ModelConfig) -> None:
+        topo = PDTopology.make(self.prefill_dies, self.decode_dies)
+        object.__setattr__(self, "dies", topo.num_dies)
+        if self.expert_dies or self.eplb is not None:
+            raise ConfigError("prefill_dies / decode_dies: a PD pod has no expert dies and no"
+                              " EPLB (not built together)")  # fmt: skip
+        object.__setattr__(self, "rollback", False)  # the parts' steps differ: restart instead
+        m.validate(self.prefill_dies)
+        m.validate(self.decode_dies)
+        if self.kv_policy not in POLICIES:
+            raise ConfigError(f"kv_policy: {self.kv_policy!r} must be one of {', '.join(POLICIES)}")
+        for name in ("kv_lease_s", "kv_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0.05 <= v <= 3600:
+                raise ConfigError(f"{name}: {v!r} must be a number of seconds in [0.05, 3600]")
+        b = self.decode_blocks
+        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+            raise ConfigError(f"decode_blocks: {b!r} must be an int >= 0")
+        if b and b < self.blocks_per_seq:
+            raise ConfigError(f"decode_blocks: {b} blocks cannot hold one full context"
+                              f" ({self.blocks_per_seq} blocks of {self.block_size})")
+
+    @property
+    def pd(self) -> PDTopology | None:
+        """A PD pod's topology (prefill dies first), or None."""
+        if not (self.prefill_dies or self.decode_dies):
+            return None
+        return PDTopology.make(self.prefill_dies, self.decode_dies)
+
     def model_config(self) -> ModelConfig:
         return ModelConfig.preset(self.model, **self.model_overrides)
 
@@ -208,7 +258,7 @@ class EngineConfig:
             m,
             self.pod_dies,
             max_rows=self.max_num_batched_tokens,
-            num_blocks=self.blocks,
+            num_blocks=max(self.blocks, self.decode_blocks),
             block_size=self.block_size,
             quant=self.quant,
             combine_dtype=self.combine_dtype,
@@ -219,7 +269,19 @@ class EngineConfig:
             timeout_s=self.timeout_s,
             pin=self.pin,
             expert_dies=self.expert_dies or None,
+            **self._pd_pod(m),
         )
+
+    def _pd_pod(self, m: ModelConfig) -> dict:
+        """A PD pod's layout: the experts split over each part (the smaller hosts the most),
+        prefill dies on core 0 and decode dies on core 1 when pinned (`die_cpus`)."""
+        if self.pd is None:
+            return {}
+        out = {"a2a_max_local_experts": m.num_experts // min(self.prefill_dies,
+                                                               self.decode_dies)}  # fmt: skip
+        if self.pin != "off" and len(os.sched_getaffinity(0)) >= 2:
+            out["die_cpus"] = tuple(0 if d < self.prefill_dies else 1 for d in range(self.dies))
+        return out
 
     def slot_bytes(self, m: ModelConfig) -> int:
         """A step frame's upper bound: every row's block table and tokens; a result's: sampled

@@ -48,6 +48,7 @@ from runtime.engine.executor import (
 from runtime.engine.faults import FaultPlan, parse_faults
 from runtime.engine.master import MasterSpec, master_main
 from runtime.engine.output import OutputSpec, output_main
+from runtime.engine.pd_shell import PDRouter, pd_blocks, pd_master_spec
 from runtime.engine.recovery import EngineRecovery
 from runtime.engine.split_stats import eplb_counters, role_counters, split_summary
 from runtime.engine.step_ring import Bell, bell_path
@@ -90,6 +91,7 @@ class Engine(EngineRecovery):
                                 config.lb_policy)  # fmt: skip
         self.tracker = RequestTracker(self.model, config.dies, balancer, self._send,
                                       config.output_procs)  # fmt: skip
+        self.tracker.pd = PDRouter(config) if config.pd is not None else None
         self.lock = self.tracker.lock  # also guards the sockets to the masters
         self.stats: dict[int, dict] = {}
         self.stats_log: list[dict] = []
@@ -187,8 +189,10 @@ class Engine(EngineRecovery):
         cpus = sorted(os.sched_getaffinity(0))
         pin_masters = cfg.pin == "on" or (cfg.pin == "auto" and 2 * cfg.dies <= len(cpus))
         for g in range(cfg.dies):
-            spec = self._master_spec(g, pcfg, cpus[(cfg.dies + g) % len(cpus)] if pin_masters
-                                     else -1)  # fmt: skip
+            cpu = cpus[(cfg.dies + g) % len(cpus)] if pin_masters else -1
+            if pcfg.die_cpus:  # a PD pod: each master on its part's core
+                cpu = cpus[pcfg.die_cpus[g] % len(cpus)]
+            spec = self._master_spec(g, pcfg, cpu)
             p = ctx.Process(target=master_main, args=(spec, os.getpid()),
                             name=f"xpod-{self.pod.pod_id}-master{g}", daemon=True)  # fmt: skip
             p.start()
@@ -217,7 +221,7 @@ class Engine(EngineRecovery):
                           self.run_dir, cfg.keep_logits, cfg.gc_every, cfg.eplb, rollback,
                           cfg.op_timeout_s if rollback else 0.0,
                           plan.unfired_die_side() if plan is not None else (),
-                          cfg.split)  # fmt: skip
+                          cfg.split, cfg.pd, cfg.decode_blocks, cfg.timeout_s)  # fmt: skip
         self._thread(self._pod_loop, serve, self.gen, name="xpod-pod-run")
         if not any(t.name == "xpod-engine-receive" for t in self._threads) and not (
             self.rx_handover
@@ -235,13 +239,13 @@ class Engine(EngineRecovery):
         return MasterSpec(
             group=g, pod_id=self.pod.pod_id, run_dir=self.run_dir, config=pcfg.to_dict(),
             gen=self.gen,
-            vocab_size=m.vocab_size, eos_token_id=EOS, num_blocks=cfg.blocks,
+            vocab_size=m.vocab_size, eos_token_id=EOS, num_blocks=pd_blocks(cfg, g),
             block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_seq_len=m.max_seq_len,
             long_prefill_threshold=cfg.long_prefill_threshold, async_depth=cfg.async_depth,
             prefix_cache=cfg.prefix_cache, log_steps=cfg.log_steps, gc_every=cfg.gc_every,
             pin_cpu=cpu, trace=bool(cfg.trace), output_proc=cfg.output_procs,
-            stream_interval=cfg.stream_interval,
+            stream_interval=cfg.stream_interval, pd=pd_master_spec(cfg, g),
         )  # fmt: skip
 
     def _thread(self, fn, *args, name: str) -> None:
@@ -342,6 +346,8 @@ class Engine(EngineRecovery):
         elif kind == "stats":
             self.stats[body["group"]] = body
             self.stats_log.append(body)
+            if self.tracker.pd is not None:
+                self.tracker.pd.on_stats(body)
             if self.observer is not None:
                 self.observer.on_stats(body)
         elif kind == "pong":

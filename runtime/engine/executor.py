@@ -49,10 +49,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from comm.alltoall import Split
+from comm.group import group_view
 from comm.trace import STEP_NAMES, TRACK_NAMES
 from memory import layout as L
 from memory.errors import LinkError, PeerTimeout, PodAborted, ProtocolError
 from runtime.engine import wire
+from runtime.engine.pd import KVThread, PDTopology
 from runtime.engine.split_loop import end_of_run, expert_serve, notify_parked
 from runtime.engine.step_ring import Bell, Ring, bell_path
 from runtime.model.config import ModelConfig
@@ -93,6 +95,9 @@ class ServeSpec:
             delay); a die installs a hook only if one targets it.
         split: a split pod (MoE-attention disaggregation): the attention dies run this loop
             (voting among themselves), the expert dies `runtime.engine.split_loop`; or None.
+        pd: a PD pod (`runtime.engine.pd`): each part votes and runs its all-to-all among its
+            own dies (`comm.group_view`); prefill dies run a KV thread; decode dies have
+            `decode_blocks` KV blocks (0: num_blocks). kv_timeout_s: the KV thread's deadline.
     """
 
     model: ModelConfig
@@ -108,6 +113,9 @@ class ServeSpec:
     op_timeout_s: float = 0.0
     faults: tuple = ()
     split: Split | None = None
+    pd: PDTopology | None = None
+    decode_blocks: int = 0
+    kv_timeout_s: float = 60.0
 
 
 class _Loop:
@@ -118,8 +126,16 @@ class _Loop:
         lo = die.layout
         self.split = spec.split
         self.me = die.die_id
-        # the dies that vote: every die, or a split pod's attention dies (dies 0..n_att-1)
-        self.n = die.num_dies if self.split is None else len(self.split.att_dies)
+        # the dies that vote: every die, a split pod's attention dies (dies 0..n_att-1), or
+        # a PD pod's part (prefill or decode dies), whose all-to-all runs over a group view
+        self.voters = list(range(die.num_dies if self.split is None
+                                 else len(self.split.att_dies)))  # fmt: skip
+        self.ep, self.kv_thread, n_blocks = die, None, spec.num_blocks
+        if spec.pd is not None:
+            self.voters = list(spec.pd.part(self.me))
+            self.ep = group_view(die, self.voters)
+            if spec.pd.role(self.me) == "decode" and spec.decode_blocks:
+                n_blocks = spec.decode_blocks
         self.words = die.words
         self.vote_step = lo.serve_word(L.SV_VOTE_STEP)
         self.vote_rows = lo.serve_word(L.SV_VOTE_ROWS)
@@ -131,13 +147,12 @@ class _Loop:
         self.cmds = Ring(die.region, "cmd", writer=False)
         self.results = Ring(die.region, "res", writer=True)
         self.bell = Bell(bell_path(spec.run_dir, f"d{self.me}"))
-        self.peer_bells = [
-            Bell(bell_path(spec.run_dir, f"d{p}")) for p in range(die.num_dies) if p != self.me
-        ]
+        bells = self.voters if spec.pd is not None else range(die.num_dies)
+        self.peer_bells = [Bell(bell_path(spec.run_dir, f"d{p}")) for p in bells if p != self.me]
         self.master_bell = Bell(bell_path(spec.run_dir, f"m{self.me}"))
         if self.split is None:
             self.model, self.pool, self.bal = build_model(
-                die, spec.model, spec.num_blocks, spec.block_size, spec.eplb
+                die, spec.model, n_blocks, spec.block_size, spec.eplb, ep=self.ep
             )
         else:
             self.model, self.pool = build_split_model(die, spec.model, self.split,
@@ -153,6 +168,9 @@ class _Loop:
         # Where this die is, for the shell's hang detector (runtime.engine.supervisor): the
         # clock stores (step, layer, phase ended) at every phase, the loop its vote / park.
         self.clock.progress = (self.words[self.me], lo.serve_word(L.SV_PROGRESS))
+        self.words[self.me][lo.serve_word(L.SV_KV_POOL)] = die.region.offset_of(self.pool)
+        if spec.pd is not None and spec.pd.role(self.me) == "prefill":
+            self.kv_thread = KVThread(die, self.pool, spec.pd, spec.run_dir, spec.kv_timeout_s)
         self.kvf_word = lo.serve_word(L.SV_KV_FAULT)
         self.kvf_seq = 0
         self.bad: set[int] = set()  # KV blocks reported faulty: rows that hold one are dropped
@@ -268,7 +286,7 @@ class _Loop:
         if rows and self.early:
             return rows, False
         total, all_exit = 0, True
-        for p in range(self.n):
+        for p in self.voters:
             pw = self.words[p]
             if pw[self.vote_step] < s:
                 try:
@@ -288,7 +306,8 @@ class _Loop:
         """A probe for the vote wait: raise _Busy once any die voted rows for step s."""
         if not self.early:
             return None
-        vs, vr, words = self.vote_step, self.vote_rows + (s & 1), self.words
+        vs, vr = self.vote_step, self.vote_rows + (s & 1)
+        words = [self.words[p] for p in self.voters]
 
         def probe() -> None:
             for pw in words:
@@ -317,7 +336,7 @@ class _Loop:
                     or self.words[self.me][self.promised] > self.cmds.consumed()
                 ):
                     return True
-                if any(self.words[p][self.vote_step] > s for p in range(self.n)):
+                if any(self.words[p][self.vote_step] > s for p in self.voters):
                     return False
                 if abort is not None and abort[0][abort[1]] != abort[2]:
                     raise PodAborted(f"die {self.me}: aborted by the launcher while parked")
@@ -386,18 +405,20 @@ class _Loop:
         t0 = time.perf_counter_ns()
         busy = self.stats["steps"]  # the balancer's step: busy steps, the same on every die
         self.bal.begin_step(busy)
+        if self.kv_thread is not None and self.kv_thread.error is not None:
+            raise self.kv_thread.error
         if self.op_policy is not None:  # the collectives' waits: the op deadline
-            self.die.policy = self.op_policy
+            self.die.policy = self.ep.policy = self.op_policy
         try:
             if self.split is None:
-                logits = forward(self.die, self.model, segments, self.spec.protocol,
+                logits = forward(self.ep, self.model, segments, self.spec.protocol,
                                  self.spec.quant, self.clock, self.bal)  # fmt: skip
             else:
                 bal = None if self.spec.eplb is None else self.bal
                 logits = attention_step(self.die, self.model, segments, self.split,
                                         self.spec.quant, self.clock, bal=bal)  # fmt: skip
         finally:
-            self.die.policy = self.policy
+            self.die.policy = self.ep.policy = self.policy
         self.bal.end_step(busy)
         samp = [i for i, r in enumerate(rows) if r["sample"]]
         tokens = sample_rows(logits[samp], [rows[i] for i in samp]) if samp else []
@@ -491,6 +512,8 @@ class _Loop:
         return n
 
     def close(self) -> None:
+        if self.kv_thread is not None:
+            self.kv_thread.close()
         for b in (self.bell, self.master_bell, *self.peer_bells):
             b.close()
         if self.spec.gc_every:

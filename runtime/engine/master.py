@@ -31,6 +31,7 @@ import zmq
 from memory import layout as L
 from memory.region import Region, RegionHandle, region_name
 from runtime.engine import wire
+from runtime.engine.pd_master import TICK_S, DecodeSide, PrefillSide
 from runtime.engine.step_ring import Bell, Ring, bell_path
 from runtime.engine.wire import engine_socket, master_socket, output_socket
 from runtime.pod.config import PodConfig
@@ -83,6 +84,7 @@ class MasterSpec:
     output_proc: bool = False
     stream_interval: int = 1
     gen: int = 0  # the engine's incarnation (restarts): on every message, stale ones dropped
+    pd: dict | None = None  # a PD pod's group: role, prefill / decode dies, KV row, lease, timeout
 
 
 class Master:
@@ -156,12 +158,17 @@ class Master:
         self.results_n = 0
         self.die_step = 0
         self.stats_dirty = False
+        self.pd = None  # a PD pod: runtime.engine.pd_master's side of this group's role
+        if spec.pd is not None:
+            side = PrefillSide if spec.pd["role"] == "prefill" else DecodeSide
+            self.pd = side(self, spec.pd)
 
     # -- requests ------------------------------------------------------------------------------
 
     def on_message(self, frame: bytes) -> None:
         try:
-            kind, body = wire.unpack(frame, {"add", "abort", "shutdown", "ping"})
+            kind, body = wire.unpack(frame, {"add", "abort", "shutdown", "ping", "kv_dst",
+                                             "kv_done", "kv_cancel"})  # fmt: skip
         except wire.WireError as e:
             log.warning("master %d: dropped a bad frame: %s", self.spec.group, e)
             return
@@ -171,6 +178,12 @@ class Master:
             req = self.sched.abort(body.get("id"))
             if req is not None:
                 self.finish(req)
+            elif isinstance(self.pd, DecodeSide):
+                self.pd.abort(body.get("id"))
+        elif kind in ("kv_dst", "kv_done", "kv_cancel"):
+            if isinstance(self.pd, PrefillSide):
+                {"kv_dst": self.pd.on_dst, "kv_done": self.pd.on_done,
+                 "kv_cancel": self.pd.on_cancel}[kind](body)  # fmt: skip
         elif kind == "ping":
             # Through the die's loop: the die echoes the word (and rings back), `heartbeat`
             # answers once it has. A die that hangs never echoes, so the shell sees no pong.
@@ -184,6 +197,8 @@ class Master:
             for req in list(self.sched.waiting) + list(self.sched.running):
                 if self.sched.abort(req.request_id) is not None:
                     self.finish(req)
+            if isinstance(self.pd, DecodeSide):
+                self.pd.abort_all()
 
     def add(self, body: dict) -> None:
         rid = body.get("id")
@@ -202,11 +217,22 @@ class Master:
             base = body.get("base", 0)  # a resumed request: tokens it had delivered
             if not isinstance(base, int) or isinstance(base, bool) or not 0 <= base < len(prompt):
                 raise ValueError(f"base {base!r} must be an int in [0, {len(prompt)})")
-            self.sched.add(Request(rid, list(prompt), params, self.spec.eos_token_id,
-                                   time.monotonic(), index_base=base))  # fmt: skip
-            self.sent_n[rid] = base
-            if body.get("stream", True):
-                self.streamed.add(rid)
+            pd = body.get("pd")
+            if pd is not None and self.pd is None:
+                raise ValueError("pd: this group is not part of a PD pod")
+            if isinstance(self.pd, DecodeSide) and pd is not None:
+                self.pd.add(rid, body, params, prompt, base)  # joins the batch once its KV is in
+            else:
+                if isinstance(self.pd, PrefillSide) and pd is not None:
+                    params.max_tokens = 1  # the prefill and the first token only
+                self.sched.add(Request(rid, list(prompt), params, self.spec.eos_token_id,
+                                       time.monotonic(), index_base=base))  # fmt: skip
+                if isinstance(self.pd, PrefillSide) and pd is not None:
+                    self.pd.add(rid, pd.get("peer"))
+                    return  # its tokens and finish are the decode master's
+                self.sent_n[rid] = base
+                if body.get("stream", True):
+                    self.streamed.add(rid)
             if self.spec.output_proc:
                 self.tokens_out.send(wire.pack("open", {
                     "id": rid, "n_prompt": len(prompt) - base, "render": body.get("render"),
@@ -221,6 +247,10 @@ class Master:
         (CLOCK_MONOTONIC, shared by the processes) of its first token. The tokens of a request
         that is not streamed go with it, in this flush's deltas."""
         rid = req.request_id
+        if isinstance(self.pd, PrefillSide) and self.pd.finished(req):
+            for d in (self.held, self.deltas, self.first, self.sched_at):
+                d.pop(rid, None)
+            return
         reason = req.finish_reason.value if req.finish_reason else "abort"
         held = self.held.pop(rid, None)
         if held:
@@ -265,6 +295,8 @@ class Master:
             out = self.sched.on_result(plan_id, {i: t for i, t in body["sampled"]})
             now = time.monotonic()
             for rid, toks in out.new_tokens.items():
+                if toks and isinstance(self.pd, DecodeSide):
+                    toks = self.pd.first_tokens(rid, toks)
                 if toks:
                     self.first.setdefault(rid, now)
                     to = self.deltas if rid in self.streamed else self.held
@@ -344,7 +376,8 @@ class Master:
 
     def flush(self) -> None:
         send = self._due()
-        if send or self.done:
+        events = self.pd.take_events() if self.pd is not None else []
+        if send or self.done or events:
             deltas = []  # [id, output index of the first token, tokens]: the shell's ledger
             for rid, toks in send.items():  # checks each start against what it has delivered
                 start = self.sent_n.get(rid, 0)
@@ -354,7 +387,7 @@ class Master:
                 self.sent_n.pop(rec[0], None)
             self.tokens_out.send(wire.pack("out", {
                 "group": self.spec.group, "gen": self.spec.gen, "deltas": deltas,
-                "done": self.done}))  # fmt: skip
+                "done": self.done, "pd": events}))  # fmt: skip
             self.done = []
         now = time.monotonic()
         # Every 0.1 s while busy, and once more as the group goes idle (gauges read 0 then).
@@ -400,6 +433,8 @@ class Master:
                 "die_step": self.die_step, "step_ms_new": self.step_new,
                 "kv_masked_blocks": self.masked,
                 "attn_new": self.attn_new}  # fmt: skip
+        if self.pd is not None:
+            body.update(self.pd.stats())
         self.step_new, self.attn_new = [], []
         return body
 
@@ -446,7 +481,10 @@ class Master:
         self.send("ready", {"group": self.spec.group})
         while not self.stopped:
             busy = self.sched.has_work() or bool(self.in_flight) or self.deltas or self.done
-            events = dict(poller.poll(int(STATS_EVERY_S * 1000) if busy else 1000))
+            wait = STATS_EVERY_S if busy else 1.0
+            if self.pd is not None and self.pd.busy():
+                wait = TICK_S
+            events = dict(poller.poll(int(wait * 1000)))
             self.bell.drain()
             if self.inbox in events:
                 while True:
@@ -463,6 +501,8 @@ class Master:
             self.take_results()
             if self.pings:
                 self.heartbeat()
+            if self.pd is not None:
+                self.pd.tick(time.monotonic())
             t1 = time.perf_counter_ns()
             published = self.cmds.published()
             if not self.stopping:
@@ -480,6 +520,8 @@ class Master:
                             "bubble_ms": self.bubble_ms})  # fmt: skip
 
     def close(self) -> None:
+        if self.pd is not None:
+            self.pd.close()
         for s in {self.inbox, self.outbox, self.tokens_out}:
             s.close(linger=1000)
         self.ctx.term()

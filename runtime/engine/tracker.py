@@ -106,6 +106,8 @@ class TrackedRequest:
         self.resumed = 0  # times it was re-admitted after a restart (token recomputation)
         self.t_resumed = 0.0  # its first token after the latest re-admission
         self.aborted = False  # the caller aborted it (a restart must not resume it)
+        self.prefill_group = -1  # a PD pod: its prefill die (`group` is its decode die)
+        self.pd: dict = {}  # a PD request's times and transfer: sched, prefilled, landed, ...
 
     @property
     def streamed(self) -> bool:
@@ -149,6 +151,7 @@ class RequestTracker:
         self.accepting = True
         self.hold = False  # a restart is under way: accepted requests wait in `pending`
         self.gen = 0  # the engine's incarnation: `out` messages of an older one are dropped
+        self.pd = None  # a PD pod's router (runtime.engine.pd_shell.PDRouter)
         # The ledger's counters: tokens a stream had already (trimmed: never sent twice), gaps
         # (a bug: must stay 0), requests re-admitted after a restart, stale messages dropped.
         self.ledger = {"tokens_replayed": 0, "token_gaps": 0, "requests_recomputed": 0,
@@ -224,13 +227,23 @@ class RequestTracker:
         """Send waiting requests to groups while the balancer finds room (caller holds lock)."""
         while self.pending and not self.hold:
             t = self.pending[0]
-            g = t.pin if t.pin is not None else self.lb.pick(len(t.tokens), t.params.max_tokens)
-            if g is None:
-                return
-            self.pending.popleft()
-            self.lb.on_dispatch(g, t.id, len(t.tokens), t.params.max_tokens)
-            t.group = g
-            p, base = t.params, len(t.out)
+            base = len(t.out)
+            if self.pd is not None and t.pin is None:  # PD: to a prefill and a decode die
+                pair = self.pd.pick(t.tokens + t.out, t.params.max_tokens - base)
+                if pair is None:
+                    return
+                self.pending.popleft()
+                t.prefill_group, t.group = pair
+                self.pd.on_dispatch(t.id, *pair, t.tokens + t.out, t.params.max_tokens - base)
+            else:
+                g = t.pin if t.pin is not None else self.lb.pick(len(t.tokens),
+                                                                 t.params.max_tokens)  # fmt: skip
+                if g is None:
+                    return
+                self.pending.popleft()
+                self.lb.on_dispatch(g, t.id, len(t.tokens), t.params.max_tokens)
+                t.group = g
+            p = t.params
             # A resumed request (token recomputation): its prompt is the prompt and the tokens
             # it delivered, its output indices go on from there (`base`: the seeded draws of
             # the continuation are those of the lost stream), and the rest of its max_tokens.
@@ -243,7 +256,11 @@ class RequestTracker:
                     body["render"] = t.render
                 elif t.id not in self.render.renderers:  # a resumed one keeps its renderer
                     self.render.open(t.id, t.render, len(t.tokens))
-            self.send(g, "add", body)
+            if t.prefill_group >= 0:
+                self.send(t.prefill_group, "add", {**body, "stream": False, "render": None,
+                                                   "pd": {"peer": t.group}})  # fmt: skip
+                body["pd"] = {"peer": t.prefill_group}
+            self.send(t.group, "add", body)
 
     def abort(self, request_id: int) -> None:
         """End a request with finish reason "abort" (no-op if unknown or finished)."""
@@ -261,6 +278,8 @@ class RequestTracker:
                 return
             t.aborted = True
             self.send(t.group, "abort", {"id": request_id})
+            if t.prefill_group >= 0:
+                self.send(t.prefill_group, "abort", {"id": request_id})
 
     def result(self, request_id: int, timeout_s: float | None = None) -> CompletionOutput:
         """Wait for a request kept for `result` (`keep`); TimeoutError after `timeout_s`."""
@@ -345,6 +364,8 @@ class RequestTracker:
                 if data or final or n:
                     self._notify(t, Delta(rid, [], "", data=data, n_tokens=n, final=final,
                                           status=status))  # fmt: skip
+            for ev in body.get("pd") or ():
+                self._pd_event(ev)
             for rec in body["done"]:
                 self._done(rec, now)
             self.dispatch_pending()
@@ -371,15 +392,38 @@ class RequestTracker:
         log.error("request %d: tokens from output index %d arrived after %d delivered (a gap)",
                   t.id, start, len(t.out))  # fmt: skip
 
-    def _done(self, rec: list, now: float) -> None:
-        rid, reason, _n_prompt, n_cached, error, first = rec[:6]
-        t = self.reqs.pop(rid, None)
+    def _pd_event(self, ev: list) -> None:
+        """A PD request's progress: [id, "prefilled", t_sched, t] from its prefill master,
+        [id, "landed", t, bytes, ns] from its decode master."""
+        t = self.reqs.get(ev[0])
         if t is None:
             return
+        if ev[1] == "prefilled":
+            t.pd.update(sched=ev[2], prefilled=ev[3])
+            if self.pd is not None:
+                self.pd.on_prefilled(t.id)
+        elif ev[1] == "landed":
+            t.pd.update(landed=ev[2], bytes=ev[3], ns=ev[4])
+
+    def _done(self, rec: list, now: float) -> None:
+        rid, reason, _n_prompt, n_cached, error, first = rec[:6]
+        t = self.reqs.get(rid)
+        if t is None:
+            return
+        if self.pd is not None and t.prefill_group >= 0:
+            self.pd.on_finish(rid)
+            if len(rec) > 7 and rec[7] and self.pd.policy == "recompute" and not t.aborted:
+                self.pd.counters["pd_recomputed"] += 1  # a failed KV transfer: place it again
+                log.warning("request %d: %s; sent again (kv_policy recompute)", rid, error)
+                t.group = t.prefill_group = -1
+                self.pending.appendleft(t)
+                return
+            self.pd.counters["pd_failed"] += len(rec) > 7 and bool(rec[7])
+        self.reqs.pop(rid, None)
         if first and not t.streamed:  # the master sent the tokens with the finish
             t.t_first = first
         if len(rec) > 6:
-            t.t_sched = rec[6]
+            t.t_sched = t.pd.get("sched") or rec[6]  # a PD request's: its prefill die's
         self.lb.on_finish(rid)
         self._end(t, reason, error, now, n_cached)
         if t.keep:
@@ -399,7 +443,9 @@ class RequestTracker:
             if id(t) in queued:
                 continue
             self.lb.on_finish(t.id)
-            t.group = -1
+            if self.pd is not None:
+                self.pd.on_finish(t.id)
+            t.group = t.prefill_group = -1
             reason = self._over(t)
             if reason:
                 self.reqs.pop(t.id, None)

@@ -34,7 +34,7 @@ MARKER = "xpod"
 WIRE_VERSION = 1
 KINDS = frozenset(
     {"add", "abort", "shutdown", "ping", "ready", "out", "stats", "pong", "log", "step", "stop",
-     "result", "open", "eof"}
+     "result", "open", "eof", "kv_dst", "kv_done", "kv_cancel", "xfer", "probe"}
 )  # fmt: skip
 
 
@@ -91,6 +91,11 @@ def output_socket(run_dir: str, group: int) -> str:
 def master_socket(run_dir: str, group: int) -> str:
     """The PULL socket of `group`'s master."""
     return f"ipc://{os.path.join(run_dir, f'm{group}.sock')}"
+
+
+def kv_socket(run_dir: str, die: int) -> str:
+    """The PULL socket of a PD prefill die's KV thread (`runtime.engine.pd`)."""
+    return f"ipc://{os.path.join(run_dir, f'k{die}.sock')}"
 
 
 def engine_socket(run_dir: str) -> str:

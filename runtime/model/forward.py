@@ -124,21 +124,23 @@ def forward(
 
 def build_model(
     die, cfg: ModelConfig, n_blocks: int, block_size: int, eplb: EPLBConfig | None = None,
-    keep_history: bool = False,
+    keep_history: bool = False, ep=None,
 ):  # fmt: skip
     """(DieModel over a PagedKV pool in the die's app area, the pool, its `ExpertBalancer`).
 
     Without EPLB the die builds its default experts in process memory; with EPLB the balancer's
-    bank in the app area holds them (the initial map's slots of this die)."""
+    bank in the app area holds them (the initial map's slots of this die). `ep`: the group
+    view the die's all-to-all runs over (`comm.group_view`): its ranks place the experts."""
+    ep = ep or die
     if eplb is None:
-        placement = Placement.default(cfg.num_experts, tuple(range(die.num_dies)))
-        experts = placement.experts_on(die.die_id).tolist()
+        placement = Placement.default(cfg.num_experts, tuple(range(ep.num_dies)))
+        experts = placement.experts_on(ep.die_id).tolist()
     else:
         experts = []
     pool = die.alloc((cfg.n_layers, max(n_blocks, 1), block_size, cfg.kv_cache_dim), np.float32)
     model = DieModel(cfg, build_weights(cfg, experts), PagedKV(pool))
     try:
-        bal = ExpertBalancer(die, model, eplb, keep_history)
+        bal = ExpertBalancer(die if eplb is not None else ep, model, eplb, keep_history)
     except BaseException:
         die.free(pool)
         raise

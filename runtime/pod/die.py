@@ -159,8 +159,11 @@ def _alive(pid: int) -> bool:
 
 
 def pin_die(die_id: int, config: PodConfig) -> None:
-    """A die's first start-up step: its own core when the pod is pinned (`PodConfig.pinned`)."""
-    if config.pinned():
+    """A die's first start-up step: its own core when the pod is pinned (`PodConfig.pinned`),
+    or the core `PodConfig.die_cpus` names (a PD pod: prefill dies on 0, decode dies on 1)."""
+    if config.die_cpus:
+        pin_to_core(config.die_cpus[die_id], config.cores)
+    elif config.pinned():
         pin_to_core(die_id, config.cores)
 
 
