@@ -17,11 +17,13 @@ import numpy as np
 
 from comm.alltoall import Split
 from runtime.engine import wire
+from runtime.engine.pd import PDTopology
 from runtime.model import ModelConfig
 from runtime.model.kv import PagedKV
 from runtime.model.reference import ReferencePod
 from runtime.model.sampler import sample_rows
 from runtime.model.split_reference import SplitReference
+from runtime.pod.proc import blas_threads, limit_blas_threads
 
 
 @dataclass
@@ -69,18 +71,90 @@ def replay(
         pod = SplitReference(cfg, split, quant, kv, combine_dtype, expert_maps)
     else:
         pod = ReferencePod(cfg, num_dies, quant, kv, combine_dtype, expert_maps=expert_maps)
+    report = ReplayReport()
+    _replay_steps(pod, kv, logs, report)
+    return report
+
+
+def replay_pd(
+    cfg: ModelConfig,
+    topo: PDTopology,
+    quant: str | None,
+    num_blocks: int,
+    decode_blocks: int,
+    block_size: int,
+    logs: dict[int, list[dict]],
+    combine_dtype: str = "bfloat16",
+) -> ReplayReport:
+    """A PD pod's replay: the prefill part (its dies' logged steps, a P-die reference), then
+    the decode part (a D-die reference). The KV a request's prefill left in its blocks, right
+    after the step that sampled its first token, is what its decode die must have received:
+    the replay writes it into the decode die's blocks (the table of the request's first row
+    there) before the step of that row, so a transfer that moved anything else shows as a
+    logit or token mismatch."""
+    p_dies, d_dies = list(topo.prefill), list(topo.decode)
+    report = ReplayReport()
+    snaps: dict[int, np.ndarray] = {}
+
+    def snapshot(kv: list[PagedKV], recs: dict[int, dict]) -> None:
+        for d, rec in recs.items():
+            for r in rec["rows"]:
+                if r[4]:  # it sampled: the prompt's KV is complete
+                    n = r[2] + len(r[1])
+                    t = np.asarray(r[3][: -(-n // block_size)], np.int64)
+                    pool = kv[d].pool
+                    snaps[r[0]] = pool[:, t].reshape(pool.shape[0], -1, pool.shape[3])[:, :n].copy()
+
+    def land(kv: list[PagedKV], recs: dict[int, dict]) -> None:
+        for d, rec in recs.items():
+            for r in rec["rows"]:
+                s = snaps.pop(r[0], None)
+                if s is None or r[2] != s.shape[1]:
+                    continue
+                n, pool = s.shape[1], kv[d].pool
+                t = np.asarray(r[3][: -(-n // block_size)], np.int64)
+                for i, b in enumerate(t):
+                    rows = s[:, i * block_size : (i + 1) * block_size]
+                    pool[:, b, : rows.shape[1]] = rows
+
+    d_blocks = decode_blocks or num_blocks
+    parts = ((p_dies, num_blocks, None, snapshot), (d_dies, d_blocks, land, None))
+    for dies, blocks, before, after in parts:
+        kv = [PagedKV.zeros(cfg.n_layers, blocks, block_size, cfg.kv_cache_dim) for _ in dies]
+        pod = ReferencePod(cfg, len(dies), quant, kv, combine_dtype)
+        part = {dies.index(g): recs for g, recs in logs.items() if g in dies}
+        _replay_steps(pod, kv, part, report, before, after, offset=dies[0])
+    return report
+
+
+def _replay_steps(pod, kv: list[PagedKV], logs: dict[int, list[dict]], report: ReplayReport,
+                  before=None, after=None, offset: int = 0) -> None:  # fmt: skip
+    """Replay every logged step of one lockstep group (logs keyed by rank 0..len(kv)-1), with
+    one BLAS thread as on the dies: a multithreaded matmul sums in another order (measured:
+    logits 1e-6 apart at 64-row steps)."""
+    had = blas_threads()
+    limit_blas_threads(1)
+    try:
+        _run_steps(pod, kv, logs, report, before, after, offset)
+    finally:
+        if had:
+            limit_blas_threads(had)
+
+
+def _run_steps(pod, kv, logs, report, before, after, offset) -> None:
     by_step: dict[int, dict[int, dict]] = {}
     for group, records in logs.items():
         for rec in records:
             by_step.setdefault(rec["step"], {})[int(group)] = rec
-    report = ReplayReport()
     busy = 0
     for step in sorted(by_step):
         recs = by_step[step]
         if not any(rec["rows"] for rec in recs.values()):
             continue  # an idle vote: no die ran a forward
+        if before is not None:
+            before(kv, recs)
         batches = []
-        for d in range(num_dies):
+        for d in range(len(kv)):
             rows = recs[d]["rows"] if d in recs else []
             kv[d].begin_step([(r[0], r[2], len(r[1]), r[3]) for r in rows])
             batches.append([(r[0], r[1], r[2]) for r in rows])
@@ -89,8 +163,9 @@ def replay(
         busy += 1
         report.steps += 1
         for d, rec in recs.items():
-            _compare(report, step, d, rec, logits[d])
-    return report
+            _compare(report, step, d + offset, rec, logits[d])
+        if after is not None:
+            after(kv, recs)
 
 
 def _compare(report: ReplayReport, step: int, group: int, rec: dict, logits: np.ndarray) -> None:
@@ -114,3 +189,13 @@ def _compare(report: ReplayReport, step: int, group: int, rec: dict, logits: np.
             if not np.array_equal(got[j], mine[j]):
                 diff = float(np.max(np.abs(got[j].astype(np.float64) - mine[j])))
                 report.logit_mismatches.append((step, group, rows[i][0], diff))
+
+
+def replay_engine(cfg, logs: dict[int, list[dict]]) -> ReplayReport:
+    """Replay what an engine of `EngineConfig` cfg served (`Engine.step_log`, after close)."""
+    m = cfg.model_config()
+    if cfg.pd is not None:
+        return replay_pd(m, cfg.pd, cfg.quant, cfg.blocks, cfg.decode_blocks, cfg.block_size,
+                         logs, cfg.combine_dtype)  # fmt: skip
+    return replay(m, cfg.dies, cfg.quant, cfg.blocks, cfg.block_size, logs, cfg.combine_dtype,
+                  split=cfg.split)  # fmt: skip
