@@ -32,6 +32,8 @@ import psutil
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
+from runtime.api.pd_metrics import PDMetrics
+
 # Buckets sized for this machine's steps (~2-20 ms) and few enough to keep a scrape cheap:
 # prometheus-client renders ~12 us per sample, and every bucket is a sample per group.
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.0, 10.0, 30.0)
@@ -86,6 +88,7 @@ class Metrics:
         self.imb_sum = 0.0
         self.imb_n = 0
         self.procs: dict[int, psutil.Process] = {}
+        self.pd = PDMetrics(engine, r) if getattr(engine.config, "pd", None) else None
         r.register(_Callback(self.collect))
         engine.observer = self
 
@@ -108,6 +111,8 @@ class Metrics:
         if t.t_sched:
             self.queue.labels(g).observe(max(0.0, t.t_sched - t.t0))
         self.e2e.labels(g).observe(max(0.0, t.t_done - t.t0))
+        if self.pd is not None:
+            self.pd.on_finish(t)
 
     def on_stats(self, body: dict) -> None:
         g = body.get("group", -1)
@@ -261,6 +266,8 @@ class Metrics:
                                 " imbalance since start.", value=mean)  # fmt: skip
         yield from self._eplb(by)
         yield from self._split()
+        if self.pd is not None:
+            yield from self.pd.collect(by)
         for name, fn in self.extra.items():
             yield GaugeMetricFamily(name, fn.__doc__ or name, value=fn())
         yield from self._processes()

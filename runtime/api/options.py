@@ -22,6 +22,8 @@ class ServerOptions:
         max_body_bytes: larger request bodies get 413.
         access_log: log every HTTP request on stderr.
         shell_batch: run the shell's threads as SCHED_BATCH (`runtime.pod.proc.batch_scheduling`).
+        replay_check: a file: log every step, and at the end replay them through the
+            single-process reference and write what it found there as JSON ("" = off).
         loop_receiver: the event loop reads the masters' messages (`Engine.attach_loop`), not
             the engine's receiver thread.
     """
@@ -37,6 +39,7 @@ class ServerOptions:
     access_log: bool = False
     shell_batch: bool = True
     loop_receiver: bool = True
+    replay_check: str = ""
 
     @property
     def served_name(self) -> str:

@@ -398,6 +398,7 @@ def run(opts: ServerOptions) -> int:
     bind(opts.host, opts.port).close()  # a busy port fails before anything starts
     e = opts.engine
     what = (f"{e.dies} attention + {e.expert_dies} expert dies" if e.expert_dies
+            else f"{e.prefill_dies} prefill + {e.decode_dies} decode dies" if e.pd
             else f"{e.dies} dies")  # fmt: skip
     say(f"launching {what}, model {e.model} ...")
     t0 = time.monotonic()
@@ -416,5 +417,26 @@ def run(opts: ServerOptions) -> int:
         finally:
             for s, h in zip((signal.SIGINT, signal.SIGTERM), old, strict=True):
                 signal.signal(s, h)
+    if opts.replay_check:
+        write_replay(engine, opts.replay_check)
     say("stopped")
     return status
+
+
+def write_replay(engine: Engine, path: str) -> None:
+    """Replay what the engine served (its step log) and write the verdict as JSON."""
+    from runtime.engine.replay import replay_engine
+
+    say(f"replaying {sum(len(v) for v in engine.step_log.values())} logged steps ...")
+    t0 = time.monotonic()
+    rep = replay_engine(engine.config, engine.step_log)
+    out = {"bit_equal": rep.bit_equal, "steps": rep.steps, "rows": rep.rows,
+           "sampled": rep.sampled, "logits_compared": rep.logits_compared,
+           "token_mismatches": rep.token_mismatches[:20],
+           "logit_mismatches": rep.logit_mismatches[:20],
+           "n_token_mismatches": len(rep.token_mismatches),
+           "n_logit_mismatches": len(rep.logit_mismatches)}  # fmt: skip
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(out, f)
+    say(f"replay: bit_equal {rep.bit_equal} over {rep.sampled} sampled tokens"
+        f" ({time.monotonic() - t0:.1f} s) -> {path}")  # fmt: skip

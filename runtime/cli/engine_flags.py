@@ -62,6 +62,12 @@ ENGINE_FLAGS = {
     "op_timeout_s": "--op-timeout",
     "heartbeat_timeout_s": "--heartbeat-timeout",
     "max_restarts": "--max-restarts",
+    "prefill_dies": "--prefill-dies",
+    "decode_dies": "--decode-dies",
+    "decode_blocks": "--decode-blocks",
+    "kv_policy": "--kv-policy",
+    "kv_lease_s": "--kv-lease",
+    "kv_timeout_s": "--kv-timeout",
 }
 
 
@@ -116,7 +122,29 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="write a Perfetto timeline (masters above dies) to FILE when done",
     )
     add_split_flags(p, "serve")
+    add_pd_flags(p)
     add_reliability_flags(p)
+
+
+def add_pd_flags(p: argparse.ArgumentParser) -> None:
+    """Prefill-decode disaggregation (runtime.engine.pd)."""
+    g = p.add_argument_group("prefill-decode disaggregation")
+    add = g.add_argument
+    add("--prefill-dies", type=nonneg_int, default=0, metavar="P",
+        help="a PD pod: P prefill dies (dies 0..P-1) and --decode-dies decode dies, each part"
+        " its own lockstep EP group; the KV moves once, zero-copy, prefill -> decode"
+        " (replaces --dies)")  # fmt: skip
+    add("--decode-dies", type=nonneg_int, default=0, metavar="D", help="decode dies of a PD pod")
+    add("--decode-blocks", type=nonneg_int, default=0, metavar="N",
+        help="KV blocks of a decode die (default: --num-blocks)")  # fmt: skip
+    add("--kv-policy", default="recompute", choices=("fail", "recompute"),
+        help="a failed KV transfer: send the request again (recompute, default) or end it with"
+        " an error event (fail)")  # fmt: skip
+    add("--kv-lease", type=positive_float, default=30.0, metavar="S",
+        help="a prefill die frees unread KV after S seconds (default 30)")  # fmt: skip
+    add("--kv-timeout", type=positive_float, default=2.0, metavar="S",
+        help="a decode die probes the link of a request waiting S seconds for its KV; no echo"
+        " within S more: the link is dead (default 2)")  # fmt: skip
 
 
 def add_reliability_flags(p: argparse.ArgumentParser) -> None:
@@ -180,6 +208,12 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
             max_restarts=args.max_restarts,
             inject=args.inject,
             fault_log=args.fault_log or "",
+            prefill_dies=args.prefill_dies,
+            decode_dies=args.decode_dies,
+            decode_blocks=args.decode_blocks,
+            kv_policy=args.kv_policy,
+            kv_lease_s=args.kv_lease,
+            kv_timeout_s=args.kv_timeout,
             **extra,
         )  # fmt: skip
         cfg.pod_config()  # the pod it sizes must be valid too

@@ -21,6 +21,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", type=positive_int, default=None, metavar="N",
                    help="routed experts (default: the preset's); they must split evenly over the"
                    " dies that host them (e.g. 30 for 5 or 6 expert dies)")  # fmt: skip
+    p.add_argument("--max-seq-len", type=positive_int, default=None, metavar="N",
+                   help="context length (default: the preset's: small 512); e.g. 2048 for the"
+                   " 1K-token prompts of the PD interference phase")  # fmt: skip
     p.add_argument("--score-bias", default=None, choices=SCORE_BIASES,
                    help="router correction bias (default: the preset's); skew makes a few experts"
                    " hot")  # fmt: skip
@@ -31,10 +34,12 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def model_overrides(args: argparse.Namespace) -> dict:
-    """ModelConfig overrides of --experts, --score-bias and --batch-invariant."""
+    """ModelConfig overrides of --experts, --max-seq-len, --score-bias and --batch-invariant."""
     out: dict = {}
     if getattr(args, "experts", None) is not None:
         out["num_experts"] = args.experts
+    if getattr(args, "max_seq_len", None) is not None:
+        out["max_seq_len"] = args.max_seq_len
     if args.score_bias is not None:
         out["score_bias"] = args.score_bias
     if args.batch_invariant:

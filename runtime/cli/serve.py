@@ -8,7 +8,14 @@ import argparse
 
 from memory.errors import ConfigError
 from runtime.api.options import ServerOptions
-from runtime.cli.argtypes import int_range, nonneg_int, positive_float, positive_int, size
+from runtime.cli.argtypes import (
+    int_range,
+    nonneg_int,
+    output_file,
+    positive_float,
+    positive_int,
+    size,
+)
 from runtime.cli.engine_flags import add_engine_flags, engine_config
 
 # -- command line ------------------------------------------------------------------------------
@@ -44,6 +51,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
         " does not preempt a die)")  # fmt: skip
     add("--receiver", default="loop", choices=("loop", "thread"),
         help="who reads the masters' messages: the event loop (default) or a thread")  # fmt: skip
+    add("--replay-check", type=output_file, default=None, metavar="FILE",
+        help="log every step (and its logits); at the end replay them through the"
+        " single-process reference and write the verdict to FILE as JSON")  # fmt: skip
     add_engine_flags(p)
 
 
@@ -52,8 +62,9 @@ def parse_options(args: argparse.Namespace) -> ServerOptions:
     launched."""
     if args.queue_ahead < -1:
         raise ConfigError(f"argument --queue-ahead: {args.queue_ahead} must be >= -1")
+    check = {"log_steps": True, "keep_logits": True} if args.replay_check else {}
     engine = engine_config(args, output_procs=args.output_procs, queue_ahead=args.queue_ahead,
-                           stream_interval=args.stream_interval)  # fmt: skip
+                           stream_interval=args.stream_interval, **check)  # fmt: skip
     if args.served_model_name and not args.served_model_name.strip():
         raise ConfigError("argument --served-model-name: must not be blank")
     try:
@@ -65,7 +76,7 @@ def parse_options(args: argparse.Namespace) -> ServerOptions:
     return ServerOptions(engine, args.host, args.port, args.served_model_name.strip(),
                          args.max_queue, args.drain_timeout, args.health_timeout, args.max_body,
                          args.access_log, args.shell_policy == "batch",
-                         args.receiver == "loop")  # fmt: skip
+                         args.receiver == "loop", args.replay_check or "")  # fmt: skip
 
 
 def run(opts: ServerOptions) -> int:

@@ -219,8 +219,10 @@ class EngineConfig:
         if isinstance(b, bool) or not isinstance(b, int) or b < 0:
             raise ConfigError(f"decode_blocks: {b!r} must be an int >= 0")
         if b and b < self.blocks_per_seq:
-            raise ConfigError(f"decode_blocks: {b} blocks cannot hold one full context"
-                              f" ({self.blocks_per_seq} blocks of {self.block_size})")
+            raise ConfigError(
+                f"decode_blocks: {b} blocks cannot hold one full context"
+                f" ({self.blocks_per_seq} blocks of {self.block_size})"
+            )
 
     @property
     def pd(self) -> PDTopology | None:

@@ -119,8 +119,10 @@ class PodConfig:
         _int_in("eplb_layers", self.eplb_layers, 0, 1 << 12)
         _int_in("eplb_window", self.eplb_window, 0, 1 << 16)
         object.__setattr__(self, "die_cpus", tuple(self.die_cpus))
-        if self.die_cpus and (len(self.die_cpus) != self.num_dies
-                              or not all(isinstance(c, int) and c >= 0 for c in self.die_cpus)):
+        if self.die_cpus and (
+            len(self.die_cpus) != self.num_dies
+            or not all(isinstance(c, int) and c >= 0 for c in self.die_cpus)
+        ):
             raise ConfigError(f"die_cpus: {list(self.die_cpus)!r} must give each of the"
                               f" {self.num_dies} dies a core index >= 0")  # fmt: skip
         if self.eplb_layers and not (self.a2a_max_batch and self.eplb_window):
