@@ -41,11 +41,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from comm.endpoint import Endpoint
+from comm.trace import STEP_NAMES, TRACK_NAMES
 from comm.wait import WaitContext, WaitPolicy, wait_ge
 from memory import layout as L
 from memory.errors import ConfigError, ProtocolError
 
 OK, SOURCE_FAILED = 0, 1  # record status: the KV is there / the prefill side could not send it
+KV_LANE, KV_OP = 97, "kv_push"  # trace track of a prefill die's KV thread
+TRACK_NAMES[KV_LANE] = "kv link"
+STEP_NAMES.update({(KV_OP, 0): "wait record slot", (KV_OP, 2): "write KV app->remote app",
+                   (KV_OP, 3): "publish record + done"})  # fmt: skip
 # The KV thread waits for a record slot gently: it runs beside the die's step loop.
 LINK_POLICY = WaitPolicy(spin_polls=0, yield_every=1, backoff_after_s=0.001, sleep_s=0.0005)
 
@@ -147,25 +152,36 @@ class KVLinkTx:
         self.ep = ep
         self.me = ep.die_id
         self.lo = ep.layout
-        self.sent = [0] * ep.num_dies  # records published to each decode die
+        # records published to each decode die: a new sender (a new pod.run) goes on from what
+        # each decode die acked (its own words: a link at rest has every record acked)
+        own = ep.words[ep.die_id]
+        self.sent = [own[peer_word(self.lo, d, L.PD_ACK)] if d < L.MAX_PD_DIES else 0
+                     for d in range(ep.num_dies)]  # fmt: skip
         self.policy = LINK_POLICY.with_timeout(timeout_s)
         self.ctx = WaitContext(ep.die_id, ep.ctx.abort)
         self.bytes_sent = [0] * ep.num_dies
         self.ns_sent = [0] * ep.num_dies
 
     def push(self, dst: int, spans: np.ndarray, req: int, first: int,
-             status: int = OK) -> tuple[int, int, int]:  # fmt: skip
+             status: int = OK, hook=None) -> tuple[int, int, int]:  # fmt: skip
         """Copy `spans` (`segments`) into die `dst`'s region, then the record and the count.
-        Returns (bytes, ns, crc32 of the source). Waits for a free record slot first."""
+        Returns (bytes, ns, crc32 of the source). Waits for a free record slot first. `hook`:
+        called once the transfer is marked started (fault injection)."""
         self.ep.check_peer(dst, "KV link decode die")
         k = self.sent[dst]
         own = self.ep.words[self.me]
+        tr = self.ep.trace if self.ep.trace.enabled else None
         if k >= L.PD_SLOTS:  # slot k % PD_SLOTS is free once record k - PD_SLOTS is consumed
+            tw = time.perf_counter_ns()
             wait_ge(own, peer_word(self.lo, dst, L.PD_ACK), k - L.PD_SLOTS + 1, self.policy,
                     self.ctx, dst, "pd.ack (a free KV record slot)")  # fmt: skip
+            if tr is not None:
+                tr.rec(tw, time.perf_counter_ns() - tw, KV_OP, 0, dst, KV_LANE, req, 0)
         w = self.ep.words[dst]
         w[record_word(self.lo, self.me, k, REC_REQ)] = req  # the slot is free: what is coming,
         w[peer_word(self.lo, self.me, L.PD_STARTED)] = k + 1  # then that it started
+        if hook is not None:
+            hook()
         t0 = time.perf_counter_ns()
         src, out = self.ep.regions[self.me].array, self.ep.regions[dst].array
         crc, nbytes = 0, 0
@@ -182,6 +198,10 @@ class KVLinkTx:
                          (REC_CRC, crc), (REC_NS, ns), (REC_STATUS, status)):  # fmt: skip
             w[record_word(self.lo, self.me, k, field)] = v
         w[peer_word(self.lo, self.me, L.PD_DONE)] = k + 1  # LAST
+        if tr is not None:
+            t1 = time.perf_counter_ns()
+            tr.rec(t0, ns, KV_OP, 2, dst, KV_LANE, req, nbytes)
+            tr.rec(t0 + ns, t1 - t0 - ns, KV_OP, 3, dst, KV_LANE, req, 0)
         self.sent[dst] = k + 1
         self.bytes_sent[dst] += nbytes
         self.ns_sent[dst] += ns
@@ -214,7 +234,7 @@ class KVLinkRx:
 
     def __init__(self, me: int, lo: L.RegionLayout, own: memoryview, remote: dict):
         self.me, self.lo, self.own, self.remote = me, lo, own, remote
-        self.taken = dict.fromkeys(remote, 0)
+        self.taken = {p: own[peer_word(lo, p, L.PD_DONE)] for p in remote}  # at rest: all
         self.probes = dict.fromkeys(remote, 0)
 
     def poll(self, src: int) -> list[Record]:

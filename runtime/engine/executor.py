@@ -169,8 +169,6 @@ class _Loop:
         # clock stores (step, layer, phase ended) at every phase, the loop its vote / park.
         self.clock.progress = (self.words[self.me], lo.serve_word(L.SV_PROGRESS))
         self.words[self.me][lo.serve_word(L.SV_KV_POOL)] = die.region.offset_of(self.pool)
-        if spec.pd is not None and spec.pd.role(self.me) == "prefill":
-            self.kv_thread = KVThread(die, self.pool, spec.pd, spec.run_dir, spec.kv_timeout_s)
         self.kvf_word = lo.serve_word(L.SV_KV_FAULT)
         self.kvf_seq = 0
         self.bad: set[int] = set()  # KV blocks reported faulty: rows that hold one are dropped
@@ -193,6 +191,10 @@ class _Loop:
         self.op_policy = die.policy.with_timeout(spec.op_timeout_s) if spec.op_timeout_s else None
         mine = [f for f in spec.faults if f.index == self.me]
         self.clock.fault = self._fault_hook(mine) if mine else None
+        if spec.pd is not None and spec.pd.role(self.me) == "prefill":  # its KV transfers
+            kv = [f for f in mine if f.phase == "kv"]
+            self.kv_thread = KVThread(die, self.pool, spec.pd, spec.run_dir, spec.kv_timeout_s,
+                                      self._fault_hook(kv) if kv else None)  # fmt: skip
 
     # -- one global step ----------------------------------------------------------------------
 

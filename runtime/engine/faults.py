@@ -27,7 +27,9 @@ kill:die=2,step=40,layer=1,phase=combine  die 2 SIGKILLs itself right before tha
   installed in the targeted die only, `ServeSpec.faults`): `err` (the collective raises
   `LinkError`), `drop` (this die's writes of that collective are held back until the abort: to
   its peers a lost completion word), `delay` (held back `for=T`); keys `layer=L` (default any
-  MoE layer), `phase=dispatch|combine` (default dispatch), `times=N` (fire on N attempts of
+  MoE layer), `phase=dispatch|combine|kv` (default dispatch; kv: a PD prefill die's KV thread
+  mid-transfer, after it marked the transfer started, `step` = its transfer number: `delay`
+  holds the copy back, `kill` kills the die mid-transfer), `times=N` (fire on N attempts of
   that step: N > 3 escalates a rollback to a restart). These take `step=S` (the die's own
   step counter) or `at=T` (the shell arms the die through its `fault_arm` serving word at T;
   the hook fires at the die's next matching collective). A `kill` of a die with `phase=` is
@@ -184,9 +186,10 @@ def parse_faults(text: str, num_groups: int, output_procs: bool = False,
                                          f" {'/'.join(DIE_SIDE)}")  # fmt: skip
                 setattr(f, key, int(val))
             elif key == "phase":
-                if kind not in (*DIE_SIDE, "kill") or val not in ("dispatch", "combine"):
-                    raise FaultSpecError(f"fault {part!r}: phase={val}: dispatch or combine,"
-                                         f" for {'/'.join(DIE_SIDE)}")  # fmt: skip
+                if kind not in (*DIE_SIDE, "kill") or val not in ("dispatch", "combine", "kv"):
+                    raise FaultSpecError(f"fault {part!r}: phase={val}: dispatch, combine or kv"
+                                         f" (a PD prefill die's KV thread), for"
+                                         f" {'/'.join(DIE_SIDE)}")  # fmt: skip
                 f.phase = val
             else:
                 raise FaultSpecError(f"fault {part!r}: unknown key {key!r} (die, master,"

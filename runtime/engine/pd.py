@@ -103,8 +103,11 @@ class KVThread:
     socket; each is copied straight into the decode die's pool (`comm.kvlink.KVLinkTx`), then
     the decode master's bell rings. Probes from decode masters are echoed at every wake-up."""
 
-    def __init__(self, die, pool: np.ndarray, topo: PDTopology, run_dir: str, timeout_s: float):
+    def __init__(self, die, pool: np.ndarray, topo: PDTopology, run_dir: str, timeout_s: float,
+                 fault=None):  # fmt: skip
         self.die, self.topo, self.run_dir = die, topo, run_dir
+        self.fault = fault  # the die's fault hook (phase "kv", step = the transfer number)
+        self.n = 0
         self.tx = KVLinkTx(die, timeout_s)
         self.geo = geometry(die.region, pool)
         self.stopping = False
@@ -154,7 +157,15 @@ class KVThread:
                 log.warning("die %d: KV order of request %s refused: %s", self.die.die_id,
                             body.get("id"), e)  # fmt: skip
                 status = SOURCE_FAILED
-        nbytes, ns, _ = self.tx.push(dst, spans, body["id"], body.get("first", 0), status)
+        self.n += 1
+        hook = None
+        if self.fault is not None:
+            n, fault = self.n, self.fault
+
+            def hook() -> None:
+                fault(n, -1, "kv")
+
+        nbytes, ns, _ = self.tx.push(dst, spans, body["id"], body.get("first", 0), status, hook)
         self.counters["transfers"] += status == OK
         self.counters["failed_at_source"] += status != OK
         self.counters["bytes"] += nbytes
