@@ -274,6 +274,7 @@ class DecodeSide:
         if blocks is not None:  # a late write into quarantined blocks ended: they are free
             kv.free(rec.req)
             self.rx.ack(p, rec.k)
+            self.to_master[p].send(wire.pack("kv_done", {"id": rec.req}))  # its lease too
             return
         r = self.reqs.get(rec.req)
         if r is None or r.src != p or r.state not in ("WaitingForInput", "Transferring"):
