@@ -239,6 +239,8 @@ class Master:
                     "replay": prompt[len(prompt) - base:] if base else []}))  # fmt: skip
         except (ValueError, TypeError) as e:
             self.counters["bad_requests"] += 1
+            if isinstance(self.pd, PrefillSide) and body.get("pd") is not None:
+                self.pd.refused(rid)
             if isinstance(rid, int):
                 self.done.append([rid, "error", 0, 0, str(e), 0.0])
 

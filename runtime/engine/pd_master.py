@@ -86,13 +86,24 @@ class PrefillSide:
         return True
 
     def on_dst(self, body: dict) -> None:
+        """A decode die's scatter list. It may come before the shell's `add` (two senders):
+        kept until the request is prefilled; for a request that is gone here, a failed record
+        at once (the decode side frees its blocks)."""
         rid = body.get("id")
-        if rid in self.gone or rid not in self.peer:
+        if rid in self.gone:
             self.gone.discard(rid)
-            self._send_failed(body)  # its request is gone here: the decode side frees
+            self._send_failed(body)
             return
         self.dst[rid] = body
         self._send(rid)
+
+    def refused(self, rid) -> None:
+        """A PD request the master refused (a bad `add`): its scatter list gets a failed
+        record, now or when it comes."""
+        if rid in self.dst:
+            self._send_failed(self.dst.pop(rid))
+        elif isinstance(rid, int):
+            self.gone.add(rid)
 
     def on_done(self, body: dict) -> None:
         rid = body.get("id")
@@ -371,7 +382,11 @@ class DecodeSide:
         self._end(r, "error", f"KV transfer failed: {why}", retry=True)
 
     def _end(self, r: _PDReq, reason: str, error: str, retry: bool = False) -> None:
-        self.m.done.append([r.rid, reason, len(r.prompt), 0, error, 0.0, 0.0, retry])
+        rec = [r.rid, reason, len(r.prompt), 0, error, 0.0, 0.0, retry]
+        if retry:  # straight to the shell (never an output process: its policy may resend it)
+            self.m.send("out", {"group": self.g, "deltas": [], "done": [rec], "pd": []})
+        else:
+            self.m.done.append(rec)
 
     def first_tokens(self, rid: int, toks: list[int]) -> list[int]:
         """A request's tokens with its first token in front, the first time it has any."""

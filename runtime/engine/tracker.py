@@ -337,6 +337,8 @@ class RequestTracker:
             if body.get("gen", 0) != self.gen:
                 self.ledger["stale_messages"] += 1
                 return
+            if self.pd is not None:  # a failed KV transfer the policy resends: not an end
+                body["done"] = [rec for rec in body["done"] if not self._resend(rec)]
             body["deltas"] = [d for d in map(self._fresh, body["deltas"]) if d is not None]
             if "data" not in body:  # from a master: render here what is rendered
                 body, stops = self.render.process(body)
@@ -405,6 +407,21 @@ class RequestTracker:
         elif ev[1] == "landed":
             t.pd.update(landed=ev[2], bytes=ev[3], ns=ev[4])
 
+    def _resend(self, rec: list) -> bool:
+        """A PD request whose KV transfer failed (`rec[7]`), under kv_policy recompute: placed
+        again (a new prefill and decode die), from the tokens it delivered. True if so."""
+        t = self.reqs.get(rec[0])
+        if len(rec) < 8 or not rec[7] or t is None or t.prefill_group < 0:
+            return False
+        if self.pd.policy != "recompute" or t.aborted:
+            return False
+        self.pd.on_finish(t.id)
+        self.pd.counters["pd_recomputed"] += 1
+        log.warning("request %d: %s; sent again (kv_policy recompute)", t.id, rec[4])
+        t.group = t.prefill_group = -1  # a rendered one keeps its renderer (what its client has)
+        self.pending.appendleft(t)
+        return True
+
     def _done(self, rec: list, now: float) -> None:
         rid, reason, _n_prompt, n_cached, error, first = rec[:6]
         t = self.reqs.get(rid)
@@ -412,12 +429,6 @@ class RequestTracker:
             return
         if self.pd is not None and t.prefill_group >= 0:
             self.pd.on_finish(rid)
-            if len(rec) > 7 and rec[7] and self.pd.policy == "recompute" and not t.aborted:
-                self.pd.counters["pd_recomputed"] += 1  # a failed KV transfer: place it again
-                log.warning("request %d: %s; sent again (kv_policy recompute)", rid, error)
-                t.group = t.prefill_group = -1
-                self.pending.appendleft(t)
-                return
             self.pd.counters["pd_failed"] += len(rec) > 7 and bool(rec[7])
         self.reqs.pop(rid, None)
         if first and not t.streamed:  # the master sent the tokens with the finish
