@@ -140,6 +140,9 @@ def add_pd_flags(p: argparse.ArgumentParser) -> None:
     add("--kv-policy", default="recompute", choices=("fail", "recompute"),
         help="a failed KV transfer: send the request again (recompute, default) or end it with"
         " an error event (fail)")  # fmt: skip
+    add("--no-kv-checksum", action="store_true",
+        help="no crc32 of the KV transfers (by default the prefill die sends the source's and"
+        " the decode die checks what landed, timed apart from the copy)")  # fmt: skip
     add("--kv-lease", type=positive_float, default=30.0, metavar="S",
         help="a prefill die frees unread KV after S seconds (default 30)")  # fmt: skip
     add("--kv-timeout", type=positive_float, default=2.0, metavar="S",
@@ -214,6 +217,7 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
             kv_policy=args.kv_policy,
             kv_lease_s=args.kv_lease,
             kv_timeout_s=args.kv_timeout,
+            kv_checksum=not args.no_kv_checksum,
             **extra,
         )  # fmt: skip
         cfg.pod_config()  # the pod it sizes must be valid too

@@ -45,6 +45,7 @@ from runtime.cli.argtypes import (
 )
 from runtime.cli.engine_flags import ENGINE_FLAGS, add_engine_flags, engine_config
 from runtime.engine import CompletionOutput, Engine, EngineConfig, EngineError, SamplingParams
+from runtime.engine.pd_shell import pd_summary
 from runtime.model import encode
 
 PROG = "xpod generate"
@@ -293,6 +294,8 @@ def run(opts: Options) -> int:
         f"{cfg.dies} attention + {cfg.expert_dies} expert dies ({cfg.domains} domain(s),"
         f" {cfg.microbatches} micro-batch(es))"
         if cfg.expert_dies
+        else f"{cfg.prefill_dies} prefill + {cfg.decode_dies} decode dies"
+        if cfg.pd
         else f"{cfg.dies} dies"
     )
     print(
@@ -307,6 +310,9 @@ def run(opts: Options) -> int:
     summary = summarize(outs, wall_s, eng)
     if split is not None:
         summary["split"] = split
+    pd = pd_summary(cfg, eng.stats, eng.tracker.pd)
+    if pd is not None:
+        summary["pd"] = pd
     if not opts.quiet:
         for out in outs:
             print(completion_line(out))
@@ -509,6 +515,19 @@ def print_summary(s: dict) -> None:
         print("  (some group sent no final stats: its numbers are the latest it sent)")
     if s.get("split"):
         print_split_stats(s["split"])
+    if s.get("pd"):
+        print_pd_stats(s["pd"])
+
+
+def print_pd_stats(pd: dict) -> None:
+    """A PD pod's KV transfers."""
+    print(f"\n  PD pod: prefill dies {pd['prefill_dies']}, decode dies {pd['decode_dies']}:"
+          f" {pd['transfers']} KV transfers, {pd['bytes'] / 1e6:.2f} MB in {pd['copy_s'] * 1e3:.2f}"
+          f" ms of copy ({pd['gbps']:.2f} GB/s), {pd['failed']} failed,"
+          f" {pd['checksum_mismatches']} checksum mismatches")  # fmt: skip
+    for link, v in sorted(pd["links"].items()):
+        print(f"  link {link:>6}: {v['transfers']:>4} transfers {v['bytes'] / 1e6:8.2f} MB"
+              f" {v['gbps']:6.2f} GB/s  {v['state']}")  # fmt: skip
 
 
 def print_split_stats(sp: dict) -> None:

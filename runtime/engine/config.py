@@ -84,6 +84,8 @@ class EngineConfig:
             decode side has not read them (vLLM NIXL's kv_lease_duration).
         kv_timeout_s: a decode master probes the link of a request waiting this long for its
             KV; no echo within it more = the link is dead (the request fails).
+        kv_checksum: the prefill die sends the crc32 of every transfer's source and the decode
+            master checks what landed (timed apart from the copy; False: no check).
     """
 
     dies: int = 4
@@ -129,6 +131,7 @@ class EngineConfig:
     kv_policy: str = "recompute"
     kv_lease_s: float = 30.0
     kv_timeout_s: float = 2.0
+    kv_checksum: bool = True
 
     def __post_init__(self) -> None:
         m = self.model_config()

@@ -221,7 +221,8 @@ class Engine(EngineRecovery):
                           self.run_dir, cfg.keep_logits, cfg.gc_every, cfg.eplb, rollback,
                           cfg.op_timeout_s if rollback else 0.0,
                           plan.unfired_die_side() if plan is not None else (),
-                          cfg.split, cfg.pd, cfg.decode_blocks, cfg.timeout_s)  # fmt: skip
+                          cfg.split, cfg.pd, cfg.decode_blocks, cfg.timeout_s,
+                          cfg.kv_checksum)  # fmt: skip
         self._thread(self._pod_loop, serve, self.gen, name="xpod-pod-run")
         if not any(t.name == "xpod-engine-receive" for t in self._threads) and not (
             self.rx_handover

@@ -116,6 +116,7 @@ class ServeSpec:
     pd: PDTopology | None = None
     decode_blocks: int = 0
     kv_timeout_s: float = 60.0
+    kv_checksum: bool = True
 
 
 class _Loop:
@@ -194,7 +195,8 @@ class _Loop:
         if spec.pd is not None and spec.pd.role(self.me) == "prefill":  # its KV transfers
             kv = [f for f in mine if f.phase == "kv"]
             self.kv_thread = KVThread(die, self.pool, spec.pd, spec.run_dir, spec.kv_timeout_s,
-                                      self._fault_hook(kv) if kv else None)  # fmt: skip
+                                      self._fault_hook(kv) if kv else None,
+                                      spec.kv_checksum)  # fmt: skip
 
     # -- one global step ----------------------------------------------------------------------
 

@@ -104,11 +104,11 @@ class KVThread:
     the decode master's bell rings. Probes from decode masters are echoed at every wake-up."""
 
     def __init__(self, die, pool: np.ndarray, topo: PDTopology, run_dir: str, timeout_s: float,
-                 fault=None):  # fmt: skip
+                 fault=None, verify: bool = True):  # fmt: skip
         self.die, self.topo, self.run_dir = die, topo, run_dir
         self.fault = fault  # the die's fault hook (phase "kv", step = the transfer number)
         self.n = 0
-        self.tx = KVLinkTx(die, timeout_s)
+        self.tx = KVLinkTx(die, timeout_s, verify)
         self.geo = geometry(die.region, pool)
         self.stopping = False
         self.error: BaseException | None = None

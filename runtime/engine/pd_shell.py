@@ -84,6 +84,34 @@ class PDRouter:
         return {p: sum(q.values()) for p, q in self.queued.items()}
 
 
+def pd_summary(cfg: EngineConfig, stats: dict, router: PDRouter | None) -> dict | None:
+    """A PD engine's transfers from its masters' latest stats (None when not PD): per link and
+    in all, bytes, copy seconds, GB/s, results, checksum mismatches, leases, probes."""
+    topo = cfg.pd
+    if topo is None:
+        return None
+    dec = [stats.get(g) or {} for g in topo.decode]
+    pre = [stats.get(g) or {} for g in topo.prefill]
+    links = {k: dict(v) for s in dec for k, v in (s.get("pd_links") or {}).items()}
+    nbytes = sum(v["bytes"] for v in links.values())
+    ns = sum(v["ns"] for v in links.values())
+    n = sum(v["transfers"] for v in links.values())
+    for v in links.values():
+        v["gbps"] = v["bytes"] / v["ns"] if v["ns"] else 0.0
+    out = {"prefill_dies": list(topo.prefill), "decode_dies": list(topo.decode),
+           "transfers": n, "bytes": nbytes, "copy_s": ns / 1e9,
+           "gbps": nbytes / ns if ns else 0.0, "mean_bytes": nbytes / n if n else 0.0,
+           "links": links}  # fmt: skip
+    for key in ("pd_success", "pd_failed", "pd_checksum_mismatches", "pd_quarantined_blocks",
+                "pd_probes"):  # fmt: skip
+        out[key[3:]] = sum(s.get(key, 0) for s in dec)
+    for key in ("pd_leases_freed", "pd_leases_expired", "pd_leased", "pd_failed_orders"):
+        out[key[3:]] = sum(s.get(key, 0) for s in pre)
+    if router is not None:
+        out.update({k[3:]: v for k, v in router.counters.items()})
+    return out
+
+
 def pd_blocks(cfg: EngineConfig, g: int) -> int:
     """KV blocks of group `g` (a PD pod's decode dies may have `decode_blocks`)."""
     topo = cfg.pd
@@ -100,7 +128,7 @@ def pd_master_spec(cfg: EngineConfig, g: int) -> dict | None:
     m = cfg.model_config()
     return {"role": topo.role(g), "prefill": list(topo.prefill), "decode": list(topo.decode),
             "n_layers": m.n_layers, "row_floats": m.kv_cache_dim, "lease_s": cfg.kv_lease_s,
-            "timeout_s": cfg.kv_timeout_s}  # fmt: skip
+            "timeout_s": cfg.kv_timeout_s, "checksum": cfg.kv_checksum}  # fmt: skip
 
 
-__all__ = ["PDRouter", "pd_blocks", "pd_master_spec"]
+__all__ = ["PDRouter", "pd_blocks", "pd_master_spec", "pd_summary"]

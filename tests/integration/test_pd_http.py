@@ -71,7 +71,9 @@ def test_a_full_decode_pool_defers_the_kv_and_the_shell_sheds_past_its_queue(tmp
         w.join()
         refused = [i for i, (code, _) in enumerate(first) if code == 503]
         done = [b for code, b in first if code == 200]
-        assert {code for code, _ in first} <= {200, 503}, [b for c, b in first if c not in (200, 503)]
+        assert {code for code, _ in first} <= {200, 503}, [
+            b for c, b in first if c not in (200, 503)
+        ]
         assert refused and len(done) >= 2 * 4 + MAX_QUEUE  # in the groups + held, at least
         assert all(b["choices"][0]["finish_reason"] == "length" for b in done)
         assert all(b["usage"]["completion_tokens"] == MAX_TOKENS for b in done)
