@@ -63,6 +63,44 @@ the first rate whose TTFT p50 exceeds twice the lowest rate's, or whose goodput 
 
 `--json FILE` writes one JSON object: the vLLM keys plus the extras above, the options and the
 run info (date, git sha). `--quick`: a short run (at most 32 prompts, lengths at most 32).
+
+Prefill-decode disaggregation (with `--launch`):
+
+```
+xpod bench serve --launch --prefill-dies 2 --decode-dies 4 --compare-colocated \
+    --rate-sweep 0.25,0.5,0.75,1,1.25 --goodput ttft:200 tpot:30 --json pd.json
+```
+
+`--prefill-dies P --decode-dies D` (together, instead of `--dies`; not with `--url`) launches
+`xpod serve --prefill-dies P --decode-dies D` (dies 0..P-1 prefill, the rest decode; pinned to
+core 0 and core 1) with `--replay-check`, and adds to the run: the interference phase
+(`bench.serve.interference`, before the main run: the decode TPOT of K = 2 x D streams idle,
+then while `--burst-prompts` N (default 8) prompts of `--burst-len` L tokens (default 1024)
+arrive at once: `idle_tpot_ms`, `burst_tpot_p99_ms`, their ratio against the 1.2 bar); from
+`/metrics` over the main run the KV transfer rate (`kv_transfer_gbps`), the TTFT split (queue +
+prefill + transfer + first step against the client's TTFT, the slack stated) and the KV
+integrity counters (`checksum_mismatches`, ...); `xpod bench p2p`'s zero-copy bandwidth at the
+mean transfer size, measured in the same run once the server is gone (`p2p_zero_copy_gbps`,
+`kv_over_p2p` against the 0.8 bar); the replay of every step the server ran
+(`replay_bit_equal`: not bit-equal makes the exit status 1); and the `xpod decode` baseline on
+the D decode dies (HTTP / decode against the 0.85 bar). `--max-num-seqs` defaults to
+ceil(max-concurrency / D). When a burst prompt does not fit the model's context the server gets
+`--max-seq-len` (2 x L rounded up to 256, at least 512), and says so.
+
+`--compare-colocated` then runs the same phases, the same requests and the same arrival times
+(same seed) against a colocated server of the same P + D dies (`--dies P+D`, the same model and
+flags, the PD-only ones dropped; also with `--replay-check`, so that both log their steps):
+every die prefills and decodes in one lockstep step, so a long prompt's prefill stalls the
+running decodes. The rate sweep of both layouts runs at fractions of the PD layout's measured
+capacity (identical arrivals). If the model's experts do not split over P, D and P + D dies,
+both servers get `--experts` (the next multiple that does), and it is said. The report puts
+the layouts side by side (`bench.serve.pd_report`); `--json` writes `{"pd": {...},
+"colocated": {...}, "comparison": {...}, ...}`, each layout with at least `completed`,
+`failed`, `output_throughput`, `goodput` (the best goodput of the sweep: DistServe's measure
+under the `--goodput` SLOs), `p99_tpot_ms`, `idle_tpot_ms`, `burst_tpot_p99_ms`,
+`median_ttft_ms`, and the PD one `kv_transfer_gbps`, `p2p_zero_copy_gbps`,
+`replay_bit_equal`, `checksum_mismatches`. Without `--compare-colocated` the JSON is the PD
+layout's flat object, as for any run, with these keys in it.
 """
 
 from bench.serve.dataset import arrival_times

@@ -66,10 +66,16 @@ class Client:
         return b
 
     async def send(
-        self, req: Request, bar: Bar | None = None, ignore_eos: bool | None = None, first=None
+        self,
+        req: Request,
+        bar: Bar | None = None,
+        ignore_eos: bool | None = None,
+        first=None,
+        stamps: list[float] | None = None,
     ) -> RequestResult:
         """One streamed request; never raises (but for cancellation): errors go in the result.
-        `first`: an asyncio.Event set at the first token."""
+        `first`: an asyncio.Event set at the first token; `stamps`: a list that gets the
+        perf_counter of every chunk with tokens as it comes (kept if the request is cancelled)."""
         import aiohttp
 
         body = self.body(req, self.opts.ignore_eos if ignore_eos is None else ignore_eos)
@@ -122,6 +128,8 @@ class Client:
                         if not text and not ids:
                             continue
                         now = time.perf_counter()
+                        if stamps is not None:
+                            stamps.append(now)
                         if ttft is None:
                             ttft = now - st
                             if first is not None:

@@ -1,6 +1,8 @@
 """One `xpod bench serve` from start to end: the launched server, the `xpod decode` baseline
 pairs, the phases against the server, the DP-balance comparison, then the report, the JSON and
-the plot."""
+the plot. A PD run (`--prefill-dies`) adds its server's replay verdict and the p2p baseline
+(`pd_extras`); `--compare-colocated` runs a layout (`run_layout`) twice, PD then colocated,
+the second one's rate sweep at the first one's capacity, and reports them side by side."""
 
 from __future__ import annotations
 
@@ -10,14 +12,30 @@ import json
 import math
 import os
 import shlex
+import tempfile
+from dataclasses import replace
 
 from bench.common import progress, run_info
 from bench.serve.client import RequestResult
 from bench.serve.flags import parse_options
 from bench.serve.options import PROG, BenchError, Options
+from bench.serve.pd import (
+    DECODE_BAR,
+    KV_OVER_P2P_BAR,
+    best_goodput,
+    comparison,
+    p2p_size,
+    p2p_zero_copy,
+    read_replay,
+    remove_quietly,
+    ttft_check,
+)
+from bench.serve.pd_report import print_comparison, print_pd, print_title
 from bench.serve.phases import bench_async
 from bench.serve.report import SHOW_ERRORS, plot_cdfs, plot_sweep, print_report
-from bench.serve.server import LaunchedServer
+from bench.serve.server import STOP_TIMEOUT_S, LaunchedServer
+
+REPLAY_STOP_TIMEOUT_S = 900.0  # the replay of a long run's steps (one process) takes minutes
 
 
 def set_policy(policy: int | dict[int, int]) -> dict[int, int]:
@@ -34,18 +52,21 @@ def set_policy(policy: int | dict[int, int]) -> dict[int, int]:
 
 
 def decode_baseline(opts: Options, i: int = 0, n: int = 1) -> dict:
-    """`xpod decode` at the launched server's dies and global batch, the run's lengths."""
+    """`xpod decode` at the launched server's dies (a PD server's decode dies) and global batch,
+    the run's lengths, the server's model."""
     from runtime.decode import DecodeOptions, run_decode
 
-    batch = opts.max_concurrency or opts.dies * opts.max_num_seqs
+    dies = opts.baseline_dies
+    batch = opts.max_concurrency or dies * opts.max_num_seqs
     pair = f" (pair {i + 1}/{n})" if n > 1 else ""
+    part = " (the decode part)" if opts.layout == "pd" else ""
     progress(
-        f"  baseline{pair}: xpod decode, {opts.dies} dies, batch {batch}, prompt"
+        f"  baseline{pair}: xpod decode, {dies} dies{part}, batch {batch}, prompt"
         f" {opts.input_len}, {opts.output_len} steps ..."
     )
     d = run_decode(
         DecodeOptions(
-            dies=opts.dies,
+            dies=dies,
             batch=batch,
             prompt_len=opts.input_len,
             steps=opts.output_len,
@@ -53,6 +74,7 @@ def decode_baseline(opts: Options, i: int = 0, n: int = 1) -> dict:
             protocol=opts.protocol,
             quant=opts.quant,
             seed=opts.seed,
+            overrides=dict(opts.model_overrides),
         )
     )
     tokens = batch * opts.output_len
@@ -113,9 +135,8 @@ def lb_compare(opts: Options, pairs: list) -> dict:
     return out
 
 
-def run(opts: Options) -> int:
-    import uvloop
-
+def _base(opts: Options) -> dict:
+    """The run's options as result keys."""
     res: dict = {
         "bench": "serve",
         "backend": "xpod",
@@ -139,7 +160,38 @@ def run(opts: Options) -> int:
             max_num_seqs=opts.max_num_seqs,
             server_args=shlex.join(opts.server_argv),
         )
-    server = LaunchedServer(opts.server_argv) if opts.launch else None
+    if opts.layout:
+        res.update(layout=opts.layout, prefill_dies=opts.prefill_dies,
+                   decode_dies=opts.decode_dies)  # fmt: skip
+    return res
+
+
+def _replay_file(opts: Options) -> tuple[tuple[str, ...], str, bool]:
+    """(server flags, the --replay-check file, whether it is ours to remove): a launched server
+    of a PD run (either layout) replays every step it ran at its exit."""
+    argv = opts.server_argv
+    if not (opts.launch and opts.layout):
+        return argv, "", False
+    for i, a in enumerate(argv):
+        if a == "--replay-check" and i + 1 < len(argv):
+            return argv, argv[i + 1], False
+        if a.startswith("--replay-check="):
+            return argv, a.partition("=")[2], False
+    fd, path = tempfile.mkstemp(prefix="xpod-bench-replay-", suffix=".json")
+    os.close(fd)
+    os.unlink(path)  # the server writes it; none = no verdict
+    return (*argv, "--replay-check", path), path, True
+
+
+def run_layout(opts: Options, capacity: float | None = None) -> tuple[dict, list, int]:
+    """One server (launched or at --url): the decode / main-run pairs and their phases, its
+    stop (and replay), the DP-balance comparison; the median pair's figures. Returns (result
+    keys, the main run's per-request results, exit status); BenchError stops it."""
+    import uvloop
+
+    res = _base(opts)
+    argv, replay, ours = _replay_file(opts)
+    server = LaunchedServer(argv) if opts.launch else None
     status = 0
     pairs: list[tuple[dict, dict, list[RequestResult]]] = []
     try:
@@ -155,7 +207,8 @@ def run(opts: Options) -> int:
             if opts.client_batch and hasattr(os, "SCHED_BATCH"):  # after every fork of ours
                 policies = set_policy(os.SCHED_BATCH)
             try:
-                results = uvloop.run(bench_async(opts, base, part, i == 0, i == opts.repeat - 1))
+                first, last = i == 0, i == opts.repeat - 1
+                results = uvloop.run(bench_async(opts, base, part, first, last, capacity))
             finally:
                 if policies:
                     set_policy(policies)  # the caller's threads as they were
@@ -167,19 +220,20 @@ def run(opts: Options) -> int:
                 )
             pairs.append((part, dec, results))
         if server is not None:
-            progress("  stopping the server (SIGTERM) ...")
-            res["server_exit_status"] = server.stop()
+            progress(
+                "  stopping the server (SIGTERM"
+                + ("; it replays every step it ran" if replay else "")
+                + ") ..."
+            )
+            res["server_exit_status"] = server.stop(
+                REPLAY_STOP_TIMEOUT_S if replay else STOP_TIMEOUT_S
+            )
             if res["server_exit_status"] != 0:
                 status = 1
                 progress(
                     f"{PROG}: xpod serve exited with status {res['server_exit_status']}:"
                     f"\n{server.tail()}"
                 )
-    except BenchError as e:
-        if server is not None:
-            server.kill()
-        progress(f"{PROG}: error: {e}")
-        return 1
     except BaseException:
         if server is not None:
             server.kill()
@@ -187,22 +241,23 @@ def run(opts: Options) -> int:
     finally:
         if server is not None:
             server.close()
+        if replay and ours and "server_exit_status" not in res:
+            remove_quietly(replay)
+    if replay:
+        res.update(read_replay(replay))
+        if ours:
+            remove_quietly(replay)
     if opts.lb_compare:
-        try:
-            res["lb_compare"] = lb_compare(opts, pairs)
-        except BenchError as e:
-            progress(f"{PROG}: error: {e}")
-            return 1
+        res["lb_compare"] = lb_compare(opts, pairs)
     # the median pair's figures are the run's (by ratio to decode, else by throughput)
     key = "ratio_to_decode" if opts.launch else "output_throughput"
     order = sorted(range(len(pairs)), key=lambda k: pairs[k][0].get(key) or 0.0)
     part, _, results = pairs[order[len(order) // 2]]
     exit_status = res.get("server_exit_status")
     res.update(part)
-    # the TTFT phase ran with the first pair, the rate sweep after the last
+    # the TTFT and interference phases ran with the first pair, the rate sweep after the last
     for p, _, _ in (pairs[0], pairs[-1]):
-        res.update({k: v for k, v in p.items() if k.startswith(("ttft_", "prefill_",
-                    "step_load_ms", "capacity_", "rate_sweep", "knee_"))})  # fmt: skip
+        res.update({k: v for k, v in p.items() if k.startswith(FIRST_LAST_KEYS)})
     if exit_status is not None:
         res["server_exit_status"] = exit_status
     if opts.repeat > 1:
@@ -223,20 +278,104 @@ def run(opts: Options) -> int:
             itls=[r.itl for r in results],
             errors=[r.error for r in results],
         )
-    res.update(run_info())
-    print_report(res, opts)
+    if opts.layout:
+        res["goodput"], res["goodput_request_rate"] = best_goodput(res)
+    if opts.layout == "pd":
+        res.update(pd_extras(opts, res))
+    if res.get("replay_bit_equal") is False:
+        status = 1
+        progress(
+            f"{PROG}: the replay of the {opts.layout} server's steps is not bit-equal:"
+            f" {res.get('replay_token_mismatches')} token and"
+            f" {res.get('replay_logit_mismatches')} logit mismatches"
+            f" {res.get('replay_error', '')}"
+        )
+    if res["failed"]:
+        status = 1
+    return res, results, status
+
+
+# result keys of the first pair (TTFT, interference) and of the last (the rate sweep)
+FIRST_LAST_KEYS = ("ttft_", "prefill_", "step_load_ms", "capacity_", "rate_sweep", "knee_",
+                   "idle_", "burst_", "interference_")  # fmt: skip
+
+
+def pd_extras(opts: Options, res: dict) -> dict:
+    """A PD layout's figures beyond the run's: the TTFT split's check, the decode part's bar,
+    and `xpod bench p2p` zero-copy at the mean KV transfer size (a 2-die pod launched now: the
+    server is gone, the machine quiet)."""
+    out = ttft_check(res)
+    r = res.get("ratio_to_decode")
+    out["ratio_to_decode_bar"] = DECODE_BAR
+    out["decode_part_bar_met"] = None if r is None else r >= DECODE_BAR
+    mean = res.get("kv_transfer_mean_bytes")
+    out.update(p2p_zero_copy_gbps=None, p2p_size_bytes=None, kv_over_p2p=None,
+               kv_over_p2p_bar=KV_OVER_P2P_BAR, kv_over_p2p_met=None)  # fmt: skip
+    if not (opts.launch and mean):
+        return out
+    size = p2p_size(mean)
+    progress(f"  p2p: xpod bench p2p zero-copy, 1 lane, {size} B (the mean KV transfer) ...")
+    row = p2p_zero_copy(size)
+    out.update(p2p_zero_copy_gbps=row["gbps"], p2p_size_bytes=size, p2p_p50_us=row["p50_us"])
+    kv = res.get("kv_transfer_gbps")
+    if kv is not None and row["gbps"]:
+        out["kv_over_p2p"] = kv / row["gbps"]
+        out["kv_over_p2p_met"] = out["kv_over_p2p"] >= KV_OVER_P2P_BAR
+    return out
+
+
+def compare_result(opts: Options, pd: dict, colo: dict) -> dict:
+    """The --json object of --compare-colocated: the options, each layout's result keys under
+    "pd" and "colocated", the side-by-side "comparison", the run info."""
+    res = {**_base(opts), "compare_colocated": True, "pd": pd, "colocated": colo,
+           "comparison": comparison(pd, colo), **run_info()}  # fmt: skip
+    res["failed"] = pd["failed"] + colo["failed"]
+    return res
+
+
+def run(opts: Options) -> int:
+    for note in opts.notes:
+        progress(f"  {PROG}: {note}")
+    try:
+        if opts.compare_colocated:
+            n = opts.prefill_dies + opts.decode_dies
+            progress(f"  PD layout: {opts.prefill_dies} prefill + {opts.decode_dies} decode dies")
+            pd, results, status = run_layout(opts)
+            progress(f"  colocated layout: {n} dies, the same requests and arrivals")
+            colo_opts = replace(opts, server_argv=opts.colocated_argv, layout="colocated")
+            colo, _, colo_status = run_layout(colo_opts, pd.get("capacity_req_per_s"))
+            status = max(status, colo_status)
+        else:
+            res, results, status = run_layout(opts)
+    except BenchError as e:
+        progress(f"{PROG}: error: {e}")
+        return 1
+    if not opts.compare_colocated:
+        res.update(run_info())
+        print_report(res, opts)
+        if opts.layout == "pd":
+            print_pd(res, opts)
+        sweeps = [(res.get("rate_sweep"), opts.plot)]
+    else:
+        print_title(f"PD layout: {opts.prefill_dies} prefill + {opts.decode_dies} decode dies")
+        print_report(pd, opts)
+        print_title(f"colocated layout: {opts.prefill_dies + opts.decode_dies} dies")
+        print_report(colo, opts)
+        res = compare_result(opts, pd, colo)
+        print_comparison(res, opts)
+        colo_plot = opts.plot and os.path.splitext(opts.plot)[0] + "-colocated.png"
+        sweeps = [(pd.get("rate_sweep"), opts.plot), (colo.get("rate_sweep"), colo_plot)]
     if opts.json:
         with open(opts.json, "w", encoding="utf-8") as f:
             json.dump(res, f, indent=1)
         progress(f"  wrote {opts.json}")
-    if opts.plot:
-        if opts.rate_sweep:
-            plot_sweep(res["rate_sweep"], opts.plot, bool(opts.goodput))
-        else:
-            plot_cdfs(results, opts.plot)
+    if opts.plot and opts.rate_sweep:
+        for rows, path in sweeps:
+            plot_sweep(rows, path, bool(opts.goodput))
+            progress(f"  wrote {path}")
+    elif opts.plot:
+        plot_cdfs(results, opts.plot)  # the PD layout's with --compare-colocated
         progress(f"  wrote {opts.plot}")
-    if res["failed"]:
-        status = 1
     return status
 
 

@@ -8,8 +8,16 @@ import math
 import re
 import shlex
 
-from bench.serve.dataset import check_context, make_requests, read_jsonl
+from bench.serve.dataset import CHAT_OVERHEAD, check_context, make_requests, read_jsonl
+from bench.serve.interference import BURST_MAX_TOKENS
 from bench.serve.options import PROG, Options
+from bench.serve.pd_flags import (
+    add_pd_args,
+    burst_sizes,
+    check_pd_flags,
+    launch_only,
+    pd_server_argvs,
+)
 from bench.serve.stats import METRICS
 from memory.errors import ConfigError
 from runtime.cli.argtypes import (
@@ -23,7 +31,7 @@ from runtime.cli.argtypes import (
     positive_float,
     positive_int,
 )
-from runtime.model import PRESETS, ModelConfig
+from runtime.model import PRESETS
 
 TTFT_PROBES = 20
 QUICK_MAX_PROMPTS, QUICK_MAX_LEN, QUICK_PROBES = 32, 32, 5
@@ -295,6 +303,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         " pair's ratio reported (the machine is shared and noisy; default 1)",
     )
     add("--quick", action="store_true", help="short run (CI smoke test)")
+    add_pd_args(p)
 
 
 def parse_options(args: argparse.Namespace) -> Options:
@@ -315,11 +324,13 @@ def parse_options(args: argparse.Namespace) -> Options:
             ("--lb-compare", args.lb_compare or None),
             ("--output-procs", args.output_procs or None),
             ("--server-args", args.server_args or None),
+            *launch_only(args),
         ):
             if value is not None:
                 raise ConfigError(
                     f"argument {flag}: only with --launch (the server at --url has its own)"
                 )
+    pd = check_pd_flags(args)
     n, in_len, out_len = args.num_prompts, args.random_input_len, args.random_output_len
     pr_pre, pr_suf, pr_out = (
         args.prefix_repetition_prefix_len,
@@ -385,31 +396,37 @@ def parse_options(args: argparse.Namespace) -> Options:
 
     dies = max_seqs = max_len = 0
     model, protocol, quant, server_argv = args.model or "small", "fused", None, ()
+    colo_argv: tuple[str, ...] = ()
+    overrides: dict = {}
+    notes: tuple[str, ...] = ()
+    burst_n, burst_len = burst_sizes(args)
     if args.launch:
         dies = args.dies or 4
+        groups = args.decode_dies if pd else dies  # the requests run on these
         if args.max_num_seqs:
             max_seqs = args.max_num_seqs
         else:
-            max_seqs = -(-args.max_concurrency // dies) if args.max_concurrency else 8
-        server_argv = (
-            "--dies",
-            str(dies),
-            "--model",
-            model,
-            "--max-num-seqs",
-            str(max_seqs),
-            "--lb",
-            args.lb or "least_kv",
-        )
-        server_argv += ("--output-procs",) if args.output_procs else ()
+            max_seqs = -(-args.max_concurrency // groups) if args.max_concurrency else 8
+        base: tuple[str, ...] = ("--model", model, "--max-num-seqs", str(max_seqs),
+                                 "--lb", args.lb or "least_kv")  # fmt: skip
+        base += ("--output-procs",) if args.output_procs else ()
         try:
-            server_argv += tuple(shlex.split(args.server_args))
+            user = tuple(shlex.split(args.server_args))
         except ValueError as e:
             raise ConfigError(f"argument --server-args: {e}") from None
-        engine = check_server_args(server_argv)
+        if pd:
+            over = CHAT_OVERHEAD if args.endpoint == "chat" else 0
+            server_argv, colo_argv, engine, notes = pd_server_argvs(
+                args, base, user, burst_len, burst_len + BURST_MAX_TOKENS + over,
+                check_server_args,
+            )  # fmt: skip
+        else:
+            server_argv = ("--dies", str(dies), *base, *user)
+            engine = check_server_args(server_argv)
         dies, max_seqs, model = engine.dies, engine.max_num_seqs, engine.model
         protocol, quant = engine.protocol, engine.quant
-        max_len = ModelConfig.preset(model).max_seq_len
+        overrides = dict(engine.model_overrides)
+        max_len = engine.model_config().max_seq_len
     opts = Options(
         url=args.url,
         launch=args.launch,
@@ -455,6 +472,15 @@ def parse_options(args: argparse.Namespace) -> Options:
         request_timeout_s=args.request_timeout,
         repeat=1 if args.quick else args.repeat,
         lb_compare=args.lb_compare,
+        model_overrides=overrides,
+        prefill_dies=args.prefill_dies or 0,
+        decode_dies=args.decode_dies or 0,
+        layout="pd" if pd else "",
+        compare_colocated=args.compare_colocated,
+        colocated_argv=colo_argv,
+        burst_prompts=burst_n,
+        burst_len=burst_len,
+        notes=notes,
     )
     if opts.repeat > 1 and not opts.launch:
         raise ConfigError("argument --repeat: needs --launch (pairs with xpod decode)")

@@ -3,7 +3,7 @@ parts read it and never argparse), and `BenchError`, which stops a run."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 PROG = "xpod bench serve"
 
@@ -58,8 +58,41 @@ class Options:
     client_batch: bool = True
     repeat: int = 1
     lb_compare: bool = False
+    model_overrides: dict = field(default_factory=dict)  # the server's, for xpod decode
+    # PD (--prefill-dies / --decode-dies): the PD layout's parts, kept in the colocated
+    # layout's copy too (same interference streams, same TTFT load)
+    prefill_dies: int = 0
+    decode_dies: int = 0
+    layout: str = ""  # "pd" or "colocated" with --prefill-dies, "" otherwise
+    compare_colocated: bool = False
+    colocated_argv: tuple[str, ...] = ()  # `xpod serve` flags of the colocated layout
+    burst_prompts: int = 8
+    burst_len: int = 1024
+    notes: tuple[str, ...] = ()  # what the flags changed on their own (progress lines)
+
+    @property
+    def decode_groups(self) -> int:
+        """Groups that decode: the decode dies of a PD layout (and of its colocated copy, so
+        that both see the same load), else every die."""
+        return self.decode_dies or self.dies
 
     @property
     def load_concurrency(self) -> int:
         """Requests in flight in the TTFT phase's loaded part (probe included)."""
-        return self.max_concurrency or self.dies * self.max_num_seqs
+        return self.max_concurrency or self.decode_groups * self.max_num_seqs
+
+    @property
+    def baseline_dies(self) -> int:
+        """Dies of the `xpod decode` baseline: the decode part of a PD layout, else all."""
+        return self.decode_dies if self.layout == "pd" else self.dies
+
+    @property
+    def interference(self) -> bool:
+        """Run the interference phase (idle decode TPOT, then under a burst of long
+        prompts): with --prefill-dies, on either layout."""
+        return bool(self.layout)
+
+    @property
+    def interference_streams(self) -> int:
+        """K: decode streams of the interference phase, 2 per decode die."""
+        return 2 * self.decode_groups

@@ -1,6 +1,7 @@
 """The phases of a run against one server, in the order `bench_async` runs them: a test
-request, the TTFT phase (idle, then under decode load), the measured main run (requests,
-`/metrics`, CPU) and the rate sweep."""
+request, the TTFT phase (idle, then under decode load), the interference phase (with
+--prefill-dies: `bench.serve.interference`), the measured main run (requests, `/metrics`, CPU;
+a PD server's figures: `bench.serve.pd`) and the rate sweep."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from bench.serve.dataset import (
     probe_requests,
     random_text,
 )
+from bench.serve.interference import interference_phase
 from bench.serve.options import PROG, BenchError, Options
+from bench.serve.pd import pd_figures
 from bench.serve.scrape import by_label, kv_balance, server_figures, total
 from bench.serve.stats import find_knee, summarize
 from memory.errors import ConfigError
@@ -151,6 +154,7 @@ async def measure(
     res["cpu_s_client"] = cpu_client
     res["cpu_ms_per_token_client"] = cpu_client * 1e3 / n_out if n_out else 0.0
     res.update(server_figures(s0, s1, sc.snaps, n_out))
+    res.update(pd_figures(s0, s1))
     # while requests arrive (the tail, where the last requests end one group at a time, is left
     # out: with a concurrency cap the last request goes out near the end anyway)
     arriving = [snap for t, snap in zip(sc.times, sc.snaps, strict=True) if t <= last_sent]
@@ -181,6 +185,11 @@ async def rate_sweep(client: Client, opts: Options, capacity: float) -> list[dic
                 "request_throughput": res["request_throughput"],
                 "request_goodput": res["request_goodput"],
                 "goodput": res["request_goodput"] if opts.goodput else res["request_throughput"],
+                "slo_attainment": (
+                    res["request_goodput"] / res["request_throughput"]
+                    if opts.goodput and res["request_throughput"]
+                    else None
+                ),
                 "output_throughput": res["output_throughput"],
                 "ttft_p50_ms": _p(ttft, 50),
                 "ttft_p99_ms": _p(ttft, 99),
@@ -197,10 +206,16 @@ async def rate_sweep(client: Client, opts: Options, capacity: float) -> list[dic
 
 
 async def bench_async(
-    opts: Options, base: str, res: dict, first: bool = True, last: bool = True
+    opts: Options,
+    base: str,
+    res: dict,
+    first: bool = True,
+    last: bool = True,
+    capacity: float | None = None,
 ) -> list[RequestResult]:
     """Everything against the server at `base`; fills `res`; returns the main run's results.
-    The TTFT phase runs with the `first` main run, the rate sweep after the `last`."""
+    The TTFT and interference phases run with the `first` main run, the rate sweep after the
+    `last`, at fractions of `capacity` (req/s) if given, else of the main run's throughput."""
     import aiohttp
 
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -241,6 +256,8 @@ async def bench_async(
             raise BenchError(f"the test request failed: {test.error}")
         if opts.ttft and first:
             res.update(await ttft_phase(client, opts, max_len or 256))
+        if opts.interference and first:
+            res.update(await interference_phase(client, opts, max_len or 256))
         conc = opts.max_concurrency or "no limit"
         progress(
             f"  main run: {opts.num_prompts} requests, rate {opts.request_rate:g}"
@@ -260,8 +277,10 @@ async def bench_async(
         if opts.rate_sweep and last:
             if not main["completed"]:
                 raise BenchError("the saturation run completed no request: no capacity to sweep")
-            res["capacity_req_per_s"] = main["request_throughput"]
-            res["rate_sweep"] = await rate_sweep(client, opts, main["request_throughput"])
+            res["capacity_req_per_s"] = capacity or main["request_throughput"]
+            if capacity:
+                res["capacity_source"] = "given (the PD layout's saturation run)"
+            res["rate_sweep"] = await rate_sweep(client, opts, res["capacity_req_per_s"])
             knee = [r for r in res["rate_sweep"] if r["knee"]]
             res["knee_request_rate"] = knee[0]["request_rate"] if knee else None
         return results

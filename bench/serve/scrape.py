@@ -25,6 +25,21 @@ def total(snap: dict | None, name: str, **labels: str) -> float:
     return sum(v for lab, v in rows if all(lab.get(k) == x for k, x in labels.items()))
 
 
+def increase(s0: dict | None, s1: dict | None, name: str, **labels: str) -> float:
+    """How much counter `name` (its samples whose labels match, summed) rose from s0 to s1; a
+    sample that went down was reset (the server restarted a process) and counts from 0, as
+    Prometheus's increase() does."""
+    if not s1:
+        return 0.0
+    before = {tuple(sorted(lab.items())): v for lab, v in (s0 or {}).get(name, ())}
+    out = 0.0
+    for lab, v in s1.get(name, ()):
+        if all(lab.get(k) == x for k, x in labels.items()):
+            v0 = before.get(tuple(sorted(lab.items())), 0.0)
+            out += v - v0 if v >= v0 else v
+    return out
+
+
 def by_label(snap: dict | None, name: str, label: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for lab, v in (snap or {}).get(name, ()):

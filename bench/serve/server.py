@@ -87,16 +87,17 @@ class LaunchedServer:
                 raise BenchError(f"{self.url}/health not 200 within {LAUNCH_TIMEOUT_S:g} s")
             time.sleep(0.1)
 
-    def stop(self) -> int:
-        """SIGTERM (drain), wait for the exit status."""
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        """SIGTERM (drain), wait for the exit status (up to `timeout_s`: more with
+        --replay-check, whose replay of every step runs before the exit)."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(STOP_TIMEOUT_S)
+            return self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.kill()
             raise BenchError(
-                f"xpod serve did not stop {STOP_TIMEOUT_S:g} s after SIGTERM:\n{self.tail()}"
+                f"xpod serve did not stop {timeout_s:g} s after SIGTERM:\n{self.tail()}"
             ) from None
 
     def kill(self) -> None:
