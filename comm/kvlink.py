@@ -56,6 +56,12 @@ STEP_NAMES.update({(KV_OP, 0): "wait record slot", (KV_OP, 2): "write KV app->re
 LINK_POLICY = WaitPolicy(spin_polls=0, yield_every=1, backoff_after_s=0.001, sleep_s=0.0005)
 
 
+def _kernels():
+    from comm.alltoall.state import kernels
+
+    return kernels()
+
+
 def peer_word(lo: L.RegionLayout, peer: int, word: int) -> int:
     """Word index (in a region of layout `lo`) of `word` (PD_*) of the block of `peer`."""
     if not 0 <= peer < L.MAX_PD_DIES:
@@ -187,14 +193,17 @@ class KVLinkTx:
         t0 = time.perf_counter_ns()
         src, out = self.ep.regions[self.me].array, self.ep.regions[dst].array
         crc, nbytes = 0, 0
-        if status == OK:
-            lo, hi = self.lo.app_off, self.lo.app_off + self.lo.app_bytes
-            for s, d, n in spans.tolist():
-                if d < lo or d + n > hi:
-                    raise ProtocolError(f"die {self.me}: KV segment [{d}, {d + n}) of die {dst}"
-                                        " is outside its app area")  # fmt: skip
-                np.copyto(out[d : d + n], src[s : s + n])  # releases the GIL
-                nbytes += n
+        if status == OK and len(spans):
+            lo, hi, top = self.lo.app_off, self.lo.app_off + self.lo.app_bytes, len(src)
+            for s, d, n in spans.tolist():  # a few rows (runs merged): plain Python is cheapest
+                if d < lo or d + n > hi or s < 0 or s + n > top or n < 0:
+                    raise ProtocolError(
+                        f"die {self.me}: KV segment [{s}, {s + n}) -> [{d},"
+                        f" {d + n}) of die {dst}: outside the app area"
+                    )
+            nbytes = _kernels().scatter_copy(
+                src.ctypes.data, out.ctypes.data, np.ascontiguousarray(spans)
+            )  # without the GIL
         t1 = time.perf_counter_ns()
         if status == OK and self.verify:  # the check, not the transfer: timed apart
             crc = checksum(src, spans, 0)

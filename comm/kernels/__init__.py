@@ -17,6 +17,7 @@ One module per piece of the protocols:
     reduce.py    the combine's reductions, in the order of comm.reference
     region.py    `region`: any die's region inside a kernel, by address
     fused.py     the fused protocol's steps over every die's region, one call each
+    copy.py      a KV transfer's segments in one call without the GIL (comm.kvlink)
     warmup.py    `warm()`
     common.py    signature types the modules share
 
@@ -36,6 +37,7 @@ drop_stale_cache(Path(__file__).parent)  # before any kernel loads its cached co
 # ruff: noqa: E402
 
 from comm.kernels.bf16 import scatter_rows, to_bfloat16
+from comm.kernels.copy import scatter_copy
 from comm.kernels.fused import (
     fused_assemble,
     fused_cflags,
@@ -89,6 +91,7 @@ __all__ = [
     "quantize_int8",
     "reduce_groups",
     "reduce_groups_raw",
+    "scatter_copy",
     "scatter_rows",
     "to_bfloat16",
     "warm",

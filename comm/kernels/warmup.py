@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from comm.kernels.bf16 import scatter_rows, to_bfloat16
+from comm.kernels.copy import scatter_copy
 from comm.kernels.fused import (
     fused_assemble,
     fused_cflags,
@@ -43,6 +44,8 @@ def warm() -> None:
     first_bad_source(z, z, z, 0, 0)
     _warm_fused()
     quantize_int8(np.ones((2, 8), np.float32))
+    buf = np.zeros(8, np.uint8)
+    scatter_copy(buf.ctypes.data, buf.ctypes.data, np.array([[0, 4, 4]], np.int64))
     one, b16, b32 = np.zeros(1, np.int64), np.zeros((2, 16), BF16), np.zeros((2, 16), np.float32)
     scatter_rows(np.zeros((1, 8), np.float32), one, b16, one)
     scatter_rows(np.zeros((1, 8), BF16), one, b16, one)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ from runtime.engine.wire import kv_socket
 log = logging.getLogger(__name__)
 STATES = ("Bootstrapping", "WaitingForInput", "Transferring", "Success", "Failed")
 POLICIES = ("fail", "recompute")
+SWITCH_S = 0.0002  # a prefill die's interpreter switch interval (its KV thread waits less)
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,14 @@ class KVThread:
         self.sock = self.ctx.socket(zmq.PULL)
         self.sock.bind(kv_socket(run_dir, die.die_id))
         self.bells = {d: Bell(bell_path(run_dir, f"m{d}")) for d in topo.decode}
+        lo = die.layout  # where the copies go: mapped in this process now, not per page later
+        for d in topo.decode:
+            die.regions[d].prefault(lo.app_off, lo.app_bytes)
+        # The KV thread takes the GIL a few times per transfer (its copy runs without it); the
+        # step loop keeps the GIL up to the switch interval once asked for it: 5 ms by default
+        # (measured: 1.2 GB/s while serving against ~18 alone), SWITCH_S here.
+        self.switch = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_S)
         self.thread = threading.Thread(target=self._run, name=f"kv-die{die.die_id}", daemon=True)
         self.thread.start()
 
@@ -176,6 +186,7 @@ class KVThread:
     def close(self) -> None:
         self.stopping = True
         self.thread.join(2.0)
+        sys.setswitchinterval(self.switch)
         self.sock.close(linger=0)
         self.ctx.term()
         for b in self.bells.values():

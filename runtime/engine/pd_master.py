@@ -209,6 +209,8 @@ class DecodeSide:
         self.link_n = dict.fromkeys(self.prefill, 0)
         self.link_crc_ns = dict.fromkeys(self.prefill, 0)  # both sides' crc32 (not the copy)
         self.verify = bool(pd.get("checksum", True))
+        if self.verify:  # the check reads what lands in the die's app area
+            master.region.prefault(cfg_layout.app_off, cfg_layout.app_bytes, write=False)
         self.counters = {"pd_success": 0, "pd_failed": 0, "pd_checksum_mismatches": 0,
                          "pd_quarantined_blocks": 0, "pd_probes": 0}  # fmt: skip
 

@@ -138,6 +138,7 @@ def build_model(
     else:
         experts = []
     pool = die.alloc((cfg.n_layers, max(n_blocks, 1), block_size, cfg.kv_cache_dim), np.float32)
+    pool.fill(0)  # resident now (HBM is): a page's first write is not paid by a step or a peer
     model = DieModel(cfg, build_weights(cfg, experts), PagedKV(pool))
     try:
         bal = ExpertBalancer(die if eplb is not None else ep, model, eplb, keep_history)
