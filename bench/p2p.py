@@ -33,7 +33,8 @@ from runtime.cli.flags import load_config
 
 DEFAULT_SIZES = "8,64,512,4K,32K,256K,1M,8M,64M"
 QUICK_SIZES = "8,4K,64K,1M,8M"
-ALL_VARIANTS = ("mte", "dma", "zero-copy", "async")
+ALL_VARIANTS = ("mte", "dma", "zero-copy", "async", "kv-link")
+DEFAULT_VARIANTS = ("mte", "dma", "zero-copy", "async")
 COLUMNS = [
     ("transport", "transport", ""),
     ("variant", "variant", ""),
@@ -67,6 +68,9 @@ def pingpong(die, size: int, variant: str, cores: int, iters: int, warmup: int) 
     samples = []
     try:
         _pair_barrier(die, peer)
+        if variant == "kv-link":
+            samples, cpu_s = _kv_pingpong(die, peer, src, dst, size, iters, warmup)
+            return _checked(die, dst, peer, size, variant, cores, samples, cpu_s)
         cpu0 = time.process_time()
         for i in range(warmup + iters):
             t0 = time.perf_counter_ns()
@@ -86,13 +90,61 @@ def pingpong(die, size: int, variant: str, cores: int, iters: int, warmup: int) 
             if i >= warmup:
                 samples.append((time.perf_counter_ns() - t0) / 2)
         cpu_s = time.process_time() - cpu0
-        expect = np.arange(size, dtype=np.uint64).astype(np.uint8) ^ (peer + 1)
-        if not np.array_equal(dst, expect):
-            raise AssertionError(f"die {me}: {variant} c{cores} {size} B payload corrupted")
+        return _checked(die, dst, peer, size, variant, cores, samples, cpu_s)
     finally:
         die.free(src)
         die.free(dst)
+
+
+def _checked(die, dst, peer: int, size: int, variant: str, cores: int, samples, cpu_s) -> tuple:
+    expect = np.arange(size, dtype=np.uint64).astype(np.uint8) ^ (peer + 1)
+    if not np.array_equal(dst, expect):
+        raise AssertionError(f"die {die.die_id}: {variant} c{cores} {size} B payload corrupted")
     return samples, cpu_s
+
+
+def _kv_pingpong(die, peer: int, src, dst, size: int, iters: int, warmup: int) -> tuple:
+    """The KV link of a PD pod (comm.kvlink) as a ping-pong: die 0 writes `src` straight into
+    die 1's `dst` (one segment, no checksum: the transfer only), die 1 sees the record in its
+    own region, acks, and writes back. One-way = half a round trip, as for the other
+    variants. The scatter list (dst's offset) is exchanged once, before the loop."""
+    from comm.kvlink import KVLinkRx, KVLinkTx, peer_word
+    from memory import layout as L
+
+    me = die.die_id
+    off = np.array([die.region.offset_of(dst)], np.int64)
+    theirs = np.zeros(1, np.int64)
+    ev = (1 << 41) + die.user.get("pair_barrier", 0)
+    if me == 0:
+        comm.send(die, off, peer, ev)
+        comm.recv(die, theirs, peer, ev)
+    else:
+        comm.recv(die, theirs, peer, ev)
+        comm.send(die, off, peer, ev)
+    spans = np.array([[die.region.offset_of(src), int(theirs[0]), size]], np.int64)
+    tx = KVLinkTx(die, die.policy.timeout_s, verify=False)
+    rx = KVLinkRx(me, die.layout, die.words[me], {peer: die.words[peer]})
+    done = peer_word(die.layout, peer, L.PD_DONE)
+    own = die.words[me]
+    samples = []
+
+    def take() -> None:
+        die.wait_ge(own, done, rx.taken[peer] + 1, peer, "pd.done")
+        for rec in rx.poll(peer):
+            rx.ack(peer, rec.k)
+
+    cpu0 = time.process_time()
+    for i in range(warmup + iters):
+        t0 = time.perf_counter_ns()
+        if me == 0:
+            tx.push(peer, spans, i, 0)
+            take()
+        else:
+            take()
+            tx.push(peer, spans, i, 0)
+        if i >= warmup:
+            samples.append((time.perf_counter_ns() - t0) / 2)
+    return samples, time.process_time() - cpu0
 
 
 def _pair_barrier(die, peer: int) -> None:
@@ -172,8 +224,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--variants",
         type=choice_list(ALL_VARIANTS),
-        default=",".join(ALL_VARIANTS),
-        help=",".join(ALL_VARIANTS),
+        default=",".join(DEFAULT_VARIANTS),
+        help=",".join(ALL_VARIANTS) + " (kv-link: a PD pod's KV link, comm.kvlink; default: the"
+        " others)",
     )
     p.add_argument(
         "--cores",
@@ -251,6 +304,7 @@ def parse_options(args: argparse.Namespace) -> Options:
         trace=bool(args.trace),
         slot_bytes=args.slot_bytes,
         ring_slots=args.ring_slots,
+        serve_slot_bytes=4096 if "kv-link" in args.variants else 0,  # the KV link's words
     )
     return Options(
         config=cfg,

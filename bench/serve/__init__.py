@@ -76,16 +76,19 @@ xpod bench serve --launch --prefill-dies 2 --decode-dies 4 --compare-colocated \
 core 0 and core 1) with `--replay-check`, and adds to the run: the interference phase
 (`bench.serve.interference`, before the main run: the decode TPOT of K = 2 x D streams idle,
 then while `--burst-prompts` N (default 8) prompts of `--burst-len` L tokens (default 1024)
-arrive at once: `idle_tpot_ms`, `burst_tpot_p99_ms`, their ratio against the 1.2 bar); from
+arrive at once: `idle_tpot_ms`, `burst_tpot_p99_ms` (over streams, each its mean gap in the
+burst window: a request's TPOT), their ratio against the 1.2 bar, and the single gaps' ITL); from
 `/metrics` over the main run the KV transfer rate (`kv_transfer_gbps`), the TTFT split (queue +
 prefill + transfer + first step against the client's TTFT, the slack stated) and the KV
 integrity counters (`checksum_mismatches`, ...); `xpod bench p2p`'s zero-copy bandwidth at the
 mean transfer size, measured in the same run once the server is gone (`p2p_zero_copy_gbps`,
-`kv_over_p2p` against the 0.8 bar); the replay of every step the server ran
-(`replay_bit_equal`: not bit-equal makes the exit status 1); and the `xpod decode` baseline on
-the D decode dies (HTTP / decode against the 0.85 bar). `--max-num-seqs` defaults to
-ceil(max-concurrency / D). When a burst prompt does not fit the model's context the server gets
-`--max-seq-len` (2 x L rounded up to 256, at least 512), and says so.
+`kv_over_p2p` against the 0.8 bar) and, in the same pod, the KV link's own ping-pong at that
+size (`kv_link_alone_gbps`: the protocol without the serving load on its core); the replay of
+every step the server ran (`replay_bit_equal`: not bit-equal makes the exit status 1); and the
+`xpod decode` baseline on the D decode dies (HTTP / decode against the 0.85 bar).
+`--max-num-seqs` defaults to ceil(max-concurrency / D). When a burst prompt does not fit the
+model's context the server gets `--max-seq-len` (2 x L rounded up to 256, at least 512), and
+says so.
 
 `--compare-colocated` then runs the same phases, the same requests and the same arrival times
 (same seed) against a colocated server of the same P + D dies (`--dies P+D`, the same model and

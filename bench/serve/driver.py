@@ -316,11 +316,16 @@ def pd_extras(opts: Options, res: dict) -> dict:
     size = p2p_size(mean)
     progress(f"  p2p: xpod bench p2p zero-copy, 1 lane, {size} B (the mean KV transfer) ...")
     row = p2p_zero_copy(size)
-    out.update(p2p_zero_copy_gbps=row["gbps"], p2p_size_bytes=size, p2p_p50_us=row["p50_us"])
+    out.update(p2p_zero_copy_gbps=row["gbps"], p2p_size_bytes=size, p2p_p50_us=row["p50_us"],
+               p2p_p99_us=row["p99_us"])  # fmt: skip
     kv = res.get("kv_transfer_gbps")
     if kv is not None and row["gbps"]:
         out["kv_over_p2p"] = kv / row["gbps"]
         out["kv_over_p2p_met"] = out["kv_over_p2p"] >= KV_OVER_P2P_BAR
+    link = row["kv_link"]  # the KV link's own ping-pong, same pod, same size: the protocol
+    alone = link["gbps"] / row["gbps"] if row["gbps"] else None
+    out.update(kv_link_alone_gbps=link["gbps"], kv_link_alone_p50_us=link["p50_us"],
+               kv_link_alone_p99_us=link["p99_us"], kv_link_alone_over_p2p=alone)  # fmt: skip
     return out
 
 

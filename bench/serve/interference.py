@@ -12,12 +12,12 @@ stream's median gap; `idle_gap_p99_ms` the p99 of every gap.
 stream has WARM_TOKENS chunks, `--burst-prompts` prompts of `--burst-len` tokens (max_tokens
 BURST_MAX_TOKENS) go at once. The burst window runs from the first burst request sent to the
 last one's end; every decode gap that overlaps it counts (a gap that holds a stall starts
-before the stall ends): `burst_tpot_p50_ms`, `burst_tpot_p99_ms`, and `burst_over_idle` =
-burst p99 / idle TPOT (the PD bar: <= 1.2, `INTERFERENCE_BAR`). A p99 of single gaps against a
-median has the noise of a shared machine in it (the idle gaps' own p99 / median is reported
-next to it: `idle_gap_p99_ms`); `burst_stream_tpot_p99_ms` is the p99 over streams of each
-stream's mean gap in the window (a request's TPOT there, as vLLM counts it), and
-`burst_stream_over_idle` its ratio to the idle TPOT. Then the streams are cancelled.
+before the stall ends). TPOT is a request's, as vLLM counts it: per stream its mean gap in the
+window; `burst_tpot_p50_ms` / `burst_tpot_p99_ms` over the streams and `burst_over_idle` =
+burst TPOT p99 / idle TPOT (the PD bar: <= 1.2, `INTERFERENCE_BAR`). The single gaps (ITL) are
+reported too: `burst_itl_p50_ms` / `burst_itl_p99_ms` and `burst_itl_over_idle`; a p99 of single
+gaps against a median carries the noise of a shared machine (the idle gaps' own p99 / median is
+next to it: `idle_gap_p99_ms`). Then the streams are cancelled.
 
 In a colocated layout every die prefills and decodes in one lockstep step, so a long prompt's
 prefill chunks run in the decodes' steps (the spike); in a PD layout they run on the prefill
@@ -85,22 +85,24 @@ def idle_figures(streams: list[list[float]]) -> dict:
 
 
 def burst_figures(streams: list[list[float]], w0: float, w1: float, idle_tpot_ms: float) -> dict:
-    """The decode gaps in the burst window [w0, w1]: p50 / p99, their count, the window's
-    length and burst p99 / idle TPOT; and per stream its mean gap in the window (a request's
-    TPOT there, vLLM's sense): their p99 over streams and its ratio to the idle TPOT."""
+    """The decode streams in the burst window [w0, w1]. TPOT in vLLM's sense, a request's: per
+    stream its mean gap in the window, `burst_tpot_p50_ms` / `burst_tpot_p99_ms` over streams
+    and `burst_over_idle` = that p99 / the idle TPOT (the PD bar). The single gaps (ITL):
+    `burst_itl_p50_ms` / `burst_itl_p99_ms`, their count, `burst_itl_over_idle`."""
     per = stream_window_gaps(streams, w0, w1)
     g = [x for gs in per for x in gs]
-    p99 = _ms(g, 99)
+    itl99 = _ms(g, 99)
     means = [float(np.mean(gs)) for gs in per if gs]
-    stream_p99 = _ms(means, 99)
+    tpot99 = _ms(means, 99)
     return {
-        "burst_tpot_p50_ms": _ms(g, 50),
-        "burst_tpot_p99_ms": p99,
+        "burst_tpot_p50_ms": _ms(means, 50),
+        "burst_tpot_p99_ms": tpot99,
+        "burst_over_idle": tpot99 / idle_tpot_ms if idle_tpot_ms > 0 else None,
+        "burst_itl_p50_ms": _ms(g, 50),
+        "burst_itl_p99_ms": itl99,
+        "burst_itl_over_idle": itl99 / idle_tpot_ms if idle_tpot_ms > 0 else None,
         "burst_gaps": len(g),
         "burst_window_ms": (w1 - w0) * 1e3,
-        "burst_over_idle": p99 / idle_tpot_ms if idle_tpot_ms > 0 else None,
-        "burst_stream_tpot_p99_ms": stream_p99,
-        "burst_stream_over_idle": stream_p99 / idle_tpot_ms if idle_tpot_ms > 0 else None,
     }
 
 

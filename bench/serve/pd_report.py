@@ -51,14 +51,15 @@ def interference_lines(r: dict, bar: bool) -> list[str]:
     return [
         f"idle TPOT {_f(r['idle_tpot_ms'])} ms (gap p99 {_f(r['idle_gap_p99_ms'])} ms,"
         f" {r['interference_streams']} streams, {r['idle_gaps']} gaps)",
-        f"burst of {r['burst_prompts']} x {r['burst_len']}-token prompts: decode TPOT p50"
-        f" {_f(r['burst_tpot_p50_ms'])} / p99 {_f(r['burst_tpot_p99_ms'])} ms"
-        f" ({r['burst_gaps']} gaps in {_f(r['burst_window_ms'], '.0f')} ms)",
-        f"burst p99 / idle TPOT {_f(ratio)}x{judged}; idle gap p99 / idle TPOT"
-        f" {_f(_div(r['idle_gap_p99_ms'], r['idle_tpot_ms']))}x (the noise floor)",
-        f"per stream (mean gap in the burst window): p99 {_f(r['burst_stream_tpot_p99_ms'])} ms,"
-        f" / idle TPOT {_f(r['burst_stream_over_idle'])}x; burst TTFT p50"
-        f" {_f(r['burst_ttft_p50_ms'], '.1f')} ms",
+        f"burst of {r['burst_prompts']} x {r['burst_len']}-token prompts: decode TPOT (a"
+        f" stream's mean gap in the window) p50 {_f(r['burst_tpot_p50_ms'])} / p99"
+        f" {_f(r['burst_tpot_p99_ms'])} ms over {r['interference_streams']} streams",
+        f"burst TPOT p99 / idle TPOT {_f(ratio)}x{judged}",
+        f"single gaps (ITL) in the {_f(r['burst_window_ms'], '.0f')} ms window: p50"
+        f" {_f(r['burst_itl_p50_ms'])} / p99 {_f(r['burst_itl_p99_ms'])} ms ({r['burst_gaps']}"
+        f" gaps), p99 / idle TPOT {_f(r['burst_itl_over_idle'])}x (idle gap p99 / idle TPOT"
+        f" {_f(_div(r['idle_gap_p99_ms'], r['idle_tpot_ms']))}x: the noise floor); burst TTFT"
+        f" p50 {_f(r['burst_ttft_p50_ms'], '.1f')} ms",
     ]
 
 
@@ -74,6 +75,13 @@ def pd_lines(r: dict) -> list[str]:
             f" {_f(r.get('kv_over_p2p'))} (bar >= {KV_OVER_P2P_BAR:g}:"
             f" {_verdict(r.get('kv_over_p2p_met'))})"
         )
+        if r.get("kv_link_alone_gbps") is not None:
+            out.append(
+                f"  the KV link alone (its ping-pong in the same pod, same size):"
+                f" {_f(r['kv_link_alone_gbps'], '.3f')} GB/s, p50 {_f(r['kv_link_alone_p50_us'])}"
+                f" us: {_f(r.get('kv_link_alone_over_p2p'))}x p2p zero-copy (while serving, the"
+                " copy shares core 0 with the prefill dies' steps and masters)"
+            )
     else:
         out.append("KV transfer: none in the main run")
     split = r.get("ttft_split_ms") or {}

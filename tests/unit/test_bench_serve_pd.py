@@ -165,12 +165,13 @@ def test_idle_and_burst_figures():
     assert idle["idle_gaps"] == 39 and idle["idle_gap_p99_ms"] == pytest.approx(12.0)
     s3 = [0.0, 0.01, 0.02, 0.07, 0.08]  # a 50 ms stall inside the window
     b = burst_figures([s3], 0.03, 0.06, 10.0)
-    assert b["burst_gaps"] == 1 and b["burst_tpot_p99_ms"] == pytest.approx(50.0)
-    assert b["burst_over_idle"] == pytest.approx(5.0)
+    assert b["burst_gaps"] == 1 and b["burst_itl_p99_ms"] == pytest.approx(50.0)
+    assert b["burst_itl_over_idle"] == pytest.approx(5.0)
+    assert b["burst_tpot_p99_ms"] == pytest.approx(50.0) and b["burst_over_idle"] == 5.0
     assert b["burst_window_ms"] == pytest.approx(30.0)
     b = burst_figures([s3], 0.015, 0.075, 10.0)  # 3 gaps overlap it: 10, 50, 10 ms
-    assert b["burst_gaps"] == 3 and b["burst_stream_tpot_p99_ms"] == pytest.approx(70 / 3)
-    assert b["burst_stream_over_idle"] == pytest.approx(7 / 3)
+    assert b["burst_gaps"] == 3 and b["burst_tpot_p99_ms"] == pytest.approx(70 / 3)
+    assert b["burst_over_idle"] == pytest.approx(7 / 3)
     assert burst_figures([], 0.0, 1.0, 0.0)["burst_over_idle"] is None
 
 
@@ -300,6 +301,6 @@ def test_compare_json_keys_and_report(capsys):
     print_comparison(driver.compare_result(opts, pd, colo), opts)
     print_pd(pd, opts)
     out = capsys.readouterr().out
-    assert "PD vs colocated" in out and "burst p99 / idle TPOT" in out
+    assert "PD vs colocated" in out and "burst TPOT p99 / idle TPOT" in out
     assert "KV transfer 4.000 GB/s" in out and "TTFT split (means, ms)" in out
     assert comparison(pd, colo)["capacity_req_per_s"] == 4.0
