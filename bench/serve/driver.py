@@ -21,6 +21,7 @@ from bench.serve.flags import parse_options
 from bench.serve.options import PROG, BenchError, Options
 from bench.serve.pd import (
     DECODE_BAR,
+    DECODE_CPU_BAR,
     KV_OVER_P2P_BAR,
     best_goodput,
     comparison,
@@ -85,6 +86,8 @@ def decode_baseline(opts: Options, i: int = 0, n: int = 1) -> dict:
         "decode_batch": batch,
         "decode_tpot_p50_ms": d.get("tpot_p50_ms"),
         "decode_prefill_ms": d["prefill_ms"],
+        # the dies' CPU in decode steps per token (every die's, the same batch)
+        "decode_cpu_ms_per_token": d["cpu_s_per_die"] * dies * 1e3 / tokens if tokens else None,
     }
 
 
@@ -308,6 +311,9 @@ def pd_extras(opts: Options, res: dict) -> dict:
     r = res.get("ratio_to_decode")
     out["ratio_to_decode_bar"] = DECODE_BAR
     out["decode_part_bar_met"] = None if r is None else r >= DECODE_BAR
+    mine, base = res.get("decode_dies_cpu_ms_per_token"), res.get("decode_cpu_ms_per_token")
+    out["decode_cpu_over_xpod_decode"] = mine / base if mine and base else None
+    out["decode_cpu_bar"] = DECODE_CPU_BAR
     mean = res.get("kv_transfer_mean_bytes")
     out.update(p2p_zero_copy_gbps=None, p2p_size_bytes=None, kv_over_p2p=None,
                kv_over_p2p_bar=KV_OVER_P2P_BAR, kv_over_p2p_met=None)  # fmt: skip

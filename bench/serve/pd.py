@@ -27,6 +27,7 @@ from bench.serve.scrape import by_label, increase, total
 PHASES = ("queue", "prefill", "transfer", "first_step")
 KV_OVER_P2P_BAR = 0.8  # KV transfer GB/s >= 0.8 x p2p zero-copy GB/s at the same size
 DECODE_BAR = 0.85  # HTTP output tok/s >= 0.85 x xpod decode's on the decode part
+DECODE_CPU_BAR = 1.1  # decode dies' CPU per output token <= 1.1 x xpod decode's, same batch
 TTFT_SLACK_MS = 5.0  # mean TTFT - (queue + prefill + transfer + first_step) <= 5 ms
 P2P_ALIGN = 64  # the p2p message: the mean transfer size rounded to a multiple of this
 
@@ -64,9 +65,10 @@ def is_pd(snap: dict | None) -> bool:
     return bool(snap) and "xpod_kv_transfer_bytes_total" in snap
 
 
-def pd_figures(s0: dict | None, s1: dict | None) -> dict:
+def pd_figures(s0: dict | None, s1: dict | None, n_out: int = 0) -> dict:
     """The PD figures of a run from its first and last scrape (see the module docstring); {}
-    when the server is not a PD one (a sample missing in `s0` counts 0)."""
+    when the server is not a PD one (a sample missing in `s0` counts 0). The CPU of each part's
+    dies per output token (the parts are read from the links' labels, `prefill->decode`)."""
     if not is_pd(s1):
         return {}
 
@@ -98,6 +100,12 @@ def pd_figures(s0: dict | None, s1: dict | None) -> dict:
     out["pd_recomputed"] = int(total(s1, "xpod_pd_recomputed_total"))
     out["pd_failed"] = int(total(s1, "xpod_pd_failed_total"))
     out["server_restarts"] = int(total(s1, "xpod_engine_incarnation"))  # since it started
+    links = [k.split("->") for k in by_label(s1, "xpod_kv_transfers_total", "link") if k]
+    for part, side in (("prefill", 0), ("decode", 1)):
+        dies = sorted({int(x[side]) for x in links})
+        cpu = sum(d("xpod_process_cpu_seconds_total", role="die", group=str(g)) for g in dies)
+        out[f"{part}_dies_cpu_s"] = cpu
+        out[f"{part}_dies_cpu_ms_per_token"] = cpu * 1e3 / n_out if n_out else None
     states = by_label(s1, "xpod_kv_link_state", "state")
     out["links_not_ok"] = int(states.get("slow", 0) + states.get("dead", 0))
     return out

@@ -106,6 +106,15 @@ def pd_lines(r: dict) -> list[str]:
             f" {_f(r['ratio_to_decode'], '.3f')} (bar >= {DECODE_BAR:g}:"
             f" {_verdict(r.get('decode_part_bar_met'))})"
         )
+    if r.get("decode_cpu_over_xpod_decode") is not None:
+        ratio = r["decode_cpu_over_xpod_decode"]
+        out.append(
+            f"decode dies' CPU per output token {_f(r['decode_dies_cpu_ms_per_token'], '.3f')} ms"
+            f" against xpod decode's {_f(r['decode_cpu_ms_per_token'], '.3f')} ms at the same"
+            f" batch: {_f(ratio)}x (bar <= {r['decode_cpu_bar']:g}:"
+            f" {_verdict(ratio <= r['decode_cpu_bar'])}); prefill dies'"
+            f" {_f(r.get('prefill_dies_cpu_ms_per_token'), '.3f')} ms"
+        )
     if "checksum_mismatches" in r:
         out.append(
             f"KV checksum mismatches {r['checksum_mismatches']}, quarantined blocks"

@@ -154,7 +154,7 @@ async def measure(
     res["cpu_s_client"] = cpu_client
     res["cpu_ms_per_token_client"] = cpu_client * 1e3 / n_out if n_out else 0.0
     res.update(server_figures(s0, s1, sc.snaps, n_out))
-    res.update(pd_figures(s0, s1))
+    res.update(pd_figures(s0, s1, n_out))
     # while requests arrive (the tail, where the last requests end one group at a time, is left
     # out: with a concurrency cap the last request goes out near the end anyway)
     arriving = [snap for t, snap in zip(sc.times, sc.snaps, strict=True) if t <= last_sent]
