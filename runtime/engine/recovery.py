@@ -94,9 +94,16 @@ class EngineRecovery:
         return steps[0] if steps else 0
 
     def busy(self) -> bool:
-        """Do the masters have requests (so the dies must be making progress)?"""
+        """Do the masters have requests (so the dies must be making progress)? A PD request
+        between its prefill and its KV's landing asks nothing of any die (the KV link has its
+        own deadline and probe)."""
         t = self.tracker
-        return not self.recovering and len(t.reqs) > len(t.pending)
+        n = len(t.reqs) - len(t.pending)
+        if t.pd is not None and n > 0:
+            n -= sum(
+                1 for r in list(t.reqs.values()) if "prefilled" in r.pd and "landed" not in r.pd
+            )
+        return not self.recovering and n > 0
 
     def masked_blocks(self, group: int) -> list[int]:
         """KV blocks group's master masked (memory faults), from its latest stats."""

@@ -419,6 +419,7 @@ class RequestTracker:
         self.pd.counters["pd_recomputed"] += 1
         log.warning("request %d: %s; sent again (kv_policy recompute)", t.id, rec[4])
         t.group = t.prefill_group = -1  # a rendered one keeps its renderer (what its client has)
+        t.pd = {}
         self.pending.appendleft(t)
         return True
 
@@ -457,6 +458,7 @@ class RequestTracker:
             if self.pd is not None:
                 self.pd.on_finish(t.id)
             t.group = t.prefill_group = -1
+            t.pd = {}
             reason = self._over(t)
             if reason:
                 self.reqs.pop(t.id, None)

@@ -188,7 +188,7 @@ def test_a_stopped_prefill_die_is_a_dead_link_and_a_full_decode_side_is_slow():
             took = time.monotonic() - t0
             assert out.finish_reason == "error" and "link 0->1 dead" in out.error, out
             assert took < 3.0, took  # timeout 0.3 + probe window 0.3 + ticks (a loaded machine)
-            assert link_state(eng, "0->1") == "dead"
+            wait_for(lambda: link_state(eng, "0->1") == "dead", 3.0, '"dead" in the stats')
         finally:
             os.kill(die0, signal.SIGCONT)
         # the prefill die runs again: its late write lands in quarantined blocks, then they free
