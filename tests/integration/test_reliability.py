@@ -220,7 +220,7 @@ def test_fault_plans_parse_and_bad_ones_are_named():
         ("random:die=1,step=2", "not built"),
         ("err:die=1,step=2,at=2s", "takes step=S"),
         ("delay:die=1,step=2", "needs for=T"),
-        ("drop:die=1,step=2,phase=attention", "dispatch or combine"),
+        ("drop:die=1,step=2,phase=attention", "dispatch, combine or kv"),
         ("stop:die=1,step=2,layer=1", "for err/drop/delay"),
         ("kill:master=1,step=2,phase=combine", "targets a die"),
         ("kill:die=1,master=1,step=2", "two targets"),

@@ -288,7 +288,7 @@ def test_decode_options(tmp_path):
 def test_p2p_options():
     opts = p2p.parse_options(parse("bench", "p2p", "--quick", "--sizes", "8,4K"))
     assert opts.sizes == [8, 4096] and opts.cores == [1, 2] and opts.config.num_dies == 2
-    assert opts.variants == list(p2p.ALL_VARIANTS)
+    assert opts.variants == list(p2p.DEFAULT_VARIANTS)
     opts = p2p.parse_options(parse("bench", "p2p", "--cores", "1,8", "--variants", "dma"))
     assert opts.cores == [1, 8] and opts.variants == ["dma"] and opts.config.lanes == 8
     assert opts.sizes == common.parse_sizes(p2p.DEFAULT_SIZES)
