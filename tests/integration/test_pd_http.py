@@ -17,7 +17,7 @@ import pytest
 
 from bench.serve.server import LaunchedServer
 
-N, MAX_TOKENS, MAX_QUEUE = 50, 40, 8
+N, MAX_TOKENS, MAX_QUEUE = 50, 24, 8
 
 
 def complete(url: str, i: int) -> tuple[int, dict]:
