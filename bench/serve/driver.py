@@ -60,7 +60,10 @@ def decode_baseline(opts: Options, i: int = 0, n: int = 1) -> dict:
     dies = opts.baseline_dies
     batch = opts.max_concurrency or dies * opts.max_num_seqs
     pair = f" (pair {i + 1}/{n})" if n > 1 else ""
-    part = " (the decode part)" if opts.layout == "pd" else ""
+    # a PD server's decode part runs on one core (prefill on the other): the baseline too
+    cores = 1 if opts.layout == "pd" and len(os.sched_getaffinity(0)) >= 2 else 0
+    part = " (the decode part, on one core as it serves)" if cores else (
+        " (the decode part)" if opts.layout == "pd" else "")  # fmt: skip
     progress(
         f"  baseline{pair}: xpod decode, {dies} dies{part}, batch {batch}, prompt"
         f" {opts.input_len}, {opts.output_len} steps ..."
@@ -76,6 +79,7 @@ def decode_baseline(opts: Options, i: int = 0, n: int = 1) -> dict:
             quant=opts.quant,
             seed=opts.seed,
             overrides=dict(opts.model_overrides),
+            cores=cores,
         )
     )
     tokens = batch * opts.output_len
@@ -84,6 +88,7 @@ def decode_baseline(opts: Options, i: int = 0, n: int = 1) -> dict:
         "decode_tokens_per_s": d["tokens_per_s"],
         "decode_e2e_tokens_per_s": e2e,
         "decode_batch": batch,
+        "decode_cores": cores or len(os.sched_getaffinity(0)),
         "decode_tpot_p50_ms": d.get("tpot_p50_ms"),
         "decode_prefill_ms": d["prefill_ms"],
         # the dies' CPU in decode steps per token (every die's, the same batch)

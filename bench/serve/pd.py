@@ -24,7 +24,7 @@ import os
 
 from bench.serve.scrape import by_label, increase, total
 
-PHASES = ("queue", "prefill", "transfer", "first_step")
+PHASES = ("queue", "prefill", "kv_wait", "transfer", "first_step")
 KV_OVER_P2P_BAR = 0.8  # KV transfer GB/s >= 0.8 x p2p zero-copy GB/s at the same size
 DECODE_BAR = 0.85  # HTTP output tok/s >= 0.85 x xpod decode's on the decode part
 DECODE_CPU_BAR = 1.1  # decode dies' CPU per output token <= 1.1 x xpod decode's, same batch
@@ -108,6 +108,19 @@ def pd_figures(s0: dict | None, s1: dict | None, n_out: int = 0) -> dict:
         out[f"{part}_dies_cpu_ms_per_token"] = cpu * 1e3 / n_out if n_out else None
     states = by_label(s1, "xpod_kv_link_state", "state")
     out["links_not_ok"] = int(states.get("slow", 0) + states.get("dead", 0))
+    return out
+
+
+def ttft_split(s0: dict | None, s1: dict | None) -> dict[str, float | None]:
+    """The mean of each TTFT part (ms) over the PD requests that finished between two scrapes
+    ({} when the server is not a PD one)."""
+    if not is_pd(s1):
+        return {}
+    out: dict[str, float | None] = {}
+    for p in PHASES:
+        c = increase(s0, s1, "xpod_pd_ttft_phase_seconds_count", phase=p)
+        v = increase(s0, s1, "xpod_pd_ttft_phase_seconds_sum", phase=p)
+        out[p] = v * 1e3 / c if c else None
     return out
 
 

@@ -100,9 +100,19 @@ def pd_lines(r: dict) -> list[str]:
             "TTFT split: the server observed no xpod_pd_ttft_phase_seconds in the main run"
             f" ({r.get('ttft_split_requests', 0)} requests)"
         )
+    isplit = r.get("idle_ttft_split_ms")
+    if isplit:
+        parts = " + ".join(f"{p} {_f(isplit[p])}" for p in PHASES)
+        out.append(
+            f"idle TTFT split ({r.get('ttft_probes')} probes one at a time, means, ms): {parts}"
+            f" = {_f(r['idle_ttft_split_sum_ms'])}; client TTFT mean"
+            f" {_f(r.get('idle_ttft_mean_ms'))} ms: slack {_f(r.get('idle_ttft_split_slack_ms'))}"
+            " ms (HTTP, tokenizing, rendering, the client)"
+        )
     if r.get("ratio_to_decode") is not None:
         out.append(
             f"HTTP / xpod decode on the {r.get('decode_dies')} decode dies"
+            f" ({r.get('decode_cores')} core(s))"
             f" {_f(r['ratio_to_decode'], '.3f')} (bar >= {DECODE_BAR:g}:"
             f" {_verdict(r.get('decode_part_bar_met'))})"
         )

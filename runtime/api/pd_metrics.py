@@ -1,9 +1,11 @@
 """`/metrics` of a PD pod (prefill-decode disaggregation, `runtime.engine.pd`).
 
-- `xpod_pd_ttft_phase_seconds{phase}`: a PD request's time to first token in four parts:
+- `xpod_pd_ttft_phase_seconds{phase}`: a PD request's time to first token in five parts:
   queue (arrival in the shell to its prefill die's first plan), prefill (to its first token
-  on the prefill die), transfer (to its KV checked in the decode die) and first_step (to its
-  first token in the shell: the decode die's first step, which sends it with the next one).
+  on the prefill die), kv_wait (to its KV order: the decode die's scatter list was not in yet,
+  i.e. the decode side had no room: backpressure), transfer (to its KV checked in the decode
+  die) and first_step (to its first token in the shell: the decode die's first step, which
+  sends it with the next one).
 - `xpod_pd_requests{state}`: requests per connector state in the decode masters
   (Bootstrapping, WaitingForInput, Transferring) and `xpod_pd_transfers{result}` (success,
   failed) since start; `xpod_pd_recomputed` / `xpod_pd_failed` by the shell's policy.
@@ -20,7 +22,7 @@ from __future__ import annotations
 from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-PHASES = ("queue", "prefill", "transfer", "first_step")
+PHASES = ("queue", "prefill", "kv_wait", "transfer", "first_step")
 PHASE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28,
                  2.56, 5.0, 10.0, 30.0)  # fmt: skip
 LINK_STATES = ("ok", "slow", "dead")
@@ -29,11 +31,13 @@ LINK_STATES = ("ok", "slow", "dead")
 def ttft_phases(t) -> dict[str, float] | None:
     """The four parts of a finished PD request's TTFT (seconds), or None if it has not all."""
     pd = t.pd
-    if not (pd.get("sched") and pd.get("prefilled") and pd.get("landed") and t.t_first):
+    if not all(pd.get(k) for k in ("sched", "prefilled", "ordered", "landed")) or not t.t_first:
         return None
+    ordered = max(pd["ordered"], pd["prefilled"])
     return {"queue": max(0.0, pd["sched"] - t.t0),
             "prefill": max(0.0, pd["prefilled"] - pd["sched"]),
-            "transfer": max(0.0, pd["landed"] - pd["prefilled"]),
+            "kv_wait": ordered - pd["prefilled"],
+            "transfer": max(0.0, pd["landed"] - ordered),
             "first_step": max(0.0, t.t_first - pd["landed"])}  # fmt: skip
 
 
@@ -41,7 +45,8 @@ class PDMetrics:
     def __init__(self, engine, registry):
         self.engine = engine
         self.phase = Histogram("xpod_pd_ttft_phase_seconds", "A PD request's time to first token"
-                               " by part: queue, prefill, transfer, first_step.", ["phase"],
+                               " by part: queue, prefill, kv_wait, transfer, first_step.",
+                               ["phase"],
                                buckets=PHASE_BUCKETS, registry=registry)  # fmt: skip
         for p in PHASES:
             self.phase.labels(p)

@@ -33,6 +33,7 @@ class DecodeOptions:
     prompts: list[list[int]] | None = None  # explicit prompts (then batch = len(prompts))
     pin: str = "auto"
     wait: str = "auto"
+    cores: int = 0  # CPU cores the pod may use (0: the machine's)
     eplb: str = "off"  # off | on | compare (both runs, same prompts)
     eplb_config: EPLBConfig = field(default_factory=EPLBConfig)
     # MoE-attention disaggregation: 0 attention dies = colocated (every die does both)

@@ -218,6 +218,7 @@ def pod_config(
         pin=opts.pin,
         wait=opts.wait,
         expert_dies=opts.expert_dies or None,
+        **({"cores": opts.cores} if opts.cores else {}),
     )
 
 

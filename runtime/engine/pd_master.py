@@ -49,7 +49,9 @@ class PrefillSide:
         self.ready: dict[int, dict] = {}  # request -> first token, source blocks, tokens
         self.leased: dict[int, float] = {}  # request -> when its lease began
         self.gone: set[int] = set()  # finished without KV to send (abort, error)
-        self.events: list[list] = []  # [id, "prefilled", t_sched, t_done] for the shell
+        # for the shell: [id, "prefilled", t_sched, t_done], [id, "ordered", t] (the KV order
+        # went to the die's KV thread: its prefill done and its decode die's scatter list in)
+        self.events: list[list] = []
         self.kv_out = master.ctx.socket(zmq.PUSH)
         self.kv_out.setsockopt(zmq.LINGER, 0)
         self.kv_out.connect(kv_socket(master.spec.run_dir, master.spec.group))
@@ -144,6 +146,7 @@ class PrefillSide:
         if rid not in self.ready or rid not in self.dst:
             return
         r, d = self.ready[rid], self.dst.pop(rid)
+        self.events.append([rid, "ordered", time.monotonic()])
         self.kv_out.send(wire.pack("xfer", {
             "id": rid, "dst": d["die"], "dst_offs": d["offs"], "n_tokens": r["n_tokens"],
             "src_blocks": r["src_blocks"], "first": r["first"], "ok": True}))  # fmt: skip

@@ -404,6 +404,8 @@ class RequestTracker:
             t.pd.update(sched=ev[2], prefilled=ev[3])
             if self.pd is not None:
                 self.pd.on_prefilled(t.id)
+        elif ev[1] == "ordered":
+            t.pd["ordered"] = ev[2]
         elif ev[1] == "landed":
             t.pd.update(landed=ev[2], bytes=ev[3], ns=ev[4])
 

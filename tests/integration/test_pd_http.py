@@ -86,7 +86,7 @@ def test_a_full_decode_pool_defers_the_kv_and_the_shell_sheds_past_its_queue(tmp
         assert m["xpod_kv_checksum_mismatches_total"] == 0
         assert m['xpod_pd_transfers_total{result="failed"}'] == 0
         assert m['xpod_pd_transfers_total{result="success"}'] == N
-        for phase in ("queue", "prefill", "transfer", "first_step"):  # TTFT by part, each one
+        for phase in ("queue", "prefill", "kv_wait", "transfer", "first_step"):  # TTFT by part
             assert m[f'xpod_pd_ttft_phase_seconds_count{{phase="{phase}"}}'] == N
         assert m['xpod_pd_ttft_phase_seconds_sum{phase="prefill"}'] > 0
         assert server.stop() == 0

@@ -180,7 +180,7 @@ def test_idle_and_burst_figures():
 
 def exposition(nbytes: float, secs: float, n: float, mismatches: int = 0, gen: int = 0) -> str:
     lines = []
-    for p, v in (("queue", 0.002), ("prefill", 0.010), ("transfer", 0.001),
+    for p, v in (("queue", 0.002), ("prefill", 0.010), ("kv_wait", 0.0), ("transfer", 0.001),
                  ("first_step", 0.005)):  # fmt: skip
         lines += [f'xpod_pd_ttft_phase_seconds_count{{phase="{p}"}} {n}',
                   f'xpod_pd_ttft_phase_seconds_sum{{phase="{p}"}} {v * n}']  # fmt: skip
@@ -211,7 +211,7 @@ def test_pd_figures_from_exposition():
     assert f["kv_transfer_gbps"] == pytest.approx(4.0)  # 4e6 B in 1 ms
     assert f["kv_transfer_mean_bytes"] == pytest.approx(5e5)
     assert f["ttft_split_ms"] == pytest.approx(
-        {"queue": 2.0, "prefill": 10.0, "transfer": 1.0, "first_step": 5.0}
+        {"queue": 2.0, "prefill": 10.0, "kv_wait": 0.0, "transfer": 1.0, "first_step": 5.0}
     )
     assert f["ttft_split_sum_ms"] == pytest.approx(18.0) and f["ttft_split_requests"] == 8
     assert f["checksum_mismatches"] == 1 and f["links_not_ok"] == 0
