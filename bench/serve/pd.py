@@ -22,6 +22,8 @@ import contextlib
 import json
 import os
 
+import numpy as np
+
 from bench.serve.scrape import by_label, increase, total
 
 PHASES = ("queue", "prefill", "kv_wait", "transfer", "first_step")
@@ -122,6 +124,20 @@ def ttft_split(s0: dict | None, s1: dict | None) -> dict[str, float | None]:
         v = increase(s0, s1, "xpod_pd_ttft_phase_seconds_sum", phase=p)
         out[p] = v * 1e3 / c if c else None
     return out
+
+
+def idle_split(s0: dict | None, s1: dict | None, ttfts_ms: list[float]) -> dict:
+    """The TTFT split of probes sent one at a time (no queue, no backpressure) against their
+    mean client TTFT (ms): `idle_ttft_split_ms`, its sum, the mean, the slack (HTTP,
+    tokenizing, rendering, the client) and whether it is within TTFT_SLACK_MS; {} when the
+    server is not a PD one or saw no whole split."""
+    split = ttft_split(s0, s1)
+    if not split or any(v is None for v in split.values()) or not ttfts_ms:
+        return {}
+    mean, parts = float(np.mean(ttfts_ms)), sum(split.values())
+    return {"idle_ttft_split_ms": split, "idle_ttft_split_sum_ms": parts,
+            "idle_ttft_mean_ms": mean, "idle_ttft_split_slack_ms": mean - parts,
+            "idle_ttft_split_within_slack": mean - parts <= TTFT_SLACK_MS}  # fmt: skip
 
 
 def ttft_check(res: dict) -> dict:

@@ -107,7 +107,8 @@ def pd_lines(r: dict) -> list[str]:
             f"idle TTFT split ({r.get('ttft_probes')} probes one at a time, means, ms): {parts}"
             f" = {_f(r['idle_ttft_split_sum_ms'])}; client TTFT mean"
             f" {_f(r.get('idle_ttft_mean_ms'))} ms: slack {_f(r.get('idle_ttft_split_slack_ms'))}"
-            " ms (HTTP, tokenizing, rendering, the client)"
+            f" ms (HTTP, tokenizing, rendering, the client; bar <= {TTFT_SLACK_MS:g} ms:"
+            f" {_verdict(r.get('idle_ttft_split_within_slack'))})"
         )
     if r.get("ratio_to_decode") is not None:
         out.append(

@@ -22,7 +22,7 @@ from bench.serve.dataset import (
 )
 from bench.serve.interference import interference_phase
 from bench.serve.options import PROG, BenchError, Options
-from bench.serve.pd import pd_figures, ttft_split
+from bench.serve.pd import idle_split, pd_figures
 from bench.serve.scrape import by_label, kv_balance, server_figures, total
 from bench.serve.stats import find_knee, summarize
 from memory.errors import ConfigError
@@ -119,15 +119,7 @@ async def ttft_phase(client: Client, opts: Options, max_len: int) -> dict:
         "ttft_idle_bound_ms": prefill_ms + 5.0,
         "ttft_load_bound_ms": prefill_ms + 2 * step_load_ms + 5.0,
     }
-    split = ttft_split(s0, s1)  # a PD server: the idle probes' TTFT by part
-    if split and all(v is not None for v in split.values()):
-        out["idle_ttft_split_ms"] = split
-        out["idle_ttft_split_sum_ms"] = sum(split.values())
-        out["idle_ttft_mean_ms"] = float(np.mean(idle)) * 1e3 if idle else None
-        if out["idle_ttft_mean_ms"] is not None:
-            out["idle_ttft_split_slack_ms"] = (
-                out["idle_ttft_mean_ms"] - out["idle_ttft_split_sum_ms"]
-            )
+    out.update(idle_split(s0, s1, idle))  # a PD server: the idle probes' TTFT by part
     out["ttft_idle_within_bound"] = out["ttft_idle_p50_ms"] <= out["ttft_idle_bound_ms"]
     out["ttft_load_within_bound"] = out["ttft_load_p50_ms"] <= out["ttft_load_bound_ms"]
     return out

@@ -16,6 +16,7 @@ decode dies in one pod, each part its own lockstep EP group, the KV moved once o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -37,6 +38,16 @@ def wait_for(cond, timeout_s: float = 10.0, what: str = ""):
             return v
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+@contextlib.contextmanager
+def stopped(pid: int):
+    """SIGSTOP `pid` for the block (SIGCONT after it, whatever happens)."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 def pd_states(eng: Engine) -> dict:
@@ -119,27 +130,19 @@ def test_an_abort_in_every_connector_state_ends_once_and_frees_both_sides():
         # as long as the test needs), the next one has no room
         hold = eng.submit("b" * 200, SamplingParams(max_tokens=50, ignore_eos=True))
         wait_for(lambda: (eng.stats.get(1) or {}).get("running"), what="the long one to run")
-        die1 = eng.pod.procs[1].pid
-        os.kill(die1, signal.SIGSTOP)
-        try:
+        with stopped(eng.pod.procs[1].pid):
             r = eng.submit("c" * 100, SamplingParams(max_tokens=5))
             wait_for(lambda: pd_states(eng).get("Bootstrapping"), what="Bootstrapping")
             eng.abort(r)
             assert eng.result(r, 10).finish_reason == "abort"
-        finally:
-            os.kill(die1, signal.SIGCONT)
         assert eng.result(hold, 60).finish_reason == "length"
         settled(eng)
         # WaitingForInput: the prefill master is stopped, the decode die allocated and waits
-        master = eng.masters[0].pid
-        os.kill(master, signal.SIGSTOP)
-        try:
+        with stopped(eng.masters[0].pid):
             r = eng.submit("d" * 60, SamplingParams(max_tokens=5))
             wait_for(lambda: pd_states(eng).get("WaitingForInput"), what="WaitingForInput")
             eng.abort(r)
             assert eng.result(r, 10).finish_reason == "abort"
-        finally:
-            os.kill(master, signal.SIGCONT)
         settled(eng)
         # running on the decode die
         n0 = eng.stats[1]["tokens"]
@@ -167,21 +170,15 @@ def test_a_stopped_prefill_die_is_a_dead_link_and_a_full_decode_side_is_slow():
         # (the decode die is stopped: its long request holds the pool as long as needed)
         hold = eng.submit("b" * 200, SamplingParams(max_tokens=50, ignore_eos=True))
         wait_for(lambda: (eng.stats.get(1) or {}).get("running"), what="the long one to run")
-        die1 = eng.pod.procs[1].pid
-        os.kill(die1, signal.SIGSTOP)
-        try:
+        with stopped(eng.pod.procs[1].pid):
             r = eng.submit("c" * 100, SamplingParams(max_tokens=5))
             wait_for(lambda: link_state(eng, "0->1") == "slow", what='"slow"')
             assert pd_states(eng).get("Bootstrapping") == 1
-        finally:
-            os.kill(die1, signal.SIGCONT)
         assert eng.result(hold, 60).finish_reason == "length"
         assert eng.result(r, 30).finish_reason in ("stop", "length")  # waited, not failed
         settled(eng)
         # a stopped prefill die: its request fails within the deadline, the link is "dead"
-        die0 = eng.pod.procs[0].pid
-        os.kill(die0, signal.SIGSTOP)
-        try:
+        with stopped(eng.pod.procs[0].pid):
             t0 = time.monotonic()
             r = eng.submit("d" * 60, SamplingParams(max_tokens=5))
             out = eng.result(r, 10)
@@ -189,8 +186,6 @@ def test_a_stopped_prefill_die_is_a_dead_link_and_a_full_decode_side_is_slow():
             assert out.finish_reason == "error" and "link 0->1 dead" in out.error, out
             assert took < 3.0, took  # timeout 0.3 + probe window 0.3 + ticks (a loaded machine)
             wait_for(lambda: link_state(eng, "0->1") == "dead", 3.0, '"dead" in the stats')
-        finally:
-            os.kill(die0, signal.SIGCONT)
         # the prefill die runs again: its late write lands in quarantined blocks, then they free
         wait_for(lambda: link_state(eng, "0->1") == "ok", what='"ok" again')
         ok = eng.generate(["after the stop"], SamplingParams(max_tokens=8), timeout_s=30)
@@ -204,15 +199,11 @@ def test_a_stopped_prefill_die_is_a_dead_link_and_a_full_decode_side_is_slow():
 def test_an_expired_lease_frees_the_prefill_blocks_and_the_request_is_sent_again():
     with Engine.launch(prefill_dies=1, decode_dies=1, max_num_seqs=4, recover=False,
                        kv_lease_s=0.3, kv_timeout_s=30.0, **TINY) as eng:  # fmt: skip
-        master = eng.masters[1].pid  # the decode master: nobody reads the KV
-        os.kill(master, signal.SIGSTOP)
-        try:
+        with stopped(eng.masters[1].pid):  # the decode master: nobody reads the KV
             r = eng.submit("lease " * 10, SamplingParams(max_tokens=6, ignore_eos=True))
             wait_for(lambda: (eng.stats.get(0) or {}).get("pd_leases_expired"),
                      what="the lease to expire")  # fmt: skip
             assert (eng.stats.get(0) or {}).get("pd_leased") == 0
-        finally:
-            os.kill(master, signal.SIGCONT)
         out = eng.result(r, 30)
         assert out.finish_reason == "length" and len(out.token_ids) == 6, out
         st = settled(eng)

@@ -29,6 +29,7 @@ from bench.serve.pd import (  # noqa: E402
     PD_KEYS,
     best_goodput,
     comparison,
+    idle_split,
     p2p_size,
     pd_figures,
     read_replay,
@@ -220,6 +221,17 @@ def test_pd_figures_from_exposition():
     assert c["ttft_split_slack_ms"] == pytest.approx(3.0)
     assert c["ttft_split_slack_mean_ms"] == pytest.approx(4.0)
     assert c["ttft_split_ratio"] == pytest.approx(18 / 21) and c["ttft_split_within_slack"]
+
+
+def test_idle_split_against_the_probes_mean_ttft():
+    s0 = parse_prometheus(exposition(1e6, 1e-3, 4))
+    s1 = parse_prometheus(exposition(5e6, 2e-3, 12))  # 8 requests: 18 ms of parts each
+    f = idle_split(s0, s1, [20.0, 22.0, 24.0])  # ms
+    assert f["idle_ttft_split_sum_ms"] == pytest.approx(18.0)
+    assert f["idle_ttft_mean_ms"] == pytest.approx(22.0)
+    assert f["idle_ttft_split_slack_ms"] == pytest.approx(4.0) and f["idle_ttft_split_within_slack"]
+    assert not idle_split(s0, s1, [40.0])["idle_ttft_split_within_slack"]
+    assert idle_split(s0, s1, []) == {} and idle_split(None, None, [1.0]) == {}
 
 
 def test_counter_reset_counts_from_zero():
