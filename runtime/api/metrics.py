@@ -315,10 +315,13 @@ class Metrics:
                                 " xpod process, by role.", labels=["role", "group"])  # fmt: skip
         eng = self.engine
         procs = [("shell", "", os.getpid())]
-        procs += [("master", str(g), p.pid) for g, p in enumerate(eng.masters)]
-        procs += [("output", str(g), p.pid) for g, p in enumerate(eng.outputs)]
-        if eng.pod is not None:
-            procs += [("die", str(g), p.pid) for g, p in enumerate(eng.pod.procs)]
+        if hasattr(eng, "processes"):  # the engine's list survives a restart under way
+            procs += [(what, str(g), pid) for what, g, pid in eng.processes()]
+        else:
+            procs += [("master", str(g), p.pid) for g, p in enumerate(eng.masters)]
+            procs += [("output", str(g), p.pid) for g, p in enumerate(eng.outputs)]
+            if eng.pod is not None:
+                procs += [("die", str(g), p.pid) for g, p in enumerate(eng.pod.procs)]
         pids = GaugeMetricFamily("xpod_process_pid", "Process id of every xpod process, by"
                                  " role.", labels=["role", "group"])  # fmt: skip
         for role, g, pid in procs:

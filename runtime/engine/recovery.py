@@ -49,9 +49,13 @@ class EngineRecovery:
         out = []
         pod = self.pod
         if pod is not None and not pod.closed:
-            out += [("die", r, p.pid) for r, p in enumerate(list(pod.procs))]
-        out += [("master", g, p.pid) for g, p in enumerate(list(self.masters))]
-        out += [("output", g, p.pid) for g, p in enumerate(list(self.outputs))]
+            for r, p in enumerate(list(pod.procs)):
+                with contextlib.suppress(ValueError):
+                    out.append(("die", r, p.pid))
+        for what, procs in (("master", self.masters), ("output", self.outputs)):
+            for g, p in enumerate(list(procs)):
+                with contextlib.suppress(ValueError):  # closed by a restart on another thread
+                    out.append((what, g, p.pid))
         return out
 
     def in_state(self, states: tuple[str, ...]) -> list[tuple[str, int, int, str]]:
