@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from comm.alltoall.state import kernels
 from comm.endpoint import Endpoint
 from comm.trace import STEP_NAMES, TRACK_NAMES
 from comm.wait import WaitContext, WaitPolicy, wait_ge
@@ -54,12 +55,6 @@ STEP_NAMES.update({(KV_OP, 0): "wait record slot", (KV_OP, 2): "write KV app->re
                    (KV_OP, 4): "crc32 of the source"})  # fmt: skip
 # The KV thread waits for a record slot gently: it runs beside the die's step loop.
 LINK_POLICY = WaitPolicy(spin_polls=0, yield_every=1, backoff_after_s=0.001, sleep_s=0.0005)
-
-
-def _kernels():
-    from comm.alltoall.state import kernels
-
-    return kernels()
 
 
 def peer_word(lo: L.RegionLayout, peer: int, word: int) -> int:
@@ -201,7 +196,7 @@ class KVLinkTx:
                         f"die {self.me}: KV segment [{s}, {s + n}) -> [{d},"
                         f" {d + n}) of die {dst}: outside the app area"
                     )
-            nbytes = _kernels().scatter_copy(
+            nbytes = kernels().scatter_copy(
                 src.ctypes.data, out.ctypes.data, np.ascontiguousarray(spans)
             )  # without the GIL
         t1 = time.perf_counter_ns()

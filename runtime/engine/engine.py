@@ -38,7 +38,6 @@ from collections.abc import AsyncIterator
 
 import zmq
 
-from memory import layout as L
 from memory.errors import PodError
 from runtime.engine import wire
 from runtime.engine.config import EngineConfig
@@ -50,7 +49,7 @@ from runtime.engine.master import MasterSpec, master_main
 from runtime.engine.output import OutputSpec, output_main
 from runtime.engine.pd_shell import PDRouter, pd_blocks, pd_master_spec
 from runtime.engine.recovery import EngineRecovery
-from runtime.engine.split_stats import eplb_counters, role_counters, split_summary
+from runtime.engine.split_stats import die_counters, eplb_counters, role_counters, split_summary
 from runtime.engine.step_ring import Bell, bell_path
 from runtime.engine.supervisor import Supervisor
 from runtime.engine.tracker import (
@@ -472,26 +471,7 @@ class Engine(EngineRecovery):
         """Per die, read now from its serving words (the shell launched the pod and maps every
         region): dummy steps, cumulative attention / MoE wait / forward ns, its step number.
         Fresh even for a group whose master sleeps ({} once the pod is closed)."""
-        pod = self.pod
-        if pod is None or pod.closed:
-            return {}
-        lo = pod.layout
-        idx = {k: lo.serve_word(w) for k, w in (("dummy_steps", L.SV_DUMMY_STEPS),
-               ("attn_ns", L.SV_ATTN_NS), ("moe_ns", L.SV_MOE_NS), ("step_ns", L.SV_STEP_NS),
-               ("die_step", L.SV_VOTE_STEP))}  # fmt: skip
-        if lo.eplb_layers:
-            idx.update({k: lo.eplb_word(w) for k, w in (
-                ("eplb_balance_ppm", L.EP_BALANCE_PPM), ("eplb_rows", L.EP_ROWS),
-                ("eplb_moved_bytes", L.EP_MOVED_BYTES), ("eplb_move_ns", L.EP_MOVE_NS),
-                ("eplb_switched", L.EP_SWITCHED))})  # fmt: skip
-        out = {}
-        for g in range(self.config.dies):
-            try:
-                words = pod.region(g).words
-                out[g] = {k: int(words[i]) for k, i in idx.items()}
-            except (PodError, IndexError, ValueError, TypeError):
-                return {}
-        return out
+        return die_counters(self.pod, self.config.dies)
 
     # -- heartbeat ------------------------------------------------------------------------------
 

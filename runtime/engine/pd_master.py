@@ -266,8 +266,8 @@ class DecodeSide:
         pool_off = self.m.words[self.m.region.layout.serve_word(L.SV_KV_POOL)]
         if not pool_off:
             return  # the die has not made its pool yet
+        holding = sum(x.state != "Bootstrapping" for x in self.reqs.values())
         for r in [r for r in self.reqs.values() if r.state == "Bootstrapping" and not r.aborted]:
-            holding = sum(x.state != "Bootstrapping" for x in self.reqs.values())
             if len(sched.running) + len(sched.waiting) + holding >= self.m.spec.max_num_seqs:
                 return
             need = kv.blocks_for(len(r.prompt))
@@ -282,6 +282,7 @@ class DecodeSide:
             r.offs = [pool_off + (layer * nb + b) * stride
                       for layer in range(self.n_layers) for b in blocks]  # fmt: skip
             r.state, r.since = "WaitingForInput", now
+            holding += 1
             body = {"id": r.rid, "die": self.g, "offs": r.offs, "n_tokens": len(r.prompt)}
             self.to_master[r.src].send(wire.pack("kv_dst", body))
 

@@ -1,7 +1,8 @@
 """What a split serving pod reports about its roles (MoE-attention disaggregation): per-role
 time shares, the expert dies' idle share, A2E / E2A time per step, read from the dies' own
 cumulative serve words (`memory.layout` SV_*: the attention dies' attn_ns, a2e_ns, e2a_ns,
-step_ns; the expert dies' idle_ns, a2e_ns, expert_ns, e2a_ns, a2e_calls)."""
+step_ns; the expert dies' idle_ns, a2e_ns, expert_ns, e2a_ns, a2e_calls); and every DP group's
+die counters the shell reads fresh (`die_counters`)."""
 
 from __future__ import annotations
 
@@ -87,4 +88,29 @@ def eplb_counters(pod, split, groups: int) -> dict[int, dict[str, int]]:
         return {}
 
 
-__all__ = ["eplb_counters", "role_counters", "split_summary"]
+def die_counters(pod, dies: int) -> dict[int, dict[int, int]]:
+    """Per DP group's die, read now from its serving words (the shell launched the pod and maps
+    every region): dummy steps, cumulative attention / MoE wait / forward ns, its step number,
+    and its EPLB words when the pod balances ({} once the pod is closed)."""
+    if pod is None or pod.closed:
+        return {}
+    lo = pod.layout
+    idx = {k: lo.serve_word(w) for k, w in (("dummy_steps", L.SV_DUMMY_STEPS),
+           ("attn_ns", L.SV_ATTN_NS), ("moe_ns", L.SV_MOE_NS), ("step_ns", L.SV_STEP_NS),
+           ("die_step", L.SV_VOTE_STEP))}  # fmt: skip
+    if lo.eplb_layers:
+        idx.update({k: lo.eplb_word(w) for k, w in (
+            ("eplb_balance_ppm", L.EP_BALANCE_PPM), ("eplb_rows", L.EP_ROWS),
+            ("eplb_moved_bytes", L.EP_MOVED_BYTES), ("eplb_move_ns", L.EP_MOVE_NS),
+            ("eplb_switched", L.EP_SWITCHED))})  # fmt: skip
+    out = {}
+    for g in range(dies):
+        try:
+            words = pod.region(g).words
+            out[g] = {k: int(words[i]) for k, i in idx.items()}
+        except (PodError, IndexError, ValueError, TypeError):
+            return {}
+    return out
+
+
+__all__ = ["die_counters", "eplb_counters", "role_counters", "split_summary"]
