@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from comm.dma import DmaEngine
+from comm.fabric import Fabric
 from comm.trace import Trace
 from comm.wait import WaitContext, WaitPolicy, wait_ge
 from memory import layout as L
@@ -26,6 +27,8 @@ class Endpoint:
         ub_bytes: unified-buffer bytes per lane (ping-pong halves of ub_bytes // 2).
         trace: the die's trace buffer.
         abort: optional (words, index, value): waits raise PodAborted once words[index] != value.
+        fabric: how the die reaches its peers (`comm.fabric`); default every region mapped.
+            With a fabric, `regions` may hold only this host's regions (the fabric's are used).
     """
 
     def __init__(
@@ -36,18 +39,22 @@ class Endpoint:
         ub_bytes: int = 192 * 1024,
         trace: Trace | None = None,
         abort: tuple | None = None,
+        fabric: Fabric | None = None,
     ):
         self.die_id = die_id
-        self.regions = regions
+        self.fab = fabric if fabric is not None else Fabric(die_id, regions)
+        regions = self.regions = self.fab.regions
         self.num_dies = len(regions)
         self.local = regions[die_id]
         self.layout: L.RegionLayout = self.local.layout
         self.lanes = self.layout.lanes
         self.policy = policy
         self.ctx = WaitContext(die_id, abort)
+        if self.fab.any_remote:
+            self.ctx.progress = self.fab.progress
         self.trace = trace if trace is not None else Trace(die_id)
-        self.words = [r.words for r in regions]
-        self.bytes = [r.bytes for r in regions]
+        self.words = self.fab.words
+        self.bytes = self.fab.bytes
         self.ub_bytes = ub_bytes
         self._ub: list[tuple[memoryview, memoryview]] = []
         self._dma: DmaEngine | None = None
@@ -88,6 +95,7 @@ class Endpoint:
         return self._dma
 
     def close(self) -> None:
+        """Stop the DMA engine (a new one starts on demand); the fabric stays."""
         if self._dma is not None:
             self._dma.close()
             self._dma = None
@@ -121,6 +129,8 @@ class Endpoint:
     def wait_ge(
         self, words: memoryview, idx: int, target: int, peer: int, field: str, probe=None
     ) -> int:
+        if self.fab.any_remote and self.fab.is_mirror(words):
+            self.fab.remote_polls += 1  # a poll of a word this die does not own (rule R1)
         return wait_ge(words, idx, target, self.policy, self.ctx, peer, field, probe)
 
 
@@ -151,13 +161,19 @@ class _Tables:
 def barrier(ep: Endpoint) -> None:
     """Wait until every die of the pod has entered the same number of barriers.
 
-    Each die bumps its own `sync.count` (single writer) and polls every peer's. O(num_dies) reads
-    per die; cheap next to anything a barrier separates.
+    Each die publishes its count into its own word of every peer's sync block (`sync[me]`,
+    single writer) and polls the peers' words in its own region: a die polls only its own
+    memory (docs/protocols.md §10, rule R1), so the barrier works across hosts. O(num_dies)
+    stores and polls per die.
     """
     ep.sync_count += 1
     n = ep.sync_count
-    idx = ep.layout.sync_off // L.WORD + L.SYNC_COUNT
-    ep.words[ep.die_id][idx] = n
+    base = ep.layout.sync_off // L.WORD
+    me, fab = ep.die_id, ep.fab
     for peer in range(ep.num_dies):
-        if peer != ep.die_id:
-            ep.wait_ge(ep.words[peer], idx, n, peer, "sync.count")
+        if peer != me:
+            fab.publish(peer, base + me, n)
+    own = ep.words[me]
+    for peer in range(ep.num_dies):
+        if peer != me and own[base + peer] < n:
+            ep.wait_ge(own, base + peer, n, peer, "sync[peer]")

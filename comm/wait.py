@@ -80,11 +80,14 @@ class WaitContext:
     (words, index, value) triple: the wait raises PodAborted once words[index] != value.
     """
 
-    __slots__ = ("die_id", "abort", "waited_ns", "waits")
+    __slots__ = ("die_id", "abort", "waited_ns", "waits", "progress")
 
     def __init__(self, die_id: int, abort: tuple | None = None):
         self.die_id = die_id
         self.abort = abort
+        # A multi-host die's fabric progress (`comm.fabric`): called on every poll of a slow
+        # wait, since a peer's remote store lands in this die's region only while it runs.
+        self.progress = None
         self.waited_ns = 0  # wall time spent in slow-path waits (the "waiting" share of a die)
         self.waits = 0  # slow-path waits
 
@@ -116,6 +119,8 @@ def wait_ge(
     v = words[idx]
     if v >= target:
         return v
+    if ctx.progress is not None:  # nothing arrives while spinning outside the fabric
+        return _wait_slow(words, idx, target, policy, ctx, peer, field, probe)
     for _ in range(policy.spin_polls):
         v = words[idx]
         if v >= target:
@@ -131,7 +136,10 @@ def _wait_slow(words, idx, target, policy, ctx, peer, field, probe=None) -> int:
     check_every = policy.check_every
     sleeping = False
     polls = 0
+    progress = ctx.progress
     while True:
+        if progress is not None:
+            progress()
         v = words[idx]
         if v >= target:
             ctx.waited_ns += _now() - start

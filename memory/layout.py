@@ -20,8 +20,8 @@ Meta area, in this order, every field 32 bytes = four little-endian int64 words:
                              | event_id | head_ptr | done     | status   |   writer: peer (receiver)
  rdv[peer][lane]   P2P_RDV   zero-copy rendezvous: where peer wants this die's send
                              | event_id | dst_off  | nbytes   | seq      |   writer: peer (receiver)
- sync              SYNC      barrier counter of this die
-                             | count    | spare    | spare    | spare    |   writer: this die
+ sync[dies / 4]    SYNC      barrier counts: word s of the block is die s's (a word per die)
+                             | count    | count    | count    | count    |   writer: that die
 ```
 
 The polled word of each field is written last (tail_ptr, done, seq, count) and only grows during
@@ -133,9 +133,9 @@ from memory.errors import ConfigError
 from memory.progress import PROGRESS_STATES, progress_word, unpack_progress  # noqa: F401
 
 MAGIC = 0x314D4248444F5058  # b"XPODHBM1" little-endian
-LAYOUT_VERSION = 6  # 2: fused_refuse, fused_cevent; 3: serve heartbeat, phase times; 4: eplb;
+LAYOUT_VERSION = 7  # 2: fused_refuse, fused_cevent; 3: serve heartbeat, phase times; 4: eplb;
 # 5: split pods (A2E done flag in the attention die's a2e_flag, serve words a2e_ns .. parked);
-# 6: PD pods' KV link words (serve pd)
+# 6: PD pods' KV link words (serve pd); 7: a barrier word per source die (multi-host)
 PAGE = 4096
 HEADER_BYTES = PAGE
 FIELD_BYTES = 32
@@ -146,7 +146,7 @@ P2P_DESC = np.dtype(
 )
 P2P_ACK = np.dtype([("event_id", "<i8"), ("head_ptr", "<i8"), ("done", "<i8"), ("status", "<i8")])
 P2P_RDV = np.dtype([("event_id", "<i8"), ("dst_off", "<i8"), ("nbytes", "<i8"), ("seq", "<i8")])
-SYNC = np.dtype([("count", "<i8"), ("spare0", "<i8"), ("spare1", "<i8"), ("spare2", "<i8")])
+SYNC = np.dtype([(f"count{i}", "<i8") for i in range(4)])  # a field of the sync block
 
 # Word index of each name inside its 32-byte field (hot paths index int64 words, not bytes).
 DESC_EVENT, DESC_CHUNK, DESC_TAIL, DESC_INFO = 0, 1, 2, 3
@@ -208,6 +208,11 @@ HEADER = np.dtype(
 )
 
 FIELD_KINDS = {"desc": P2P_DESC, "ack": P2P_ACK, "rdv": P2P_RDV}
+
+
+def sync_bytes(num_dies: int) -> int:
+    """The barrier block: one count word per die (die s writes word s), in 32-byte fields."""
+    return _round_up(num_dies * WORD, FIELD_BYTES)
 
 
 def _round_up(n: int, align: int) -> int:
@@ -372,7 +377,7 @@ class RegionLayout:
             lines.append(
                 f"  meta.{name:<5}off {off:>12}  [{self.num_dies}][{self.lanes}] x 32 B ({cols})"
             )
-        lines.append(f"  meta.sync off {self.sync_off:>12}  1 x 32 B (count)")
+        lines.append(f"  meta.sync off {self.sync_off:>12}  [{self.num_dies}] x 8 B (count by die)")
         lines.append(
             f"  rings    [{self.num_dies} senders][{self.lanes} lanes] x {self.ring_slots} slots"
             f" x {self.slot_bytes} B = {n * self.ring_bytes} B"
@@ -455,7 +460,7 @@ def compute(
         a2a_combine_bytes,
     )
     on = bool(a2a_max_batch)
-    pull_field_off = sync_off + FIELD_BYTES
+    pull_field_off = sync_off + sync_bytes(num_dies)
     fused_flag_off = pull_field_off + (4 * num_dies * FIELD_BYTES if on else 0)
     fused_counts_off = fused_flag_off + (2 * num_dies * FIELD_BYTES if on else 0)
     fused_cflag_off = fused_counts_off + (2 * num_dies * a2a_experts_per_die * WORD if on else 0)

@@ -58,6 +58,16 @@ class PodConfig:
         eplb_layers, eplb_window: expert load balancing (`runtime.model.expert_balancer`): the
             MoE layers whose per-slot load each die records, and the steps its count ring keeps
             (0: off; the decode and serving launchers set them).
+        die_cpus: a core per die (a PD pod's parts on their own cores); empty: `pin` decides.
+        hosts: the host of every die (`--hosts 2,2` -> (0, 0, 1, 1)); empty: one host.
+        fabric: how dies reach the regions of other hosts' dies (`comm.fabric`): "auto" (MPI
+            RMA when `hosts` names more than one host), "mpi", or "mirror" (hosts emulated
+            over shared memory with poisoned mirrors and no MPI: a test of the protocols'
+            push / pull / publish discipline).
+        host_names: the names of `hosts`' hosts for mpirun (`--hosts nodeA:8,nodeB:8`);
+            empty: every host is this machine (emulated hosts).
+        net_if: the interface (or CIDR) MPI's TCP transport and the control plane use between
+            hosts (`btl_tcp_if_include`); default "lo" for emulated hosts.
     """
 
     num_dies: int = 4
@@ -86,6 +96,10 @@ class PodConfig:
     eplb_layers: int = 0
     eplb_window: int = 0
     die_cpus: tuple = ()
+    hosts: tuple = ()
+    fabric: str = "auto"
+    host_names: tuple = ()
+    net_if: str = ""
 
     def __post_init__(self) -> None:
         if self.cores == 0:
@@ -125,6 +139,7 @@ class PodConfig:
         ):
             raise ConfigError(f"die_cpus: {list(self.die_cpus)!r} must give each of the"
                               f" {self.num_dies} dies a core index >= 0")  # fmt: skip
+        self._check_hosts()
         if self.eplb_layers and not (self.a2a_max_batch and self.eplb_window):
             raise ConfigError(
                 "eplb_layers: expert load balancing needs a2a_max_batch and eplb_window"
@@ -149,6 +164,42 @@ class PodConfig:
                 f" ({lo.region_bytes / MiB:.1f} MiB: app {lo.app_bytes}, rings"
                 f" {lo.managed_bytes}), more than max_region_bytes {self.max_region_bytes}"
             )
+
+    def _check_hosts(self) -> None:
+        object.__setattr__(self, "hosts", tuple(self.hosts))
+        object.__setattr__(self, "host_names", tuple(self.host_names))
+        _choice("fabric", self.fabric, ("auto", "mpi", "mirror"))
+        hosts = self.hosts
+        if hosts:
+            if len(hosts) != self.num_dies or not all(
+                isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hosts
+            ):
+                raise ConfigError(
+                    f"hosts: {list(hosts)!r} must give each of the {self.num_dies} dies a host"
+                    " index >= 0"
+                )
+            if list(hosts) != sorted(hosts) or sorted(set(hosts)) != list(range(hosts[-1] + 1)):
+                raise ConfigError(
+                    f"hosts: {list(hosts)!r}: hosts hold consecutive dies, numbered 0, 1, ..."
+                )
+        if self.host_names and len(self.host_names) != self.num_hosts:
+            raise ConfigError(
+                f"host_names: {list(self.host_names)!r} names {len(self.host_names)} hosts,"
+                f" hosts has {self.num_hosts}"
+            )
+        if not isinstance(self.net_if, str):
+            raise ConfigError(f"net_if: {self.net_if!r} must be an interface name or CIDR")
+
+    @property
+    def num_hosts(self) -> int:
+        return self.hosts[-1] + 1 if self.hosts else 1
+
+    @property
+    def fabric_kind(self) -> str:
+        """ "local" (one host), "mirror" or "mpi"."""
+        if self.num_hosts == 1 and self.fabric != "mpi":
+            return "local"
+        return "mpi" if self.fabric == "auto" else self.fabric
 
     # -- derived --------------------------------------------------------------------------------
 

@@ -45,7 +45,9 @@ class Die(comm.Endpoint):
         trace: this die's protocol trace (`die.trace.enabled = True` to record).
     """
 
-    def __init__(self, die_id: int, config: PodConfig, regions: list[Region], ctl=None):
+    def __init__(
+        self, die_id: int, config: PodConfig, regions: list, ctl=None, fabric=None
+    ) -> None:
         abort = (ctl.words, C.W_ABORT, ctl.words[C.W_ABORT]) if ctl is not None else None
         super().__init__(
             die_id,
@@ -54,9 +56,10 @@ class Die(comm.Endpoint):
             ub_bytes=config.ub_bytes,
             trace=Trace(die_id, config.trace_capacity, config.trace),
             abort=abort,
+            fabric=fabric,
         )
         self.config = config
-        self.region = regions[die_id]
+        self.region = self.regions[die_id]
         self.ctl = ctl
         self.commands = 0  # messages received from the launcher (runs, stops)
         lo = self.layout
@@ -188,7 +191,7 @@ def die_main(die_id: int, cfg: dict, pod_id: str, conn, launcher_pid: int) -> No
             Region.attach(RegionHandle(region_name(pod_id, r), r), layout)
             for r in range(config.num_dies)
         ]
-        die = Die(die_id, config, regions, ctl)
+        die = Die(die_id, config, regions, ctl, _fabric(die_id, config, regions))
     except BaseException as e:  # noqa: BLE001 - reported to the launcher, then exit non-zero
         _send_error(conn, e)
         sys.exit(1)
@@ -197,6 +200,16 @@ def die_main(die_id: int, cfg: dict, pod_id: str, conn, launcher_pid: int) -> No
     die.close()
     if os.getppid() != launcher_pid:  # the pipe closed because the launcher died
         orphan_cleanup(pod_id, die_id, config.num_dies)
+
+
+def _fabric(die_id: int, config: PodConfig, regions: list):
+    """The die's fabric in a forked pod: every region mapped; with `fabric="mirror"` the dies
+    of other (emulated) hosts become poisoned mirrors (`comm.fabric.MirrorFabric`)."""
+    if config.fabric_kind == "mirror":
+        from comm.fabric import MirrorFabric
+
+        return MirrorFabric(die_id, regions, config.hosts)
+    return None
 
 
 def _serve(die: Die, conn) -> None:

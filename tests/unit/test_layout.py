@@ -63,7 +63,7 @@ def test_field_dtype_matches_docstring_diagram(kind, dtype):
                    "status": L.ACK_STATUS}),
         (P2P_RDV, {"event_id": L.RDV_EVENT, "dst_off": L.RDV_OFF, "nbytes": L.RDV_NBYTES,
                    "seq": L.RDV_SEQ}),
-        (L.SYNC, {"count": L.SYNC_COUNT}),
+        (L.SYNC, {"count0": L.SYNC_COUNT}),
     ],
 )  # fmt: skip
 def test_word_indices_match_dtype_offsets(dtype, words):
@@ -92,7 +92,7 @@ def test_polled_word_is_documented_last():
     doc = L.__doc__
     assert "(tail_ptr, done, seq, count)" in doc
     assert P2P_DESC.names[2] == "tail_ptr" and P2P_ACK.names[2] == "done"
-    assert P2P_RDV.names[3] == "seq" and L.SYNC.names[0] == "count"
+    assert P2P_RDV.names[3] == "seq" and L.SYNC.names[0] == "count0"
 
 
 # -- geometry --------------------------------------------------------------------------------------
@@ -118,7 +118,7 @@ def test_meta_blocks_in_order():
     assert lo.ack_off == lo.desc_off + block
     assert lo.rdv_off == lo.ack_off + block
     assert lo.sync_off == lo.rdv_off + block
-    assert lo.sync_off + FIELD_BYTES <= lo.meta_off + lo.meta_bytes
+    assert lo.sync_off + L.sync_bytes(SMALL["num_dies"]) <= lo.meta_off + lo.meta_bytes
 
 
 def test_app_bytes_rounded_up_to_a_page():
