@@ -53,9 +53,10 @@ class DmaJob:
 class DmaEngine:
     """One copy-engine thread per die, advancing every submitted job until it completes."""
 
-    def __init__(self, die_id: int, timeout_s: float = 60.0):
+    def __init__(self, die_id: int, timeout_s: float = 60.0, progress=None):
         self.die_id = die_id
         self.timeout_s = timeout_s
+        self.progress = progress  # a multi-host die's fabric progress, called while idle
         self._q: queue.SimpleQueue[DmaJob | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=f"dma-die{die_id}", daemon=True)
         self._thread.start()
@@ -102,6 +103,8 @@ class DmaEngine:
                 if j.done.is_set():
                     active.remove(j)
             if active and not moved:
+                if self.progress is not None:
+                    self.progress()
                 os.sched_yield()  # releases the GIL and the core
 
 

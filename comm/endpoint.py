@@ -91,7 +91,7 @@ class Endpoint:
     @property
     def dma(self) -> DmaEngine:
         if self._dma is None:
-            self._dma = DmaEngine(self.die_id, self.policy.timeout_s)
+            self._dma = DmaEngine(self.die_id, self.policy.timeout_s, self.ctx.progress)
         return self._dma
 
     def close(self) -> None:

@@ -22,7 +22,7 @@ class TxRing:
 
     __slots__ = (
         "ep", "dst", "lane", "src", "lo", "hi", "k", "nchunks", "seq", "event_id", "info",
-        "dw", "desc", "aw", "ack", "ring", "ring_off", "tail", "dma", "op", "fin",
+        "dw", "desc", "aw", "ack", "ring", "ring_off", "tail", "dma", "op", "fin", "fab",
     )  # fmt: skip
 
     def __init__(self, ep, dst, lane, src, lo, hi, seq, event_id, info, dma):
@@ -40,8 +40,11 @@ class TxRing:
         self.ack = t.ack[dst][lane]
         self.ring = ep.bytes[dst]
         self.ring_off = t.ring[ep.die_id][lane]
-        self.tail = self.dw[self.desc + L.DESC_TAIL]
+        self.tail = self.dw[self.desc + L.DESC_TAIL]  # (a remote dst: the mirror, our shadow)
         self.fin = False
+        # A die on another host (docs/protocols.md §10): the slot and the payload words go
+        # over the fabric, then chunk_id and tail_ptr are published after them.
+        self.fab = ep.fab if ep.fab.remote[dst] else None
 
     def pump(self) -> bool:
         k, nch = self.k, self.nchunks
@@ -78,9 +81,13 @@ class TxRing:
             # descriptor only after it sees tail_ptr move (x86-64 TSO keeps store order).
             dw[desc + L.DESC_EVENT] = self.event_id
             dw[desc + L.DESC_INFO] = self.info
-            dw[desc + L.DESC_CHUNK] = self.seq << SEQ_SHIFT | (k + run - 1)
+            chunk = self.seq << SEQ_SHIFT | (k + run - 1)
             tail += run
-            dw[desc + L.DESC_TAIL] = tail
+            if self.fab is not None:
+                _publish_chunk(self.fab, self.dst, off, b - a, desc, chunk, tail)
+            else:
+                dw[desc + L.DESC_CHUNK] = chunk
+                dw[desc + L.DESC_TAIL] = tail
             if tr:
                 tr.rec(now_ns(), 0, self.op, 3, self.dst, self.lane, self.event_id, b - a)
             k += run
@@ -131,6 +138,28 @@ class TxRing:
         check_ack(self.ep, self.aw, self.ack, self.dst, self.event_id)
 
 
+def _publish_chunk(fab, dst: int, off: int, nbytes: int, desc: int, chunk: int, tail: int):
+    """A ring chunk to a die on another host: the slot bytes and the descriptor's payload words
+    (event id, msg_info), then chunk_id and tail_ptr as guards after one flush. The two guards
+    may land in either order: the receiver takes "tail moved, chunk_id of an earlier message"
+    as not yet (`Rx.pump`)."""
+    fab.push(dst, off, nbytes)
+    fab.push_words(dst, desc + L.DESC_EVENT)
+    fab.push_words(dst, desc + L.DESC_INFO)
+    fab.publish_many(dst, (desc + L.DESC_CHUNK, desc + L.DESC_TAIL), (chunk, tail))
+
+
+def publish_ack(fab, src: int, ack: int, head: int, done: int | None) -> None:
+    """A receiver lane's credit (and its ack, if `done`) to a sender on another host: ack's
+    event id and status as payload, then head_ptr and done as guards."""
+    if done is None:
+        fab.publish(src, ack + L.ACK_HEAD, head)
+        return
+    fab.push_words(src, ack + L.ACK_EVENT)
+    fab.push_words(src, ack + L.ACK_STATUS)
+    fab.publish_many(src, (ack + L.ACK_HEAD, ack + L.ACK_DONE), (head, done))
+
+
 class Rx:
     """Receiver lane: consume ring chunks (mte via UB, dma direct, or drain) or zero-copy.
 
@@ -141,7 +170,7 @@ class Rx:
     __slots__ = (
         "ep", "src", "lane", "dst", "lo", "hi", "k", "nchunks", "seq", "event_id", "info", "mode",
         "status", "ack_event", "lw", "desc", "rw", "ack", "ring", "ring_off", "head", "acked",
-        "t_wait", "op",
+        "t_wait", "op", "fab",
     )  # fmt: skip
 
     def __init__(
@@ -164,9 +193,10 @@ class Rx:
         self.ack = t.ack[ep.die_id][lane]
         self.ring = ep.bytes[ep.die_id]
         self.ring_off = t.ring[src][lane]
-        self.head = self.rw[self.ack + L.ACK_HEAD]
+        self.head = self.rw[self.ack + L.ACK_HEAD]  # (a remote src: our shadow in its mirror)
         self.acked = False
         self.t_wait = now_ns()
+        self.fab = ep.fab if ep.fab.remote[src] else None
 
     def pump(self) -> bool:
         if self.acked:
@@ -177,8 +207,11 @@ class Rx:
         head, k, nch = self.head, self.k, self.nchunks
         if head >= tail:
             return False
+        got_seq = lw[desc + L.DESC_CHUNK] >> SEQ_SHIFT
+        if got_seq < self.seq and self.fab is not None:
+            return False  # a remote sender's tail_ptr landed before its chunk_id: not yet
         if (
-            lw[desc + L.DESC_CHUNK] >> SEQ_SHIFT != self.seq
+            got_seq != self.seq
             or lw[desc + L.DESC_EVENT] != self.event_id
             or lw[desc + L.DESC_INFO] != self.info
         ):
@@ -209,6 +242,8 @@ class Rx:
         self.head, self.k = head, k
         if k == nch:
             self._ack(tr)
+        elif self.fab is not None:
+            publish_ack(self.fab, self.src, ack, head, None)  # one credit per pump
         return True
 
     def _foreign(self) -> ProtocolError:
@@ -237,7 +272,10 @@ class Rx:
         rw, ack = self.rw, self.ack
         rw[ack + L.ACK_EVENT] = self.ack_event
         rw[ack + L.ACK_STATUS] = self.status
-        rw[ack + L.ACK_DONE] = self.seq
+        if self.fab is not None:
+            publish_ack(self.fab, self.src, ack, self.head, self.seq)
+        else:
+            rw[ack + L.ACK_DONE] = self.seq
         self.acked = True
         if tr:
             tr.rec(now_ns(), 0, self.op, 7, self.src, self.lane, self.event_id, self.hi - self.lo)

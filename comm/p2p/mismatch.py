@@ -79,12 +79,18 @@ def reject(ep: Endpoint, src: int, seq: int, got: int, got_event: int, event_id:
         _drain(ep, src, seq, got, got_event, event_id, status)
         return
     t, me, rw = ep.tables, ep.die_id, ep.words[src]
+    fab = ep.fab if ep.fab.remote[src] else None
     for i in range(lanes):
         ack, rdv = t.ack[me][i], t.rdv[me][i]
         rw[ack + L.ACK_EVENT] = event_id
         rw[ack + L.ACK_STATUS] = status
-        rw[ack + L.ACK_DONE] = seq
         rw[rdv + L.RDV_EVENT] = RDV_REJECT
+        if fab is not None:  # payload words, then done and the tag as guards (§10)
+            for w in (ack + L.ACK_EVENT, ack + L.ACK_STATUS, rdv + L.RDV_EVENT):
+                fab.push_words(src, w)
+            fab.publish_many(src, (ack + L.ACK_DONE, rdv + L.RDV_SEQ), (seq, seq))
+            continue
+        rw[ack + L.ACK_DONE] = seq
         rw[rdv + L.RDV_SEQ] = seq  # LAST: wakes that sender lane, which then reads the ack
 
 

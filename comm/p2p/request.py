@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from comm.endpoint import Endpoint
-from comm.p2p.lanes import Rx, TxRing, check_lanes
+from comm.p2p.lanes import Rx, TxRing, check_lanes, publish_ack
 from comm.p2p.message import ABORTED, DMA, SEQ_SHIFT, ZC, check_args, pack_info, stripes
 from comm.p2p.mismatch import reject, rx_error, verdict
 from comm.p2p.zero_copy import TxZeroCopy, app_offset, post_rendezvous
@@ -142,6 +142,8 @@ class _Idler:
     def idle(self, req: Request) -> None:
         pol = self.ep.policy
         self.polls += 1
+        if self.ep.ctx.progress is not None:
+            self.ep.ctx.progress()
         if self.polls <= pol.spin_polls:
             return
         if self.polls == pol.spin_polls + 1:
@@ -277,16 +279,20 @@ def resync(ep: Endpoint) -> int:
     for peer in range(ep.num_dies):
         if peer == me:
             continue
-        rw = ep.words[peer]
+        rw = ep.words[peer]  # a remote peer: the mirror (our shadow of the words we write)
+        fab = ep.fab if ep.fab.remote[peer] else None
         for lane in range(ep.lanes):
             desc, ack = t.desc[peer][lane], t.ack[me][lane]
             tail = lw[desc + L.DESC_TAIL]
-            if rw[ack + L.ACK_HEAD] < tail:
-                rw[ack + L.ACK_HEAD] = tail
+            head, done = rw[ack + L.ACK_HEAD], rw[ack + L.ACK_DONE]
+            if head < tail:
+                rw[ack + L.ACK_HEAD] = head = tail
                 dropped += 1
             seq = lw[desc + L.DESC_CHUNK] >> SEQ_SHIFT
-            if rw[ack + L.ACK_DONE] < seq:
+            if done < seq:
                 rw[ack + L.ACK_EVENT] = -1
                 rw[ack + L.ACK_STATUS] = ABORTED
-                rw[ack + L.ACK_DONE] = seq
+                rw[ack + L.ACK_DONE] = done = seq
+            if fab is not None:
+                publish_ack(fab, peer, ack, head, done)
     return dropped

@@ -74,8 +74,15 @@ def _first_fast(ep: Endpoint, peer: int, made: dict, make: Callable) -> Callable
     the pod, which take the general path and its checks."""
     if peer == ep.die_id or not 0 <= peer < ep.num_dies:
         return None
+    if ep.fab.remote[peer]:  # another host: the general path publishes over the fabric
+        fast = made[peer] = _not_fast
+        return fast
     fast = made[peer] = make(ep, peer)
     return fast
+
+
+def _not_fast(buf, event_id) -> bool:
+    return False
 
 
 def _fill_cache(c: list, buf, writable: bool, limit: int, ub, slot_views) -> bool:

@@ -33,7 +33,7 @@ class TxZeroCopy:
 
     __slots__ = (
         "ep", "dst", "lane", "src", "lo", "hi", "seq", "event_id", "info", "dw", "desc",
-        "aw", "ack", "rdv", "sent", "t_wait", "fin",
+        "aw", "ack", "rdv", "sent", "t_wait", "fin", "fab",
     )  # fmt: skip
 
     def __init__(self, ep, dst, lane, src, lo, hi, seq, event_id, info):
@@ -47,6 +47,7 @@ class TxZeroCopy:
         self.rdv = t.rdv[dst][lane]
         self.sent = self.fin = False
         self.t_wait = now_ns()
+        fab = self.fab = ep.fab if ep.fab.remote[dst] else None
         if lane == 0:
             # Ready-to-send: event id, msg_info, then chunk_id LAST, tail_ptr untouched. The
             # receiver starts its receive on the new seq and answers with a rendezvous tagged
@@ -55,7 +56,12 @@ class TxZeroCopy:
             dw, desc = self.dw, self.desc
             dw[desc + L.DESC_EVENT] = event_id
             dw[desc + L.DESC_INFO] = info
-            dw[desc + L.DESC_CHUNK] = seq << SEQ_SHIFT
+            if fab is not None:  # payload words, then chunk_id as the guard (§10)
+                fab.push_words(dst, desc + L.DESC_EVENT)
+                fab.push_words(dst, desc + L.DESC_INFO)
+                fab.publish(dst, desc + L.DESC_CHUNK, seq << SEQ_SHIFT)
+            else:
+                dw[desc + L.DESC_CHUNK] = seq << SEQ_SHIFT
 
     def pump(self) -> bool:
         if self.sent:
@@ -97,8 +103,16 @@ class TxZeroCopy:
         dw, desc = self.dw, self.desc
         dw[desc + L.DESC_EVENT] = self.event_id
         dw[desc + L.DESC_INFO] = self.info
-        dw[desc + L.DESC_CHUNK] = self.seq << SEQ_SHIFT
-        dw[desc + L.DESC_TAIL] = dw[desc + L.DESC_TAIL] + 1  # LAST
+        fab = self.fab
+        if fab is not None:  # the stripe (one Put: an RDMA write), payload words, guards
+            fab.push(self.dst, off, n)
+            fab.push_words(self.dst, desc + L.DESC_EVENT)
+            fab.push_words(self.dst, desc + L.DESC_INFO)
+            fab.publish_many(self.dst, (desc + L.DESC_CHUNK, desc + L.DESC_TAIL),
+                             (self.seq << SEQ_SHIFT, dw[desc + L.DESC_TAIL] + 1))  # fmt: skip
+        else:
+            dw[desc + L.DESC_CHUNK] = self.seq << SEQ_SHIFT
+            dw[desc + L.DESC_TAIL] = dw[desc + L.DESC_TAIL] + 1  # LAST
         if tr:
             tr.rec(now_ns(), 0, "zc_send", 3, self.dst, self.lane, self.event_id, n)
         self.sent = True
@@ -150,12 +164,17 @@ def post_rendezvous(ep: Endpoint, buf: np.ndarray, mv: memoryview, src: int, seq
     base = app_offset(ep, buf, len(mv))
     sw = ep.words[src]
     tr = ep.trace if ep.trace.enabled else None
+    fab = ep.fab if ep.fab.remote[src] else None
     for i, (a, b) in enumerate(stripes(len(mv), cores)):
         f = ep.tables.rdv[ep.die_id][i]
         sw[f + L.RDV_EVENT] = event_id
         sw[f + L.RDV_OFF] = base + a
         sw[f + L.RDV_NBYTES] = b - a
-        sw[f + L.RDV_SEQ] = seq  # LAST
+        if fab is not None:  # event, offset, size as payload, then the tag (§10)
+            fab.push_words(src, f + L.RDV_EVENT, 3)
+            fab.publish(src, f + L.RDV_SEQ, seq)
+        else:
+            sw[f + L.RDV_SEQ] = seq  # LAST
         if tr:
             tr.rec(now_ns(), 0, "zc_recv", 0, src, i, event_id, b - a)
 
