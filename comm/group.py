@@ -37,6 +37,7 @@ def group_view(ep: Endpoint, dies: Sequence[int]) -> Endpoint:
         ep.ub_bytes,
         ep.trace,
         ep.ctx.abort,
+        fabric=ep.fab.view(dies),  # a group over hosts pushes through its die's fabric
     )
     view.dies = dies
     view.parent = ep

@@ -90,6 +90,9 @@ Serving fields (only in a pod launched with `serve_slot_bytes`), after the all-t
                                      decode die, written by prefill die p: started, done,
                                      echo, records[PD_SLOTS]; in a prefill die, written by
                                      decode die p: ack, probe
+   votes[256][3]                     writer: die p      (word 3p) p's lockstep vote, in every
+                                     (words 3p..3p+2)   voter's region: rows[s % 2] first, then
+                                                        s LAST (each die reads votes at home)
 ```
 Expert load balancing fields (only in a pod launched with `eplb_layers`), after the serving
 words (runtime.model.expert_balancer):
@@ -104,10 +107,16 @@ words (runtime.model.expert_balancer):
    moved_bytes, move_ns              writer: this die    expert bytes it received, time moving
    balance_ppm                       writer: the leader  balancedness of its last window x 1e6
    rows                              writer: this die    rows its slots received, cumulative
+   count_by[256]                     writer: die p       (word p) in the leader: p's count_step
+   ready_by[256]                     writer: die p       (word p) in every member: p's ready
  counts[window][1 + layers * slots]  writer: this die    row s % window: step s, then the rows
                                                          each local slot got in each MoE layer
- plan[layers][physical]              writer: the leader  phy2log of plan plan_seq
+ plan[layers][physical]              writer: the leader  phy2log of plan plan_seq, in every
+                                                         die (the leader pushes it, then
+                                                         plan_step, then plan_seq LAST)
 ```
+Every die polls these words in its own region (rule R1 of docs/protocols.md §10); the leader
+pulls a remote die's count row once its count_by word says the step is complete.
 
 The command ring (master -> die) and the result ring (die -> master) are `serve_slots` slots of
 `serve_slot_bytes` each in the managed area; slot k % slots holds message k. Every count only
@@ -135,7 +144,8 @@ from memory.progress import PROGRESS_STATES, progress_word, unpack_progress  # n
 MAGIC = 0x314D4248444F5058  # b"XPODHBM1" little-endian
 LAYOUT_VERSION = 7  # 2: fused_refuse, fused_cevent; 3: serve heartbeat, phase times; 4: eplb;
 # 5: split pods (A2E done flag in the attention die's a2e_flag, serve words a2e_ns .. parked);
-# 6: PD pods' KV link words (serve pd); 7: a barrier word per source die (multi-host)
+# 6: PD pods' KV link words (serve pd); 7: a barrier word per source die and the serving votes
+# of every die in every voter's region (multi-host: a die polls only its own region)
 PAGE = 4096
 HEADER_BYTES = PAGE
 FIELD_BYTES = 32
@@ -180,11 +190,15 @@ SV_KV_POOL = SV_PARKED + MAX_PARKED  # byte offset of this die's paged KV pool i
 SV_PD, MAX_PD_DIES, PD_SLOTS, PD_REC_WORDS = SV_KV_POOL + 1, 32, 4, 7  # KV links
 PD_STARTED, PD_DONE, PD_ECHO, PD_ACK, PD_PROBE, PD_REC = range(6)  # words of a peer block
 PD_PEER_WORDS = PD_REC + PD_SLOTS * PD_REC_WORDS
-SERVE_WORDS = SV_PD + MAX_PD_DIES * PD_PEER_WORDS
+# the serving vote of every die in every voter's region (rule R1: a die reads votes in its own
+# memory): die p's vote for step s is rows at SV_VOTES + 3p + 1 + s % 2, then s at SV_VOTES + 3p
+SV_VOTES, VOTE_WORDS, MAX_VOTERS = SV_PD + MAX_PD_DIES * PD_PEER_WORDS, 3, 256
+SERVE_WORDS = SV_VOTES + MAX_VOTERS * VOTE_WORDS
 # Expert load balancing words (word index inside the eplb block), see the diagram.
 EP_PLAN_SEQ, EP_PLAN_STEP, EP_READY, EP_SWITCHED, EP_COUNT_STEP = range(5)
 EP_MOVED_BYTES, EP_MOVE_NS, EP_BALANCE_PPM, EP_ROWS = range(5, 9)
-EPLB_WORDS = 16
+EP_COUNT_BY, EP_READY_BY = 16, 16 + MAX_VOTERS  # per-source words (MAX_VOTERS dies)
+EPLB_WORDS = 16 + 2 * MAX_VOTERS
 
 HEADER = np.dtype(
     [

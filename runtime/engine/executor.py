@@ -57,6 +57,7 @@ from runtime.engine import wire
 from runtime.engine.pd import KVThread, PDTopology
 from runtime.engine.split_loop import end_of_run, expert_serve, notify_parked
 from runtime.engine.step_ring import Bell, Ring, bell_path
+from runtime.engine.votes import Votes
 from runtime.model.config import ModelConfig
 from runtime.model.expert_balancer import EPLBConfig, ExpertBalancer
 from runtime.model.forward import PHASES, Clock, build_model, forward
@@ -138,8 +139,7 @@ class _Loop:
             if spec.pd.role(self.me) == "decode" and spec.decode_blocks:
                 n_blocks = spec.decode_blocks
         self.words = die.words
-        self.vote_step = lo.serve_word(L.SV_VOTE_STEP)
-        self.vote_rows = lo.serve_word(L.SV_VOTE_ROWS)
+        self.votes = Votes(die, self.voters)
         self.promised = lo.serve_word(L.SV_CMD_PROMISED)
         self.dummy_word = lo.serve_word(L.SV_DUMMY_STEPS)
         self.ping, self.pong = lo.serve_word(L.SV_PING), lo.serve_word(L.SV_PONG)
@@ -281,24 +281,23 @@ class _Loop:
         dies up anyway, which keeps the double-buffered vote words safe: nobody writes rows[s%2]
         again before every die finished step s). Only an idle or exiting step needs every vote.
         """
-        w = self.words[self.me]
         t0 = time.perf_counter_ns()
         self.clock.step = s
         self.clock.mark(-1, 0, L.PROGRESS_STATES.index("vote"))
-        w[self.vote_rows + (s & 1)] = rows | (EXIT if self.exiting else 0)
-        w[self.vote_step] = s  # LAST
+        votes, home = self.votes, self.words[self.me]
+        votes.cast(s, rows | (EXIT if self.exiting else 0))
         if rows and self.early:
             return rows, False
         total, all_exit = 0, True
         for p in self.voters:
-            pw = self.words[p]
-            if pw[self.vote_step] < s:
+            sw = votes.step_word(p)
+            if home[sw] < s:
                 try:
-                    self.die.wait_ge(pw, self.vote_step, s, p, "serve.vote_step", self._busy(s))
+                    self.die.wait_ge(home, sw, s, p, "serve.votes[p].step", self._busy(s))
                 except _Busy:
                     total, all_exit = 1, False
                     break
-            v = pw[self.vote_rows + (s & 1)]
+            v = votes.rows(p, s)
             total += v & ROWS_MASK
             all_exit &= bool(v & EXIT)
             if total and self.early:
@@ -310,12 +309,12 @@ class _Loop:
         """A probe for the vote wait: raise _Busy once any die voted rows for step s."""
         if not self.early:
             return None
-        vs, vr = self.vote_step, self.vote_rows + (s & 1)
-        words = [self.words[p] for p in self.voters]
+        home, votes = self.words[self.me], self.votes
+        words = [(votes.step_word(p), votes.step_word(p) + 1 + (s & 1)) for p in self.voters]
 
         def probe() -> None:
-            for pw in words:
-                if pw[vs] >= s and pw[vr] & ROWS_MASK:
+            for vs, vr in words:
+                if home[vs] >= s and home[vr] & ROWS_MASK:
                     raise _Busy
 
         return probe
@@ -340,7 +339,7 @@ class _Loop:
                     or self.words[self.me][self.promised] > self.cmds.consumed()
                 ):
                     return True
-                if any(self.words[p][self.vote_step] > s for p in self.voters):
+                if self.votes.beyond(s):
                     return False
                 if abort is not None and abort[0][abort[1]] != abort[2]:
                     raise PodAborted(f"die {self.me}: aborted by the launcher while parked")

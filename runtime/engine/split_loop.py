@@ -52,7 +52,7 @@ def notify_parked(die, split: Split, step: int, parked: bool) -> None:
     idx = die.layout.serve_word(L.SV_PARKED) + die.die_id
     value = 2 * step + 1 if parked else 2 * step
     for x in split.exp_dies:
-        die.words[x][idx] = value
+        die.fab.publish(x, idx, value)  # a store on this host, a publish to another
 
 
 class ExpertServer:

@@ -284,8 +284,12 @@ class ExpertBalancer:
             ("plan_seq", L.EP_PLAN_SEQ), ("plan_step", L.EP_PLAN_STEP), ("ready", L.EP_READY),
             ("switched", L.EP_SWITCHED), ("count_step", L.EP_COUNT_STEP),
             ("moved_bytes", L.EP_MOVED_BYTES), ("move_ns", L.EP_MOVE_NS),
-            ("balance", L.EP_BALANCE_PPM), ("rows", L.EP_ROWS))}  # fmt: skip
-        self.plans = [self._plan_area(p) for p in self.members]
+            ("balance", L.EP_BALANCE_PPM), ("rows", L.EP_ROWS),
+            ("count_by", L.EP_COUNT_BY), ("ready_by", L.EP_READY_BY))}  # fmt: skip
+        # Every die polls and reads at home (rule R1, docs/protocols.md §10): the leader pushes
+        # the plan into every die's plan area, each die its count_step into the leader's
+        # count_by word and its ready into every member's ready_by word.
+        self.plans = [self._plan_area(p) for p in range(die.num_dies)]
         self.seq = 0  # plans taken
         self.win_start = 0
         self.plan_at = self._next_plan(0)
@@ -401,6 +405,7 @@ class ExpertBalancer:
             return
         self.w[self.word["rows"]] += int(self.counts.sum())
         self.w[self.word["count_step"]] = b + 1  # steps complete
+        self.die.fab.publish(self.leader, self.word["count_by"] + self.die.die_id, b + 1)
         if self.me == 0 and b == self.plan_at and self.pending is None:
             self._make_plan(b)
 
@@ -411,8 +416,12 @@ class ExpertBalancer:
         shared memory (each die must have finished step `t`, and not be `window` steps past)."""
         n, s = self.n, self.slots
         out = np.empty((self.n_moe, n * s), np.int64)
+        fab, lo = self.die.fab, self.die.layout
         for p in range(n):
             row = self.rings[p][t % self.window]
+            if fab.remote[self.members[p]]:  # another host's ring row: a pull (rule R4)
+                off = lo.eplb_counts_off + (t % self.window) * row.nbytes
+                fab.pull(self.members[p], off, row.nbytes)
             if row[0] != t:
                 raise ProtocolError(
                     f"eplb: die {p}'s count row {t % self.window} holds step {row[0]},"
@@ -424,8 +433,8 @@ class ExpertBalancer:
     def _make_plan(self, b: int) -> None:
         t0 = time.perf_counter_ns()
         for p in self.members:
-            self.die.wait_ge(self.die.words[p], self.word["count_step"], b + 1, p,
-                             "eplb.count_step (its load of the window)")  # fmt: skip
+            self.die.wait_ge(self.w, self.word["count_by"] + p, b + 1, p,
+                             "eplb.count_by (its load of the window)")  # fmt: skip
         t1 = time.perf_counter_ns()
         self.die.trace.rec(t0, t1 - t0, TRACE_OP, 3, -1, EPLB_LANE, b, 0)
         phys = np.zeros((self.n_moe, self.n * self.slots), np.int64)
@@ -450,9 +459,16 @@ class ExpertBalancer:
             groups, nodes = e.hierarchy(self.cfg, self.n)
             fresh = plan(load, self.n, e.redundant_per_die, e.policy, groups, nodes)
             phy2log = keep_in_place(self.map, fresh.phy2log, e.dies_per_node)
-        self.plans[0][:] = phy2log
-        self.w[self.word["plan_step"]] = b
-        self.w[self.word["plan_seq"]] = k  # LAST
+        fab, lo = self.die.fab, self.die.layout
+        for d, area in enumerate(self.plans):  # every die's plan area, plan_step, then seq
+            area[:] = phy2log
+            self.die.words[d][self.word["plan_step"]] = b
+            if fab.remote[d]:
+                fab.push(d, lo.eplb_plan_off, area.nbytes)
+                fab.push_words(d, self.word["plan_step"])
+                fab.publish(d, self.word["plan_seq"], k)
+            else:
+                self.die.words[d][self.word["plan_seq"]] = k  # LAST
         # the plan's slice: event_id = the step, bytes = the window's balancedness x 1e6
         ppm = int(self.w[self.word["balance"]])
         self.die.trace.rec(t1, time.perf_counter_ns() - t1, TRACE_OP, 0, -1, EPLB_LANE, b, ppm)
@@ -461,12 +477,13 @@ class ExpertBalancer:
 
     def _take_plan(self, b: int) -> None:
         k = self.seq + 1
-        lw = self.die.words[self.leader]
+        lw = self.w  # the leader pushed the plan here (rule R1)
         self.die.wait_ge(lw, self.word["plan_seq"], k, self.leader, f"eplb.plan_seq (plan {k})")
         if lw[self.word["plan_step"]] != b - 2:
             raise ProtocolError(f"die {self.die.die_id}: eplb plan {k} was made at step"
                               f" {lw[self.word['plan_step']]}, expected {b - 2}")  # fmt: skip
-        new = ExpertMap.from_phy2log(self.plans[0].copy(), self.cfg.num_experts, self.n)
+        own = self.plans[self.die.die_id].copy()
+        new = ExpertMap.from_phy2log(own, self.cfg.num_experts, self.n)
         self.seq = k
         self.pending = _Pending(k, new, b, b + self.n_moe, np.full_like(self.slot_buf, -1))
 
@@ -502,6 +519,8 @@ class ExpertBalancer:
         self.die.trace.rec(t0, dt, TRACE_OP, 1, self.first + j, EPLB_LANE, self.step, got)
         if j == self.n_moe - 1:
             self.w[self.word["ready"]] = p.seq
+            for q in self.members:  # this die's ready in every member's region (rule R1)
+                self.die.fab.publish(q, self.word["ready_by"] + self.die.die_id, p.seq)
 
     def _switch(self, p: _Pending) -> None:
         t0 = time.perf_counter_ns()
@@ -509,8 +528,8 @@ class ExpertBalancer:
             self.map = p.map
         else:
             for q in self.members:
-                self.die.wait_ge(self.die.words[q], self.word["ready"], p.seq, q,
-                                 f"eplb.ready (its expert moves of plan {p.seq})")  # fmt: skip
+                self.die.wait_ge(self.w, self.word["ready_by"] + q, p.seq, q,
+                                 f"eplb.ready_by (its expert moves of plan {p.seq})")  # fmt: skip
             self.map, self.slot_buf = p.map, p.slot_buf
             self._install()
         self.pending = None
