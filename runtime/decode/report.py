@@ -32,6 +32,9 @@ def summarize(res: list[dict], opts: DecodeOptions, model: ModelConfig) -> dict:
         "bench": "decode",
         "model": opts.model,
         "dies": opts.dies,
+        "hosts": ",".join(str(list(opts.hosts).count(h)) for h in sorted(set(opts.hosts)))
+        if opts.hosts
+        else str(opts.dies),
         "batch": opts.batch,
         "prompt_len": opts.prompt_len,
         "steps": steps,

@@ -218,6 +218,10 @@ def pod_config(
         pin=opts.pin,
         wait=opts.wait,
         expert_dies=opts.expert_dies or None,
+        hosts=tuple(opts.hosts),
+        fabric=opts.fabric,
+        host_names=tuple(opts.host_names),
+        net_if=opts.net_if,
         **({"cores": opts.cores} if opts.cores else {}),
     )
 
