@@ -18,6 +18,7 @@ import numpy as np
 import comm
 from bench import common
 from bench.common import parse_sizes
+from memory.errors import ConfigError
 from runtime import Pod, PodConfig
 from runtime.cli.argtypes import (
     choice_list,
@@ -55,19 +56,22 @@ def iters_for(size: int, scale: float) -> int:
     return max(10, int(min(5000, max(20, n)) * scale))
 
 
-def pingpong(die, size: int, variant: str, cores: int, iters: int, warmup: int) -> tuple:
-    """Die 0 and die 1 ping-pong `iters` times; other dies idle. Returns (samples_ns, cpu_s)."""
+def pingpong(die, size: int, variant: str, cores: int, iters: int, warmup: int,
+             pair: tuple[int, int] = (0, 1)) -> tuple:  # fmt: skip
+    """Dies `pair` (default 0 and 1) ping-pong `iters` times; other dies idle. Returns
+    (samples_ns, cpu_s); the pair's first die pings."""
     me = die.die_id
-    if me > 1:
+    if me not in pair:
         return [], 0.0
-    peer = 1 - me
+    peer = pair[1] if me == pair[0] else pair[0]
+    first = me == pair[0]
     src = die.alloc(size)
     dst = die.alloc(size)
-    src[:] = np.arange(size, dtype=np.uint64).astype(np.uint8) ^ (me + 1)
+    src[:] = np.arange(size, dtype=np.uint64).astype(np.uint8) ^ ((me + 1) & 0xFF)
     cv = "mte" if variant == "async" else variant
     samples = []
     try:
-        _pair_barrier(die, peer)
+        _pair_barrier(die, peer, first)
         if variant == "kv-link":
             samples, cpu_s = _kv_pingpong(die, peer, src, dst, size, iters, warmup)
             return _checked(die, dst, peer, size, variant, cores, samples, cpu_s)
@@ -75,13 +79,13 @@ def pingpong(die, size: int, variant: str, cores: int, iters: int, warmup: int) 
         for i in range(warmup + iters):
             t0 = time.perf_counter_ns()
             if variant == "async":
-                if me == 0:
+                if first:
                     comm.isend(die, src, peer, i, cores).wait()
                     comm.irecv(die, dst, peer, i, cores).wait()
                 else:
                     comm.irecv(die, dst, peer, i, cores).wait()
                     comm.isend(die, src, peer, i, cores).wait()
-            elif me == 0:
+            elif first:
                 comm.send(die, src, peer, i, cores, cv)
                 comm.recv(die, dst, peer, i, cores, cv)
             else:
@@ -97,7 +101,7 @@ def pingpong(die, size: int, variant: str, cores: int, iters: int, warmup: int) 
 
 
 def _checked(die, dst, peer: int, size: int, variant: str, cores: int, samples, cpu_s) -> tuple:
-    expect = np.arange(size, dtype=np.uint64).astype(np.uint8) ^ (peer + 1)
+    expect = np.arange(size, dtype=np.uint64).astype(np.uint8) ^ ((peer + 1) & 0xFF)
     if not np.array_equal(dst, expect):
         raise AssertionError(f"die {die.die_id}: {variant} c{cores} {size} B payload corrupted")
     return samples, cpu_s
@@ -147,12 +151,12 @@ def _kv_pingpong(die, peer: int, src, dst, size: int, iters: int, warmup: int) -
     return samples, time.process_time() - cpu0
 
 
-def _pair_barrier(die, peer: int) -> None:
+def _pair_barrier(die, peer: int, first: bool = True) -> None:
     token = np.zeros(1, np.int64)
-    n = die.user.get("pair_barrier", 0) + 1
-    die.user["pair_barrier"] = n
+    n = die.user.get(("pair_barrier", peer), 0) + 1  # per pair: a die may be in several
+    die.user["pair_barrier"] = die.user[("pair_barrier", peer)] = n
     ev = (1 << 40) + n
-    if die.die_id == 0:
+    if first:
         comm.send(die, token, peer, ev)
         comm.recv(die, token, peer, ev)
     else:
@@ -160,36 +164,81 @@ def _pair_barrier(die, peer: int) -> None:
         comm.send(die, token, peer, ev)
 
 
-def measure_xpod(pod: Pod, sizes, variants, cores_list, scale: float) -> list[dict]:
+def pairs_of(cfg: PodConfig) -> list[tuple[int, int]]:
+    """The die pairs a pod's ping-pong measures: (0, 1) on one host; over hosts, the first
+    die of host 0 with the first die of host 1 (cross-host) and, when host 0 holds two dies,
+    (0, 1) too (a same-host pair inside a multi-host pod)."""
+    if cfg.num_hosts == 1:
+        return [(0, 1)]
+    pairs = [(0, cfg.hosts.index(1))]
+    if cfg.hosts[1] == 0:
+        pairs.append((0, 1))
+    return pairs
+
+
+def hosts_label(cfg: PodConfig) -> str:
+    """ "2,2": dies per host (the `--hosts` spec without names)."""
+    hosts = cfg.hosts or (0,) * cfg.num_dies
+    return ",".join(str(hosts.count(h)) for h in range(cfg.num_hosts))
+
+
+def measure_xpod(pod: Pod, sizes, variants, cores_list, scale: float,
+                 pairs: list[tuple[int, int]] | None = None) -> list[dict]:  # fmt: skip
     rows = []
-    total = len(sizes) * len(variants) * len(cores_list)
+    cfg = pod.config
+    pairs = pairs or [(0, 1)]
+    hosts = cfg.hosts or (0,) * cfg.num_dies
+    total = len(sizes) * len(variants) * len(cores_list) * len(pairs)
     done = 0
     t_start = time.monotonic()
     for variant in variants:
         for cores in cores_list:
             for size in sizes:
-                iters = iters_for(size, scale)
-                res = pod.run(pingpong, size, variant, cores, iters, max(3, iters // 10))
-                samples, cpu0 = res[0]
-                cpu1 = res[1][1]
-                rows.append(
-                    common.p2p_row(
-                        "xpod",
-                        variant,
-                        cores,
-                        size,
-                        samples,
-                        (cpu0 + cpu1) / 2,
-                        wait=pod.config.wait_policy().name,
-                        pinned=pod.config.pinned(),
-                    )  # fmt: skip
-                )
-                done += 1
-                if time.monotonic() - t_start > 3:
-                    common.progress(
-                        f"  [{done}/{total}] xpod {variant} c{cores} {common.fmt_size(size)}:"
-                        f" p50 {rows[-1]['p50_us']:.2f} us"
+                for a, b in pairs:
+                    iters = iters_for(size, scale)
+                    res = pod.run(pingpong, size, variant, cores, iters, max(3, iters // 10),
+                                  (a, b))  # fmt: skip
+                    samples, cpu0 = res[a]
+                    cpu1 = res[b][1]
+                    rows.append(
+                        common.p2p_row(
+                            "xpod",
+                            variant,
+                            cores,
+                            size,
+                            samples,
+                            (cpu0 + cpu1) / 2,
+                            wait=cfg.wait_policy().name,
+                            pinned=cfg.pinned(),
+                            hosts=hosts_label(cfg),
+                            cross_host=hosts[a] != hosts[b],
+                            pair=f"{a}-{b}",
+                            fabric=cfg.fabric_kind,
+                        )  # fmt: skip
                     )
+                    done += 1
+                    if time.monotonic() - t_start > 3:
+                        where = " cross-host" if hosts[a] != hosts[b] else ""
+                        common.progress(
+                            f"  [{done}/{total}] xpod {variant} c{cores} {common.fmt_size(size)}"
+                            f" dies {a}-{b}{where}: p50 {rows[-1]['p50_us']:.2f} us"
+                        )
+    return rows
+
+
+def measure_cross_host_peers(sizes, scale: float, net_if: str, hosts: str) -> list[dict]:
+    """The peers of a cross-host pair, same run: mpi4py Send/Recv and the raw RMA send + ack
+    cycle over MPI's TCP transport, pyzmq PAIR over TCP (`bench.peers.tcp`)."""
+    from bench.peers.tcp import run_cross_host_peers
+
+    common.progress("  cross-host peers (mpi4py-tcp, rma-raw, zmq-tcp) ...")
+    try:
+        rows = run_cross_host_peers(sizes, scale, timeout_s=600.0, net_if=net_if or "lo")
+    except RuntimeError as e:
+        common.progress(f"  cross-host peers failed: {e}")
+        return []
+    for r in rows:
+        r["hosts"] = hosts
     return rows
 
 
@@ -257,6 +306,28 @@ def add_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also trace a few transfers per row and print where the time goes, step by step",
     )
+    p.add_argument(
+        "--hosts",
+        default=None,
+        metavar="SPEC",
+        help="dies per host, e.g. 1,1 (emulated hosts on this machine) or nodeA:1,nodeB:1:"
+        " measures the first dies of host 0 and 1 (cross-host) and dies 0-1 when host 0 has two;"
+        " --peers then runs mpi4py Send/Recv, the raw RMA cycle and zmq over TCP",
+    )
+    p.add_argument(
+        "--fabric",
+        choices=("mpi", "mirror"),
+        default="mpi",
+        help="with --hosts: MPI RMA (default) or mirrors over shared memory (no MPI)",
+    )
+    p.add_argument(
+        "--net-if", default="", help="with --hosts: the interface (or CIDR) between hosts (lo)"
+    )
+    p.add_argument(
+        "--compare-single-host",
+        action="store_true",
+        help="with --hosts: also measure dies 0-1 of a one-host pod of as many dies, same run",
+    )
     p.add_argument("--config", type=input_file, default=None, help="PodConfig TOML file")
     p.add_argument(
         "--slot-bytes", type=positive_int, default=None, help="ring slot size (PodConfig)"
@@ -273,6 +344,10 @@ P2P_FLAGS = {
     "trace": "--trace",
     "slot_bytes": "--slot-bytes",
     "ring_slots": "--ring-slots",
+    "hosts": "--hosts",
+    "fabric": "--fabric",
+    "host_names": "--hosts",
+    "net_if": "--net-if",
 }
 
 
@@ -289,16 +364,36 @@ class Options:
     trace: str | None
     json: str | None
     plot: str | None
+    compare_single_host: bool = False
 
 
 def parse_options(args: argparse.Namespace) -> Options:
     """Options of the parsed flags, the pod's PodConfig checked (ConfigError names the flag)."""
     sizes = args.sizes or parse_sizes(QUICK_SIZES if args.quick else DEFAULT_SIZES)
     cores = args.cores or ([1, 2] if args.quick else [1, 2, 4])
+    hosts = fabric = names = None
+    dies = args.dies
+    if getattr(args, "hosts", None):
+        from comm.fabric import host_names_of, hosts_of
+
+        try:
+            hosts = tuple(hosts_of(args.hosts))
+            names = tuple(host_names_of(args.hosts))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if len(set(hosts)) < 2:
+            raise ConfigError(f"--hosts {args.hosts}: a cross-host pair needs two hosts")
+        if "kv-link" in args.variants:
+            raise ConfigError("--variants kv-link: one host only (a PD pod's link)")
+        dies, fabric = len(hosts), args.fabric
     cfg = load_config(
         args.config,
         P2P_FLAGS,
-        num_dies=args.dies,
+        num_dies=dies,
+        hosts=hosts,
+        fabric=fabric,
+        host_names=names or None,
+        net_if=getattr(args, "net_if", None) or None,
         lanes=max(4, max(cores)),
         app_bytes=2 * max(sizes) + (4 << 20),
         trace=bool(args.trace),
@@ -318,6 +413,7 @@ def parse_options(args: argparse.Namespace) -> Options:
         trace=args.trace,
         json=args.json,
         plot=args.plot,
+        compare_single_host=bool(getattr(args, "compare_single_host", False) and hosts),
     )
 
 
@@ -329,13 +425,29 @@ def run(opts: Options) -> int:
         f" variants {','.join(variants)}, cores {cores_list}"
     )
     runs: list[list[dict]] = []
+    multi = cfg.num_hosts > 1
+    if multi:
+        common.progress(f"  hosts {hosts_label(cfg)} (fabric {cfg.fabric_kind}), pairs"
+                        f" {', '.join(f'{a}-{b}' for a, b in pairs_of(cfg))}")  # fmt: skip
+    single = (
+        cfg.replace(hosts=(), fabric="auto", host_names=()) if opts.compare_single_host else None
+    )
     with Pod.launch(cfg) as pod:
         for rep in range(opts.repeat):
             if opts.repeat > 1:
                 common.progress(f"repeat {rep + 1}/{opts.repeat}")
             # xpod and the peers alternate, so slow phases of a noisy machine hit both
-            runs.append(measure_xpod(pod, sizes, variants, cores_list, opts.scale))
-            if opts.peers:
+            runs.append(measure_xpod(pod, sizes, variants, cores_list, opts.scale, pairs_of(cfg)))
+            if single is not None:
+                with Pod.launch(single) as one:
+                    base = measure_xpod(one, sizes, variants, cores_list, opts.scale)
+                for r in base:
+                    r["transport"] = "xpod-1host"
+                runs[-1] += base
+            if opts.peers and multi:
+                runs[-1] += measure_cross_host_peers(sizes, opts.scale, cfg.net_if,
+                                                     hosts_label(cfg))  # fmt: skip
+            elif opts.peers:
                 runs[-1] += measure_peers(sizes, opts.scale)
         if opts.trace:
             n = pod.write_trace(opts.trace)
@@ -343,8 +455,12 @@ def run(opts: Options) -> int:
         if opts.breakdown:
             steps = breakdown(pod, sizes, variants, cores_list[0])
     rows = runs[0] if len(runs) == 1 else merge_repeats(runs)
-    common.print_table(rows, COLUMNS + ([("p50_spread", "spread", ".0%")] if len(runs) > 1 else []))
-    _print_ratios(rows)
+    cols = COLUMNS + ([("pair", "pair", ""), ("cross_host", "cross", "")] if multi else [])
+    common.print_table(rows, cols + ([("p50_spread", "spread", ".0%")] if len(runs) > 1 else []))
+    if multi:
+        _print_host_ratios(rows)
+    else:
+        _print_ratios(rows)
     if opts.breakdown:
         print("\nwhere the time goes: a traced ping-pong per row; mean us per message of die 0's")
         print("send steps and die 1's receive steps, as a share of the traced one-way p50 (steps")
@@ -412,14 +528,44 @@ def breakdown(pod: Pod, sizes, variants, cores: int) -> list[dict]:
     return out
 
 
+def _print_host_ratios(rows: list[dict]) -> None:
+    """A multi-host pod's ratios, same run: its cross-host pair against the raw RMA cycle,
+    mpi4py Send/Recv and zmq over TCP; its same-host pair against a one-host pod's."""
+
+    def key(r):
+        return (r["variant"], r["cores"], r["size_bytes"])
+
+    peers = {
+        (r["transport"], r["size_bytes"]): r for r in rows if not r["transport"].startswith("xpod")
+    }
+    single = {key(r): r for r in rows if r["transport"] == "xpod-1host"}
+    print("\nratios, same run (p50 / p50; < 1 means xpod is faster):")
+    for r in rows:
+        if r["transport"] != "xpod":
+            continue
+        size = r["size_bytes"]
+        parts = [f"{common.fmt_size(size):>5} {r['variant']} c{r['cores']} dies {r['pair']}"]
+        if r["cross_host"]:
+            for t in ("rma-raw", "mpi4py-tcp", "zmq-tcp"):
+                peer = peers.get((t, size))
+                if peer and peer["p50_us"] > 0:
+                    parts.append(f"{t} {r['p50_us'] / peer['p50_us']:.2f}x")
+            zmq = peers.get(("zmq-tcp", size))
+            if zmq and zmq["gbps"] > 0 and size >= 1 << 20:
+                parts.append(f"GB/s vs zmq-tcp {r['gbps'] / zmq['gbps']:.2f}x")
+        elif key(r) in single:
+            parts.append(f"one-host pod {r['p50_us'] / single[key(r)]['p50_us']:.2f}x")
+        print("  " + ", ".join(parts))
+
+
 def merge_repeats(runs: list[list[dict]]) -> list[dict]:
     """One row per (transport, variant, cores, size): the median over repeats of p50 / p99 /
     gbps / cpu, the minimum of min_us, and `p50_spread` = (max - min) / median of the p50s."""
     out = []
     for row in runs[0]:
-        key = (row["transport"], row["variant"], row["cores"], row["size_bytes"])
+        key = (row["transport"], row["variant"], row["cores"], row["size_bytes"], row.get("pair"))
         same = [r for run in runs for r in run if (r["transport"], r["variant"], r["cores"],
-                r["size_bytes"]) == key]  # fmt: skip
+                r["size_bytes"], r.get("pair")) == key]  # fmt: skip
         merged = dict(row)
         p50s = np.array([r["p50_us"] for r in same])
         for k in ("p50_us", "p99_us", "gbps", "cpu_s_per_die", "mean_us"):

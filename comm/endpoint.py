@@ -50,7 +50,7 @@ class Endpoint:
         self.lanes = self.layout.lanes
         self.policy = policy
         self.ctx = WaitContext(die_id, abort)
-        if self.fab.any_remote:
+        if self.fab.any_remote and self.fab.needs_progress:
             self.ctx.progress = self.fab.progress
         self.trace = trace if trace is not None else Trace(die_id)
         self.words = self.fab.words

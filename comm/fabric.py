@@ -94,6 +94,7 @@ class Fabric:
     """
 
     kind = "local"
+    needs_progress = False  # True: remote stores land only while this die calls progress()
 
     def __init__(self, me: int, regions: Sequence):
         self.me = me
@@ -223,6 +224,7 @@ class _GroupFabric(Fabric):
         self.dies = [int(d) for d in dies]
         self.me = self.dies.index(parent.me)
         self.kind = parent.kind
+        self.needs_progress = parent.needs_progress
         self.regions = [parent.regions[d] for d in self.dies]
         self.remote = [parent.remote[d] for d in self.dies]
         self.any_remote = any(self.remote)
@@ -285,4 +287,16 @@ def hosts_of(spec: str | Sequence[int], num_dies: int | None = None) -> list[int
     return hosts
 
 
-__all__ = ["POISON", "Fabric", "LocalFabric", "Mirror", "MirrorFabric", "hosts_of"]
+def host_names_of(spec: str) -> list[str]:
+    """The host names of a `--hosts` spec ("nodeA:8,nodeB:8" -> ["nodeA", "nodeB"]); [] for
+    counts alone ("2,2": emulated hosts on this machine). Names must be all or none."""
+    parts = [p.strip() for p in spec.split(",")]
+    names = [p.rsplit(":", 1)[0] if ":" in p else "" for p in parts]
+    if any(names) and not all(names):
+        raise ValueError(f"--hosts {spec!r}: name every host (host:count) or none")
+    return names if all(names) else []
+
+
+__all__ = [
+    "POISON", "Fabric", "LocalFabric", "Mirror", "MirrorFabric", "host_names_of", "hosts_of",
+]  # fmt: skip
