@@ -80,3 +80,42 @@ def test_resync_after_abandoned_dma_send_across_hosts(pod_factory):
         assert tail == head, f"iteration {i}: {tail - head} stale chunks left in the ring"
         res = pod.run(base.xfer, [(src, dst)], 100, np.uint8, "mte", 1, ev + 1)
         base.assert_payload(res[dst], src, dst, ev + 1, 100)
+
+
+@pytest.mark.timeout(120)
+def test_bench_p2p_hosts_rows_name_their_hosts(tmp_path):
+    """`xpod bench p2p --hosts 2,2 --json F` (mirror fabric: no MPI): rows of the cross-host
+    pair (0-2) and of the same-host pair (0-1), each with hosts / cross_host / pair."""
+    import json
+
+    from runtime import cli
+
+    out = tmp_path / "p2p.jsonl"
+    argv = ["bench", "p2p", "--hosts", "2,2", "--fabric", "mirror", "--sizes", "8,70K",
+            "--cores", "1", "--variants", "mte,zero-copy", "--iters-scale", "0.01",
+            "--json", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {(r["pair"], r["cross_host"]) for r in rows} == {("0-2", True), ("0-1", False)}
+    assert all(r["hosts"] == "2,2" and r["fabric"] == "mirror" for r in rows)
+    assert len(rows) == 2 * 2 * 2 and all(r["p50_us"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--hosts", "2"], "two hosts"),
+        (["--hosts", "2,x"], "not a die count"),
+        (["--hosts", "a:1,2"], "name every host"),
+        (["--hosts", "1,1", "--variants", "kv-link"], "one host only"),
+    ],
+)
+def test_bench_p2p_bad_hosts_refused(argv, match, capsys):
+    from runtime import cli
+
+    try:
+        rc = cli.main(["bench", "p2p", *argv])
+    except SystemExit as e:
+        rc = e.code
+    assert rc != 0
+    assert match in capsys.readouterr().err
