@@ -23,7 +23,10 @@ Words (`memory.layout` serve `pd`, one block per peer die): in the decode die's 
 only by prefill die p: `started`, `done`, `echo` and PD_SLOTS records (record k in slot
 k % PD_SLOTS); in the prefill die's region, written only by decode die d: `ack` (records
 consumed) and `probe`. Each side polls only its own region and never reads back a word it wrote
-in the other's (MULTIHOST.md §4): data first, then the record, then the count.
+in the other's (MULTIHOST.md §4): data first, then the record, then the count. A peer on
+another host (`comm.fabric`) is a mirror: the prefill side pushes the segments and the record's
+words and publishes started, done and echo; the decode side publishes ack and probe (given
+its fabric).
 
 The probe (001 §6.1: KV transfer runs outside the step loop, so its hangs need their own
 detector): the decode side writes a sequence into `probe` in the prefill die's region and
@@ -42,6 +45,7 @@ import numpy as np
 
 from comm.alltoall.state import kernels
 from comm.endpoint import Endpoint
+from comm.fabric import Fabric
 from comm.trace import STEP_NAMES, TRACK_NAMES
 from comm.wait import WaitContext, WaitPolicy, wait_ge
 from memory import layout as L
@@ -162,6 +166,8 @@ class KVLinkTx:
                      for d in range(ep.num_dies)]  # fmt: skip
         self.policy = LINK_POLICY.with_timeout(timeout_s)
         self.ctx = WaitContext(ep.die_id, ep.ctx.abort)
+        if ep.fab.any_remote:  # acks from another host land while the fabric progresses
+            self.ctx.progress = ep.fab.progress
         self.bytes_sent = [0] * ep.num_dies
         self.ns_sent = [0] * ep.num_dies
 
@@ -181,8 +187,14 @@ class KVLinkTx:
             if tr is not None:
                 tr.rec(tw, time.perf_counter_ns() - tw, KV_OP, 0, dst, KV_LANE, req, 0)
         w = self.ep.words[dst]
+        fab = self.ep.fab if self.ep.fab.any_remote and self.ep.fab.remote[dst] else None
+        started = peer_word(self.lo, self.me, L.PD_STARTED)
         w[record_word(self.lo, self.me, k, REC_REQ)] = req  # the slot is free: what is coming,
-        w[peer_word(self.lo, self.me, L.PD_STARTED)] = k + 1  # then that it started
+        if fab is None:
+            w[started] = k + 1  # then that it started
+        else:  # another host: its mirror's word pushed, then the guard published
+            fab.push_words(dst, record_word(self.lo, self.me, k, REC_REQ))
+            fab.publish(dst, started, k + 1)
         if hook is not None:
             hook()
         t0 = time.perf_counter_ns()
@@ -199,6 +211,9 @@ class KVLinkTx:
             nbytes = kernels().scatter_copy(
                 src.ctypes.data, out.ctypes.data, np.ascontiguousarray(spans)
             )  # without the GIL
+            if fab is not None:  # the kernel wrote the mirror: carry every span over
+                for _, d, n in spans.tolist():
+                    fab.push(dst, d, n)
         t1 = time.perf_counter_ns()
         if status == OK and self.verify:  # the check, not the transfer: timed apart
             crc = checksum(src, spans, 0)
@@ -208,7 +223,12 @@ class KVLinkTx:
             w[record_word(self.lo, self.me, k, field)] = v
         ns = t1 - t0 + time.perf_counter_ns() - t2  # the copy and the record's words
         w[record_word(self.lo, self.me, k, REC_NS)] = ns
-        w[peer_word(self.lo, self.me, L.PD_DONE)] = k + 1  # LAST
+        done = peer_word(self.lo, self.me, L.PD_DONE)
+        if fab is None:
+            w[done] = k + 1  # LAST
+        else:  # the record's words, then done
+            fab.push_words(dst, record_word(self.lo, self.me, k, 0), L.PD_REC_WORDS)
+            fab.publish(dst, done, k + 1)
         if tr is not None:
             t1 = time.perf_counter_ns()
             t3 = time.perf_counter_ns()
@@ -226,7 +246,11 @@ class KVLinkTx:
         for d in peers:
             p = own[peer_word(self.lo, d, L.PD_PROBE)]
             if p:
-                self.ep.words[d][peer_word(self.lo, self.me, L.PD_ECHO)] = p
+                fab = self.ep.fab
+                if fab.any_remote and fab.remote[d]:
+                    fab.publish(d, peer_word(self.lo, self.me, L.PD_ECHO), p)
+                else:
+                    self.ep.words[d][peer_word(self.lo, self.me, L.PD_ECHO)] = p
 
 
 @dataclass(frozen=True)
@@ -244,10 +268,14 @@ class Record:
 
 class KVLinkRx:
     """The decode side of every link into one decode die: `words[d]` its own region's words,
-    `remote[p]` each prefill die's (written only: ack, probe)."""
+    `remote[p]` each prefill die's (written only: ack, probe). `fab`: the die's fabric, when
+    some prefill die is on another host (`remote[p]` is then its mirror: ack and probe are
+    published)."""
 
-    def __init__(self, me: int, lo: L.RegionLayout, own: memoryview, remote: dict):
+    def __init__(self, me: int, lo: L.RegionLayout, own: memoryview, remote: dict,
+                 fab: Fabric | None = None):  # fmt: skip
         self.me, self.lo, self.own, self.remote = me, lo, own, remote
+        self.fab = fab if fab is not None and fab.any_remote else None
         self.taken = {p: own[peer_word(lo, p, L.PD_DONE)] for p in remote}  # at rest: all
         self.probes = dict.fromkeys(remote, 0)
 
@@ -263,7 +291,14 @@ class KVLinkRx:
     def ack(self, src: int, k: int) -> None:
         """Record k of `src` is consumed: its slot is free."""
         self.taken[src] = k + 1
-        self.remote[src][peer_word(self.lo, self.me, L.PD_ACK)] = k + 1
+        self._store(src, peer_word(self.lo, self.me, L.PD_ACK), k + 1)
+
+    def _store(self, src: int, word: int, value: int) -> None:
+        """A word of `src`'s region that this die alone writes (a plain store, or published)."""
+        if self.fab is not None and self.fab.remote[src]:
+            self.fab.publish(src, word, value)
+        else:
+            self.remote[src][word] = value
 
     def in_flight(self, src: int) -> int | None:
         """The request whose KV `src` is writing now (started, not done), or None."""
@@ -275,7 +310,7 @@ class KVLinkRx:
     def probe(self, src: int) -> int:
         """Ask `src`'s KV thread to echo a new sequence; returns it."""
         self.probes[src] += 1
-        self.remote[src][peer_word(self.lo, self.me, L.PD_PROBE)] = self.probes[src]
+        self._store(src, peer_word(self.lo, self.me, L.PD_PROBE), self.probes[src])
         return self.probes[src]
 
     def echoed(self, src: int) -> int:

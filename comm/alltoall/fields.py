@@ -4,12 +4,14 @@ Pull fields: in every die's meta area, `pull[kind][half][src]` (kind 0 dispatch,
 written only by `src`: | event_id | off (row) | count | seq |, seq (the per-kind operation
 number, the same on every die) stored LAST (`publish`, polled by `poll_fields`). Fused and A2E
 flags: event id, count, quant code, then the operation number LAST (`publish_flag`). A die that
-refuses its input publishes count = REFUSED (`comm.alltoall.refuse`).
+refuses its input publishes count = REFUSED (`comm.alltoall.refuse`). To a die on another host
+the words before the polled one are pushed and the polled one is published (`comm.fabric`).
 """
 
 from __future__ import annotations
 
 from comm.endpoint import Endpoint
+from comm.fabric import Fabric
 from memory import layout as L
 from memory.errors import PeerRefused, ProtocolError
 
@@ -35,6 +37,11 @@ def publish(ep: Endpoint, kind: int, half: int, dst: int, event_id: int, off: in
     w[f + F_EVENT] = event_id
     w[f + F_OFF] = off | code << OFF_BITS
     w[f + F_COUNT] = count
+    fab = ep.fab
+    if fab.any_remote and fab.remote[dst]:  # another host: the payload words, then seq
+        fab.push_words(dst, f, F_SEQ)
+        fab.publish(dst, f + F_SEQ, seq)
+        return
     w[f + F_SEQ] = seq
 
 
@@ -108,4 +115,16 @@ def publish_flag(
     w[f + G_EVENT] = event_word
     w[f + G_COUNT] = count
     w[f + G_QUANT] = code
+    fab = ep.fab
+    if fab.any_remote and fab.remote[dst]:
+        carry_flag(fab, dst, f, op)
+        return
     w[f + G_SEQ] = op
+
+
+def carry_flag(fab: Fabric, peer: int, f: int, op: int) -> None:
+    """A flag at word f of a die on another host, written in its mirror but for the seq
+    word: the payload words (event id, count, quant code) pushed, then seq published LAST."""
+    fab.push_words(peer, f, G_SEQ)  # event id, count
+    fab.push_words(peer, f + G_QUANT)
+    fab.publish(peer, f + G_SEQ, op)

@@ -3,7 +3,9 @@
 Dispatch: every packet written straight into its destination's receive block for this source,
 then the counts and the flag, its operation number LAST; poll every source's flag, then group
 the packets by local expert. Combine: every row straight into its token die's combine buffer at
-(batch slot, k), then that row's completion word (`comm.alltoall.scatter`).
+(batch slot, k), then that row's completion word (`comm.alltoall.scatter`). The kernels write
+a die on another host through its mirror; the packets, counts and flag words are then pushed
+and the flag's operation number published (`_carry_dispatch`, MULTIHOST §4 R5).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from comm.alltoall.fields import (
     G_SEQ,
     QUANT_CODE,
     REFUSED,
+    carry_flag,
     mispaired,
     refused,
 )
@@ -164,6 +167,29 @@ def _fused_flags(ep, lay, info, half, op, event_id, code) -> None:
                    info.exp_flat, info.exp_start, lo.fused_counts_off_of(half, ep.die_id) // 8,
                    flag, event_id, code)  # fmt: skip
     k.fused_seq(mem.addrs, mem.nbytes, flag + G_SEQ, op)
+    if ep.fab.any_remote:
+        _carry_dispatch(ep, lay, info, half, op)
+
+
+def _carry_dispatch(ep: Endpoint, lay, info, half: int, op: int) -> None:
+    """FusedDispatch steps 1-2 to the dies on other hosts, after the kernels wrote their
+    mirrors: this source's packets in each one's block, its counts and flag words, then the
+    flag's operation number LAST (`publish`; the mirror's copy of it is this die's shadow)."""
+    lo, fab, me = ep.layout, ep.fab, ep.die_id
+    stride = lo.pull_disp_stride
+    block = block_off(ep, half, me)
+    cw = lo.fused_counts_off_of(half, me) // 8
+    flag = lo.fused_flag_word(half, me)
+    offs, starts = lay.dest_offsets.tolist(), info.exp_start.tolist()
+    for d in range(ep.num_dies):
+        if not fab.remote[d]:
+            continue
+        p = info.pos[d]
+        if p >= 0 and offs[p + 1] > offs[p]:
+            fab.push(d, block, (offs[p + 1] - offs[p]) * stride)
+        if starts[d + 1] > starts[d]:
+            fab.push_words(d, cw, starts[d + 1] - starts[d])
+        carry_flag(fab, d, flag, op)
 
 
 def _fused_receive(ep, half, op, event_id, placement, quant, lay, topk_idx, topk_weights, pb):

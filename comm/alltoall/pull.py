@@ -16,7 +16,8 @@ Dispatch steps (the trace records each):
      the canonical send order (`comm.routing.get_dispatch_layout`), one vectorized gather;
 4.   write offset and count, then seq, into each destination's field for this source;
 5.   poll this die's own fields until every source's seq is the operation number;
-6.   pull (remote read) every source's block for this die;
+6.   pull (remote read) every source's block for this die (a source on another host: `pull`
+     the block into its mirror, then read it there);
 7.   write it to the output, rows grouped by local expert, then (src_rank, batch_slot, k_index).
 Combine mirrors it: expert rows into this die's own combine area, blocks by source, fields to
 every source, poll, pull, and reduce `out[slot] = sum_k w[slot, k] * row(slot, k)` in ascending
@@ -64,6 +65,7 @@ from comm.alltoall.inputs import (
 )
 from comm.alltoall.packets import assemble, assemble_dedup, dedup_packer, payload_bits
 from comm.alltoall.refuse import refuse_combine, refuse_dispatch
+from comm.alltoall.remote import pull_blocks
 from comm.alltoall.state import a2a_state, kernels, place_info, region_addrs
 from comm.endpoint import Endpoint
 from comm.quant import BF16
@@ -167,6 +169,8 @@ def dispatch(
         (src, pull_rows(ep, src, DISPATCH, half, off, count))
         for src, (off, count) in enumerate(where)
     ]
+    if ep.fab.any_remote:  # a source on another host: its block into its mirror first
+        pull_blocks(ep, ep.layout.pull_block_off(DISPATCH, half), stride, where)
     args = (ep, parts, pb, quant, placement, lay, topk_idx, topk_weights, op, "pull")
     result = assemble(*args) if dl is None else assemble_dedup(*args, dl)
     st.last = result.handle
@@ -310,6 +314,11 @@ def _reduce(ep: Endpoint, handle: DispatchHandle, where: list[tuple], half: int)
             )
         area_check(ep, f"pull combine rows of die {d}", off, count, lo.pull_comb_rows)
         first[p] = off
+    if ep.fab.any_remote:  # an expert die on another host: its rows into its mirror first
+        checked = [(0, 0)] * ep.num_dies  # the rows of placement.dies, checked above
+        for d in placement.dies:
+            checked[d] = where[d]
+        pull_blocks(ep, lo.pull_block_off(COMBINE, half), lo.pull_comb_stride, checked)
     mem = region_addrs(ep)
     item = cdt.itemsize
     out = np.empty((idx.shape[0], lo.a2a_hidden), np.float32)

@@ -17,6 +17,7 @@ import numpy as np
 from comm.alltoall.areas import area_check, meta_words
 from comm.alltoall.fields import COMBINE, DISPATCH, F_SEQ, G_SEQ, REFUSED, publish, publish_flag
 from comm.alltoall.handles import DispatchHandle
+from comm.alltoall.remote import push_combine
 from comm.alltoall.scatter import wait_slots
 from comm.endpoint import Endpoint
 
@@ -74,12 +75,16 @@ def refuse_slots(
     the completion words it owes there (no rows): waiters wake, see the refusal and raise."""
     lo = ep.layout
     topk = lo.a2a_topk
+    remote = ep.fab.remote if ep.fab.any_remote else [False] * ep.num_dies
     for d in np.unique(dest).tolist():
         sel = dest == d
         lin = slots[sel] * topk + ks[sel]
         _lin_check(ep, d, lin)
         meta_words(ep, d, lo.fused_cevent_off, ep.num_dies)[ep.die_id] = event_word
         meta_words(ep, d, lo.fused_refuse_off, ep.num_dies)[ep.die_id] = op
+        if remote[d]:  # another host: both words pushed, then the completion words published
+            push_combine(ep, d, lin, op, refusal=True)
+            continue
         # after the refusal word: a waiter that sees op sees the refusal too
         meta_words(ep, d, lo.fused_cflag_off, lo.a2a_max_batch * topk)[lin] = op
 

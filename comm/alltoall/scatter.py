@@ -1,5 +1,7 @@
 """The combine-side writes that the fused combine and E2A share: rows straight into each token
 die's combine buffer at (batch slot, k), then their completion words LAST; and the wait for them.
+A token die on another host gets its rows in its mirror, then pushed, then its completion words
+published (`comm.alltoall.remote.push_combine`).
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ import numpy as np
 
 from comm.alltoall.areas import comb_dtype, comb_flat_elems, meta_words
 from comm.alltoall.handles import DedupGroups
+from comm.alltoall.remote import push_combine
 from comm.alltoall.state import kernels, region_addrs
 from comm.endpoint import Endpoint
 from comm.quant import BF16
@@ -58,6 +61,11 @@ def write_slots_by_src(
     bits = np.uint32 if rows.dtype != cdt else (np.uint16 if item == 2 else np.int32)
     k.fused_scatter(rows.view(bits), *args, mem.addrs, mem.nbytes, _NO_BITS[item], *place)
     k.fused_cflags(mem.addrs, mem.nbytes, lin, starts, lo.fused_cflag_off // 8, op)  # LAST
+    if ep.fab.any_remote:  # the kernels wrote the mirrors of other hosts' dies: carry them
+        ends = starts.tolist()
+        for d in range(ep.num_dies):
+            if ends[d] < ends[d + 1] and ep.fab.remote[d]:
+                push_combine(ep, d, lin[ends[d] : ends[d + 1]], op)
 
 
 def _bad_plan(ep: Endpoint, dest, slots, ks, cap: int) -> None:
@@ -95,6 +103,7 @@ def write_groups_by_src(
     rows = np.ascontiguousarray(rows)
     stride = lo.pull_comb_stride // lo.a2a_combine_bytes
     starts = starts.tolist()
+    remote = ep.fab.remote if ep.fab.any_remote else [False] * ep.num_dies
     for d in range(ep.num_dies):
         a, b = starts[d], starts[d + 1]
         if a == b:
@@ -107,7 +116,10 @@ def write_groups_by_src(
                 f" range or row index outside this die's {len(rows)} expert rows; nothing"
                 " written"
             )
-        meta_words(ep, d, lo.fused_cflag_off, cap)[lin[a:b]] = op  # LAST
+        if remote[d]:  # another host: the event word and rows written in its mirror
+            push_combine(ep, d, lin[a:b], op)
+        else:
+            meta_words(ep, d, lo.fused_cflag_off, cap)[lin[a:b]] = op  # LAST
 
 
 def _bad_dedup_plan(ep: Endpoint, g: DedupGroups, cap: int) -> None:

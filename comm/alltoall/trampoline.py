@@ -9,13 +9,23 @@ the expert dies serve (domain 0, micro-batch 0), (0, 1), (1, 0), ... in order, e
 pod-wide (`Split.next_op`), so an expert die runs D x m calls per MoE layer while an attention
 die runs m, and neither counter desyncs. An expert die may learn the event id from the packets
 (`event_id=None`): a persistent loop needs no per-step message (`A2EHandle.event_id`).
+A trampoline or expert die on another host is a mirror: each stage pushes the rows and counts
+it wrote there, then publishes the flag, seen or completion words (`comm.fabric`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from comm.alltoall.areas import area_check, comb_buf, comb_dtype, comb_flat, fused_rows, meta_words
+from comm.alltoall.areas import (
+    area_check,
+    block_off,
+    comb_buf,
+    comb_dtype,
+    comb_flat,
+    fused_rows,
+    meta_words,
+)
 from comm.alltoall.fields import (
     COMBINE,
     DISPATCH,
@@ -258,6 +268,8 @@ def _a2e_stage1(ep, payload, scale, lay, tramp, op, event_id, code, slot_base) -
     meta[:, 1] = lay.msg_slot + slot_base
     meta[:, 2] = lay.msg_k
     meta[:, 3] = lay.msg_local_expert | lay.msg_dest << DEST_SHIFT
+    if n and ep.fab.any_remote and ep.fab.remote[tramp]:  # its mirror: push the rows
+        ep.fab.push(tramp, lo.a2e_in_off + (op & 1) * lo.pull_disp_rows * stride, n * stride)
     # the one metadata write of this attention die
     publish_flag(ep, tramp, _flag_word(ep, op), event_id, n, op, code)
 
@@ -284,6 +296,7 @@ def _a2e_stage2(ep, att, half, op, placement):
     meta = rows[:, stride - L.PULL_ROW_META :].view(np.int32)
     dest = meta[:, 3] >> DEST_SHIFT
     local = meta[:, 3] & ((1 << DEST_SHIFT) - 1)
+    remote = ep.fab.remote if ep.fab.any_remote else [False] * ep.num_dies
     for d in placement.dies:
         sel = np.nonzero(dest == d)[0]
         block = fused_rows(ep, d, half, att, len(sel))  # the expert die's block for att
@@ -291,7 +304,11 @@ def _a2e_stage2(ep, att, half, op, placement):
         block[:, stride - 4 : stride] = local[sel].view(np.uint8).reshape(-1, 4)
         n_local = placement.num_local(d)
         counts = np.bincount(local[sel], minlength=n_local)
-        meta_words(ep, d, lo.fused_counts_off_of(half, att), n_local)[:] = counts
+        cw = lo.fused_counts_off_of(half, att)
+        meta_words(ep, d, cw, n_local)[:] = counts
+        if remote[d]:  # its mirror: push the rows and counts (the flag is published)
+            ep.fab.push(d, block_off(ep, half, att), len(sel) * stride)
+            ep.fab.push_words(d, cw // L.WORD, n_local)
         publish_flag(ep, d, lo.fused_flag_word(half, att), event, len(sel), op, code)
     return (meta[:, 1].astype(np.int64), meta[:, 2].astype(np.int64)), len(placement.dies)
 
@@ -411,7 +428,11 @@ def _e2a_expert(ep, expert_out, handle, op, event_id, bad) -> None:
     t1 = now_ns()
     # this die finished the operation: every trampoline of the domain learns it (after the rows)
     for a in handle.split.domains[handle.domain]:
-        meta_words(ep, int(table[a]), lo.a2e_seen_off, ep.num_dies)[me] = op
+        t = int(table[a])
+        if ep.fab.any_remote and ep.fab.remote[t]:  # a guard word: published after the rows
+            ep.fab.publish(t, lo.a2e_seen_off // L.WORD + me, op)
+        else:
+            meta_words(ep, t, lo.a2e_seen_off, ep.num_dies)[me] = op
     if handle.partner is not None:  # E2A': a trampoline forwards to its partner
         att = handle.partner
         slots, ks = handle.partner_slots
