@@ -241,15 +241,15 @@ def test_resync_after_a_failed_run(pod_factory, protocol):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "n_att, n_exp, hosts, local",
-    [(2, 4, (0, 0, 0, 1, 1, 1), (0,)), pytest.param(2, 2, (0, 1, 1, 1), (1,), marks=SLOW)],
+    [(2, 4, (0, 0, 0, 1, 1, 1), (0,)), pytest.param(2, 2, (0, 1, 1, 1), (1, 3), marks=SLOW)],
     ids=["2+4", "2+2"],
 )
 @pytest.mark.parametrize("quant", [None, "int8"])
 @pytest.mark.parametrize("combine_dtype", ["bfloat16", "float32"])
 def test_a2e_e2a_through_trampolines_match_reference(n_att, n_exp, hosts, local, quant,
                                                      combine_dtype):  # fmt: skip
-    """One attention die's trampoline (die n_att + i for attention die i) on its own host
-    (that die writes nothing over the fabric: `local`), the other's on the other host."""
+    """One attention die's trampoline (die n_att + i for attention die i) on its own host, the
+    other's on the other host; the dies `local` write only to dies of their own host."""
     n, e = n_att + n_exp, 2 * n_exp
     cfg = PodConfig(num_dies=n, a2a_max_batch=B, a2a_hidden=H, a2a_topk=K, num_experts=e,
                     a2a_max_local_experts=e // n_exp, a2a_combine_dtype=combine_dtype,
