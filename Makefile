@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): setup.cfg pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[test,plot,serve,mpi]'
+	$(PIP) install -q -e '.[test,plot,serve,mpi,multihost]'
 	$(PY) -c "from comm import kernels; from runtime.model import kernels as m; kernels.warm(); m.warm()"  # compile numba kernels into the cache
 	touch $(STAMP)
 

@@ -1,13 +1,21 @@
 """`xpod run`: launch a pod and move data between every pair of dies at once (isend / irecv over
-every p2p variant), payloads checked on arrival; a table of bytes moved and GB/s."""
+every p2p variant), payloads checked on arrival; a table of bytes moved and GB/s.
+
+`--hosts 2,2` (or `nodeA:8,nodeB:8`) spreads the dies over several hosts: emulated on this
+machine for counts, real machines for names (mpirun over ssh), reached through MPI RMA
+(`--fabric mpi`, the default) or through poisoned mirrors on one machine (`--fabric mirror`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 import comm
+from comm.fabric import host_names_of, hosts_of
+from memory.errors import ConfigError
 from runtime.cli.argtypes import fmt_size, positive_int
 from runtime.cli.argtypes import size as size_arg
 from runtime.cli.flags import add_pod_flags, pod_config
@@ -20,12 +28,59 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--size", type=size_arg, default="1M", help="bytes per pair per round (default 1M)"
     )
     p.add_argument("--rounds", type=positive_int, default=5, help="rounds (default 5)")
-    p.set_defaults(dies=4)
+    p.add_argument(
+        "--hosts",
+        type=hosts_spec,
+        default=None,
+        metavar="SPEC",
+        help="dies per host: counts (2,2: emulated hosts) or names (nodeA:8,nodeB:8);"
+        " the dies are the sum",
+    )
+    p.add_argument(
+        "--fabric",
+        choices=("mpi", "mirror"),
+        default=None,
+        help="how dies reach other hosts: MPI RMA (default) or poisoned mirrors (one machine)",
+    )
+    p.add_argument(
+        "--net-if",
+        default=None,
+        metavar="IF",
+        help="interface or CIDR between hosts (MPI's TCP and the control plane; default lo)",
+    )
+    p.set_defaults(dies=4)  # with --hosts: their sum
+
+
+def hosts_spec(text: str) -> tuple[str, list[int]]:
+    """argparse type of --hosts: (the spec, the host of every die)."""
+    try:
+        host_names_of(text)
+        return text, hosts_of(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--hosts ")) from None
 
 
 def parse_options(args: argparse.Namespace) -> tuple[argparse.Namespace, PodConfig]:
+    extra: dict = {}
+    flags = {"app_bytes": "--size/--dies"}
+    if args.hosts is not None:
+        spec, hosts = args.hosts
+        if args.dies not in (4, len(hosts)):  # 4: the default, or a --dies 4 we cannot tell
+            raise ConfigError(f"--dies {args.dies}: --hosts {spec} makes {len(hosts)} dies")
+        args.dies = len(hosts)
+        names = host_names_of(spec)
+        extra.update(hosts=tuple(hosts), fabric=args.fabric or "mpi")
+        if names:
+            extra["host_names"] = tuple(names)
+        flags.update(hosts="--hosts", fabric="--fabric", host_names="--hosts")
+    elif args.fabric is not None:
+        extra["fabric"] = args.fabric
+        flags["fabric"] = "--fabric"
+    if args.net_if is not None:
+        extra["net_if"] = args.net_if
+        flags["net_if"] = "--net-if"
     app_bytes = 2 * (args.dies or 4) * args.size + (4 << 20)
-    return args, pod_config(args, {"app_bytes": "--size/--dies"}, app_bytes=app_bytes)
+    return args, pod_config(args, flags, app_bytes=app_bytes, **extra)
 
 
 def run(opts: tuple[argparse.Namespace, PodConfig]) -> int:
@@ -63,6 +118,11 @@ def exchange(die, size: int, variant: str, cores: int, rounds: int) -> dict:
     return {"ns": dt, "bytes_in": size * len(peers) * rounds}
 
 
+def where(die) -> tuple[int, int, int]:
+    """(die id, host, pid) of the calling die."""
+    return die.die_id, die.fab.hosts[die.die_id], os.getpid()
+
+
 def run_exchange(args: argparse.Namespace, cfg: PodConfig) -> int:
     """`xpod run`: every variant, all pairs at once, `args.rounds` rounds; print the table."""
     size = args.size
@@ -77,6 +137,10 @@ def run_exchange(args: argparse.Namespace, cfg: PodConfig) -> int:
             f"pod {pod.pod_id}: {pod.layout.region_bytes / 2**20:.1f} MiB per region",
             file=sys.stderr,
         )
+        if cfg.num_hosts > 1:
+            for die, host, pid in pod.run(where):
+                name = cfg.host_names[host] if cfg.host_names else f"emulated host {host}"
+                print(f"die {die}: host {host} ({name}), pid {pid}", file=sys.stderr)
         for variant in ("mte", "dma", "zero-copy"):
             for cores in sorted({1, min(cfg.lanes, 2)}):
                 res = pod.run(exchange, size, variant, cores, args.rounds)

@@ -8,10 +8,13 @@
                            so `xpod clean` is not fooled by a reused pid
  word  4  num_dies
  word  5  abort_epoch      bumped by the launcher to abort every die's current wait
+ word  6  flags            F_HOST_LEADER: made by the host leader of a multi-host pod (its pid
+                           is word 2), one control segment per host
  word  8+ die_pid[i]       written by die i at start-up
 ```
 Created first and unlinked last by the launcher, so a region segment without a control segment
-always belongs to a dead or dying pod.
+always belongs to a dead or dying pod. In a multi-host pod (`runtime.pod.die_mpi`) each host's
+leader die plays the launcher's part for its host's segments.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from memory.region import unlink_segment
 CTL_MAGIC = 0x4C54434F44505800  # "\0XPODCTL"
 CTL_VERSION = 1
 W_MAGIC, W_VERSION, W_PID, W_START, W_NDIES, W_ABORT = 0, 1, 2, 3, 4, 5
+W_FLAGS = 6
+F_HOST_LEADER = 1
 W_DIE_PID = 8
 SEGMENT_RE = re.compile(r"^xpod\.([0-9a-f]+)\.(ctl|d\d+|run)$")
 
@@ -59,7 +64,9 @@ class Control:
     _mmap: mmap.mmap
 
     @classmethod
-    def create(cls, pod_id: str, num_dies: int) -> Control:
+    def create(cls, pod_id: str, num_dies: int, host_leader: bool = False) -> Control:
+        """Create the segment (O_CREX, 0600) naming this process as its launcher; a multi-host
+        pod's host leader sets `host_leader` (its host's dies then keep the pod live)."""
         name = ctl_name(pod_id)
         size = mmap.PAGESIZE * max(1, -(-(W_DIE_PID + num_dies) * 8 // mmap.PAGESIZE))
         try:
@@ -76,6 +83,7 @@ class Control:
         w[W_PID] = os.getpid()
         w[W_START] = process_start_ticks(os.getpid())
         w[W_NDIES] = num_dies
+        w[W_FLAGS] = F_HOST_LEADER if host_leader else 0
         w[W_MAGIC] = CTL_MAGIC
         return ctl
 
@@ -121,21 +129,25 @@ def list_pods(shm_dir: str = "/dev/shm") -> dict[str, list[str]]:
     return pods
 
 
-def clean(shm_dir: str = "/dev/shm", dry_run: bool = False) -> list[str]:
-    """Unlink the segments of every pod whose launcher is gone; return the names removed.
+def clean(shm_dir: str = "/dev/shm", dry_run: bool = False, pod_id: str | None = None) -> list[str]:
+    """Unlink the segments of every pod whose launcher is gone (only pod `pod_id`'s, if given);
+    return the names removed.
 
-    A pod is live while its control segment names a running launcher (pid and start time). A pod
+    A pod is live while its control segment names a running launcher (pid and start time); a
+    host leader's control segment (multi-host pods) also while any die it lists still runs. A pod
     with region segments but no control segment is a pod whose launcher died mid-teardown.
     """
     removed = []
-    for pod_id, names in sorted(list_pods(shm_dir).items()):
-        if f"xpod.{pod_id}.ctl" in names:
+    for pod, names in sorted(list_pods(shm_dir).items()):
+        if pod_id is not None and pod != pod_id:
+            continue
+        if f"xpod.{pod}.ctl" in names:
             try:
-                ctl = Control.attach(pod_id)
+                ctl = Control.attach(pod)
             except ShmError:
                 alive = False
             else:
-                alive = launcher_alive(ctl.words[W_PID], ctl.words[W_START])
+                alive = _ctl_live(ctl)
                 ctl.close()
             if alive:
                 continue
@@ -144,6 +156,34 @@ def clean(shm_dir: str = "/dev/shm", dry_run: bool = False) -> list[str]:
             if dry_run or _remove(shm_dir, name):
                 removed.append(name)
     return removed
+
+
+def _ctl_live(ctl: Control) -> bool:
+    w = ctl.words
+    if launcher_alive(w[W_PID], w[W_START]):
+        return True
+    if not w[W_FLAGS] & F_HOST_LEADER:
+        return False
+    n = min(w[W_NDIES], len(w) - W_DIE_PID)
+    return any(pid_runs(w[W_DIE_PID + r]) for r in range(max(0, n)))
+
+
+def pid_runs(pid: int) -> bool:
+    """`pid` exists and is not a zombie (a die pid, whose start time is not recorded)."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def remove_pod(pod_id: str, shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink every segment of pod `pod_id` on this host, live or not (its launcher knows every
+    die is gone); regions first, the control segment last. Returns the names removed."""
+    names = sorted(list_pods(shm_dir).get(pod_id, []), key=lambda n: n.endswith(".ctl"))
+    return [name for name in names if _remove(shm_dir, name)]
 
 
 def run_dir_name(pod_id: str) -> str:

@@ -163,6 +163,10 @@ class Pod:
         if overrides:
             config = config.replace(**overrides)
         check_memory_model()
+        if config.fabric_kind == "mpi":  # dies on several hosts: mpirun, MPI RMA
+            from runtime.pod.mpi_launch import MpiPod
+
+            return MpiPod.launch(config, pod_id)  # type: ignore[return-value]
         if config.a2a_max_batch:
             from comm import kernels
 
