@@ -33,7 +33,6 @@ import pickle
 import platform
 import secrets
 import signal
-import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import wait as mp_wait
@@ -41,30 +40,30 @@ from typing import Any
 
 import psutil
 
-from memory.errors import ConfigError, PeerRefused, PodAborted, PodError, ShmError
+from memory.errors import ConfigError, PodError, ShmError
 from memory.region import Region, region_name
 from runtime.pod import control as C
+from runtime.pod.common import (
+    ABORT_GRACE_S,
+    ABORT_REPLY_S,
+    SIGTERM_GUARD,
+    DieCrashed,
+    DieHung,
+    get_trace,
+    resync_die,
+    root_error,
+    set_trace,
+)
 from runtime.pod.config import PodConfig
 from runtime.pod.die import die_main
 
 log = logging.getLogger(__name__)
 
-ABORT_GRACE_S = 0.5  # after a die's error, how long the others may finish before being aborted
-ABORT_REPLY_S = 1.0  # after the abort, how long a die may take to answer before it is hung
 STOP_GRACE_S = 2.0  # close(): how long idle dies may take to exit before SIGKILL
 CRASH_GRACE_S = 0.1  # the same when a die crashed or hung (the others were just aborted)
 POLL_S = 0.1  # run() wakes at least this often to check its deadlines
 STATE_EVERY_S = 1.0  # and reads the pending dies' process states (stopped?) this often: the
 # limit is the pod's timeout_s; at 4 Hz it was most of an idle serving shell's CPU
-
-
-class DieCrashed(PodError):
-    """A die process exited (or was found dead at the next `pod.run`); the pod has been closed."""
-
-
-class DieHung(DieCrashed):
-    """A die stopped answering (stopped by a signal, or stuck where it cannot see the abort);
-    the launcher killed it and closed the pod."""
 
 
 def check_memory_model() -> None:
@@ -86,46 +85,6 @@ def _signal_name(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
-
-
-class _SigtermGuard:
-    """SIGTERM and SIGHUP -> SystemExit while any pod of this process is open, so `with` blocks
-    tear down (a closed terminal sends SIGHUP; a SIGHUP already ignored, under nohup, stays so).
-
-    One handler for all pods: installed when the first pod opens, the previous handlers
-    restored when the last one closes (pods may close in any order).
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-
-    def __init__(self) -> None:
-        self.pods: set[int] = set()
-        self.previous: dict = {}
-
-    def acquire(self, pod: Pod) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        if not self.pods:
-            for sig in self.SIGNALS:
-                if signal.getsignal(sig) is not signal.SIG_IGN:
-                    self.previous[sig] = signal.signal(sig, _on_sigterm)
-        self.pods.add(id(pod))
-
-    def release(self, pod: Pod) -> None:
-        if id(pod) not in self.pods or threading.current_thread() is not threading.main_thread():
-            return
-        self.pods.discard(id(pod))
-        if not self.pods:
-            for sig, handler in self.previous.items():
-                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-            self.previous = {}
-
-
-def _on_sigterm(signum, frame):
-    raise SystemExit(128 + signum)
-
-
-_SIGTERM = _SigtermGuard()
 
 
 class Pod:
@@ -293,7 +252,7 @@ class Pod:
         self._running = False
         self.last_cpu_s = cpu
         if errors or watch.overdue_err is not None:
-            err = _root_error(errors, watch.overdue_err)
+            err = root_error(errors, watch.overdue_err)
             self._resync()
             raise err
         return results
@@ -341,11 +300,11 @@ class Pod:
         realigned and each die reports its all-to-all operation numbers, then every die takes
         the maximum of each (a die that failed mid-collective may be one behind its peers).
         """
-        self._broadcast(_resync_die, (1, None))
-        counters = [c for c in self._broadcast(_resync_die, (2, None)) if c]
+        self._broadcast(resync_die, (1, None))
+        counters = [c for c in self._broadcast(resync_die, (2, None)) if c]
         if counters:
             top = [max(col) for col in zip(*counters, strict=True)]
-            self._broadcast(_resync_die, (3, top))
+            self._broadcast(resync_die, (3, top))
 
     def _broadcast(self, fn, args: tuple, timeout_s: float = 10.0) -> list:
         """Run an internal fn on every (idle) die and collect results (no abort, no resync); a
@@ -446,10 +405,10 @@ class Pod:
                 p.close()
 
     def _install_sigterm(self) -> None:
-        _SIGTERM.acquire(self)
+        SIGTERM_GUARD.acquire(self)
 
     def _restore_sigterm(self) -> None:
-        _SIGTERM.release(self)
+        SIGTERM_GUARD.release(self)
 
     def __enter__(self) -> Pod:
         return self
@@ -464,11 +423,11 @@ class Pod:
         return self.regions[die_id]
 
     def set_trace(self, enabled: bool) -> None:
-        self.run(_set_trace, enabled)
+        self.run(set_trace, enabled)
 
     def trace_records(self, clear: bool = False) -> dict[int, list[tuple]]:
         """Every die's trace records, by die id."""
-        return dict(enumerate(self.run(_get_trace, clear)))
+        return dict(enumerate(self.run(get_trace, clear)))
 
     def write_trace(self, path: str, clear: bool = False) -> int:
         """Write every die's trace as Chrome trace JSON (Perfetto); returns the event count."""
@@ -543,47 +502,6 @@ def _proc_state(pid: int) -> str:
         return psutil.Process(pid).status()
     except psutil.Error:
         return "gone"
-
-
-_SECONDARY = (PodAborted, PeerRefused)  # consequences of another die's error, never its cause
-
-
-def _root_error(errors: list[tuple[int, BaseException]], overdue: BaseException | None):
-    """The error to raise: the first that is not a consequence of another die's error; the
-    other dies' errors become one note each."""
-    if not errors:
-        return overdue
-    root = next((e for _, e in errors if not isinstance(e, _SECONDARY)), errors[0][1])
-    for r, e in errors:
-        if e is not root:
-            first = str(e).split("\n", 1)[0]
-            root.add_note(f"--- die {r} also raised {type(e).__name__}: {first}")
-    return root
-
-
-def _resync_die(die, phase: int, counters: list[int] | None):
-    from comm.alltoall import a2a_counters, a2a_realign
-    from comm.p2p import resync
-
-    if phase == 1:
-        die.close()  # stop the DMA engine; a new one starts on demand
-        return None
-    if phase == 2:
-        resync(die)
-        return a2a_counters(die)
-    a2a_realign(die, counters)
-    return None
-
-
-def _set_trace(die, enabled: bool) -> None:
-    die.trace.enabled = enabled
-
-
-def _get_trace(die, clear: bool) -> list[tuple]:
-    recs = die.trace.snapshot()
-    if clear:
-        die.trace.clear()
-    return recs
 
 
 __all__ = ["DieCrashed", "DieHung", "Pod", "ShmError", "check_memory_model"]

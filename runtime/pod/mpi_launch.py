@@ -49,19 +49,19 @@ import zmq
 from memory.errors import PodError
 from memory.region import region_name
 from runtime.pod import control as C
-from runtime.pod.config import PodConfig
-from runtime.pod.die_mpi import Channel, find_mpirun, mpirun_command
-from runtime.pod.launcher import (
-    _SIGTERM,
+from runtime.pod.common import (
     ABORT_GRACE_S,
     ABORT_REPLY_S,
+    SIGTERM_GUARD,
     DieCrashed,
     DieHung,
-    _get_trace,
-    _resync_die,
-    _root_error,
-    _set_trace,
+    get_trace,
+    resync_die,
+    root_error,
+    set_trace,
 )
+from runtime.pod.config import PodConfig
+from runtime.pod.die_mpi import Channel, find_mpirun, mpirun_command
 from runtime.pod.proc import parent_death_signal
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ class MpiPod:
         t0 = time.monotonic()
         cfg = self.config
         mpirun = find_mpirun()
-        _SIGTERM.acquire(self)
+        SIGTERM_GUARD.acquire(self)
         key = secrets.token_bytes(32)
         self._chan = Channel(key, "launcher")
         self._ctx = zmq.Context()
@@ -380,7 +380,7 @@ class MpiPod:
             return results
         self.last_cpu_s = cpu
         if errors or overdue_err is not None:
-            err = _root_error(errors, overdue_err)
+            err = root_error(errors, overdue_err)
             self._resync()
             raise err
         return results
@@ -408,11 +408,11 @@ class MpiPod:
 
     def _resync(self) -> None:
         """After a failed run every die is idle: discard what was left in flight (as Pod)."""
-        self._broadcast(_resync_die, (1, None))
-        counters = [c for c in self._broadcast(_resync_die, (2, None)) if c]
+        self._broadcast(resync_die, (1, None))
+        counters = [c for c in self._broadcast(resync_die, (2, None)) if c]
         if counters:
             top = [max(col) for col in zip(*counters, strict=True)]
-            self._broadcast(_resync_die, (3, top))
+            self._broadcast(resync_die, (3, top))
 
     def _broadcast(self, fn, args: tuple, timeout_s: float = 10.0) -> list:
         """Run an internal fn on every idle die (no abort, no resync); DieHung past timeout_s."""
@@ -518,7 +518,7 @@ class MpiPod:
                 self._ctx.term()
                 self._sock = None
             self._cleanup(crashed)
-            _SIGTERM.release(self)
+            SIGTERM_GUARD.release(self)
             self.timings["close_s"] = time.monotonic() - t0
 
     def _cleanup(self, crashed: bool) -> None:
@@ -550,10 +550,10 @@ class MpiPod:
         raise PodError("a multi-host pod's launcher maps no region (read it inside pod.run)")
 
     def set_trace(self, enabled: bool) -> None:
-        self.run(_set_trace, enabled)
+        self.run(set_trace, enabled)
 
     def trace_records(self, clear: bool = False) -> dict[int, list[tuple]]:
-        return dict(enumerate(self.run(_get_trace, clear)))
+        return dict(enumerate(self.run(get_trace, clear)))
 
     def write_trace(self, path: str, clear: bool = False) -> int:
         from comm.trace import write_chrome
