@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 XPOD   := $(VENV)/bin/xpod
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test lint format bench bench-full mpi clean-shm
+.PHONY: install run test test-multihost lint format bench bench-full mpi clean-shm
 
 $(STAMP): setup.cfg pyproject.toml
 	python3 -m venv $(VENV)
@@ -29,7 +29,11 @@ run: $(STAMP)
 	$(XPOD) bench serve --launch --dies 4 --max-concurrency 8 --ignore-eos --num-prompts 32 --quick
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not multihost"
+
+# The whole multi-host suite (MPI and mirror conformance, every crash case): ~2 min more.
+test-multihost: $(STAMP)
+	$(PY) -m pytest -q -m multihost tests/integration/test_multihost_*.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -316,9 +316,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--fabric",
-        choices=("mpi", "mirror"),
+        choices=("mpi", "mpi-rma", "mirror"),
         default="mpi",
-        help="with --hosts: MPI RMA (default) or mirrors over shared memory (no MPI)",
+        help="with --hosts: MPI (store messages + RMA, default), MPI one-sided only (mpi-rma),"
+        " or mirrors over shared memory (no MPI)",
     )
     p.add_argument(
         "--net-if", default="", help="with --hosts: the interface (or CIDR) between hosts (lo)"

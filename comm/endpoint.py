@@ -101,7 +101,10 @@ class Endpoint:
             self._dma = None
 
     def progress(self) -> bool:
-        """Advance every outstanding request once; True if any moved."""
+        """Advance every outstanding request once; True if any moved. A multi-host die first
+        lets the fabric land its peers' stores (a caller's `req.test()` loop is a wait too)."""
+        if self.ctx.progress is not None:
+            self.ctx.progress()
         moved = False
         for req in list(self.active):
             moved |= req.advance()

@@ -95,6 +95,7 @@ class Fabric:
 
     kind = "local"
     needs_progress = False  # True: remote stores land only while this die calls progress()
+    cheap_guards = True  # a guard word costs no more than a payload word (no round trip)
 
     def __init__(self, me: int, regions: Sequence):
         self.me = me
@@ -116,6 +117,11 @@ class Fabric:
         """`push` of `count` int64 words from word index `word` (payload words, never guards)."""
         if self.remote[peer]:
             self.push(peer, word * L.WORD, count * L.WORD)
+
+    def push_from(self, peer: int, off: int, data) -> None:
+        """Carry `data` (any buffer) to bytes [off, off + len(data)) of `peer`'s region (a
+        mapped peer: a copy; a remote one: from `data` itself, the mirror left as it was)."""
+        self.bytes[peer][off : off + len(data)] = data
 
     def pull(self, peer: int, off: int, nbytes: int) -> None:
         """Bring bytes [off, off + nbytes) of `peer`'s region into its mirror, completed."""
@@ -194,6 +200,14 @@ class MirrorFabric(Fabric):
             self.pushes += 1
             self.push_bytes += nbytes
 
+    def push_from(self, peer: int, off: int, data) -> None:
+        if not self.remote[peer]:
+            self.bytes[peer][off : off + len(data)] = data
+        elif len(data):
+            self.real_bytes[peer][off : off + len(data)] = data
+            self.pushes += 1
+            self.push_bytes += len(data)
+
     def pull(self, peer: int, off: int, nbytes: int) -> None:
         if self.remote[peer] and nbytes > 0:
             self.bytes[peer][off : off + nbytes] = self.real_bytes[peer][off : off + nbytes]
@@ -225,6 +239,7 @@ class _GroupFabric(Fabric):
         self.me = self.dies.index(parent.me)
         self.kind = parent.kind
         self.needs_progress = parent.needs_progress
+        self.cheap_guards = parent.cheap_guards
         self.regions = [parent.regions[d] for d in self.dies]
         self.remote = [parent.remote[d] for d in self.dies]
         self.any_remote = any(self.remote)
@@ -237,6 +252,9 @@ class _GroupFabric(Fabric):
 
     def push(self, peer: int, off: int, nbytes: int) -> None:
         self.parent.push(self.dies[peer], off, nbytes)
+
+    def push_from(self, peer: int, off: int, data) -> None:
+        self.parent.push_from(self.dies[peer], off, data)
 
     def pull(self, peer: int, off: int, nbytes: int) -> None:
         self.parent.pull(self.dies[peer], off, nbytes)

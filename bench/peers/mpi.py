@@ -55,7 +55,7 @@ def run_mpi(sizes: list[int], iters_scale: float, pin: bool, timeout_s: float) -
     ok, reason = mpi_available()
     if not ok:
         raise RuntimeError(f"mpi4py peer unavailable: {reason}")
-    return _mpirun(mpi_command(sizes, iters_scale, pin), len(sizes), timeout_s)
+    return run_mpirun(mpi_command(sizes, iters_scale, pin), len(sizes), timeout_s)
 
 
 def mpi_a2a_command(n: int, spec_path: str, pin: bool = True) -> list[str]:
@@ -81,7 +81,7 @@ def run_mpi_a2a(cases: list[dict], n: int, pin: bool, timeout_s: float) -> list[
         spec_path = os.path.join(tmp_dir, "cases.json")
         with open(spec_path, "w", encoding="utf-8") as f:
             json.dump({"cases": [_jsonable(c) for c in cases]}, f)
-        return _mpirun(mpi_a2a_command(n, spec_path, pin), len(cases), timeout_s)
+        return run_mpirun(mpi_a2a_command(n, spec_path, pin), len(cases), timeout_s)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
 
@@ -90,7 +90,7 @@ def _jsonable(case: dict) -> dict:
     return {k: np.asarray(v).tolist() if isinstance(v, np.ndarray) else v for k, v in case.items()}
 
 
-def _mpirun(cmd: list[str], num_rows: int, timeout_s: float) -> list[dict]:
+def run_mpirun(cmd: list[str], num_rows: int, timeout_s: float) -> list[dict]:
     """Run an mpirun command line; return the JSON rows rank 0 printed (exactly `num_rows`).
 
     mpirun gets its own process group and is killed with every rank on timeout or error.
@@ -105,6 +105,7 @@ def _mpirun(cmd: list[str], num_rows: int, timeout_s: float) -> list[dict]:
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     backing = tempfile.mkdtemp(prefix="xpod-mpi.", dir=shm)
     env["OMPI_MCA_btl_sm_backing_directory"] = backing
+    env.setdefault("PMIX_MCA_gds", "hash")  # PMIx's gds/shmem2 leaves a 16 MiB sm_segment
     try:
         proc = subprocess.Popen(
             cmd,

@@ -163,7 +163,7 @@ def _run_pair(
     return run_group(transport, side_main, side_args, pin, timeout_s)
 
 
-def _measure(side: int, sizes: list[int], iters_scale: float, prepare: Callable) -> list[dict]:
+def measure_sides(side: int, sizes: list[int], iters_scale: float, prepare: Callable) -> list[dict]:
     """Warm up then time each size. prepare(size) -> Rounds. Side 0 returns the time stamps."""
     out = []
     for size in sizes:
@@ -179,7 +179,7 @@ def _measure(side: int, sizes: list[int], iters_scale: float, prepare: Callable)
     return out
 
 
-def _check_payload(transport: str, side: int, got: int, first: int, last: int, size: int) -> None:
+def check_payload(transport: str, side: int, got: int, first: int, last: int, size: int) -> None:
     want = SIDE_BYTE[1 - side]
     if got != size or first != want or last != want:
         raise RuntimeError(
@@ -217,11 +217,11 @@ def _shm_side(side: int, name: str, area_bytes: int, sizes: list[int], iters_sca
             counter[0] = loop(
                 n, counter[0], flags, FLAG_IDX[side], FLAG_IDX[1 - side], push, stamps
             )
-            _check_payload("shm-floor", side, size, inbox[0], inbox[size - 1], size)
+            check_payload("shm-floor", side, size, inbox[0], inbox[size - 1], size)
 
         return rounds
 
-    return _measure(side, sizes, iters_scale, prepare)
+    return measure_sides(side, sizes, iters_scale, prepare)
 
 
 def _mv_push(dst: memoryview, src: memoryview) -> Callable[[], None]:
@@ -306,7 +306,7 @@ def _zmq_side(side: int, addr: str, sizes: list[int], iters_scale: float) -> lis
 
             return ping if side == 0 else pong
 
-        return _measure(side, sizes, iters_scale, prepare)
+        return measure_sides(side, sizes, iters_scale, prepare)
     finally:
         sock.close()
         ctx.term()
@@ -314,7 +314,7 @@ def _zmq_side(side: int, addr: str, sizes: list[int], iters_scale: float) -> lis
 
 def _check_zmq(side: int, msg, size: int) -> None:
     view = memoryview(msg)  # bytes when copied, zmq.Frame otherwise
-    _check_payload("zmq-ipc", side, view.nbytes, view[0], view[-1], size)
+    check_payload("zmq-ipc", side, view.nbytes, view[0], view[-1], size)
 
 
 def _pipe_side(side: int, conn, sizes: list[int], iters_scale: float) -> list[dict]:
@@ -328,17 +328,17 @@ def _pipe_side(side: int, conn, sizes: list[int], iters_scale: float) -> list[di
                 send(payload)
                 got = recv_into(buf)
                 stamps.append(now())
-            _check_payload("pipe", side, got, buf[0], buf[size - 1], size)
+            check_payload("pipe", side, got, buf[0], buf[size - 1], size)
 
         def pong(n: int, stamps: list) -> None:
             for _ in range(n):
                 got = recv_into(buf)
                 send(payload)
-            _check_payload("pipe", side, got, buf[0], buf[size - 1], size)
+            check_payload("pipe", side, got, buf[0], buf[size - 1], size)
 
         return ping if side == 0 else pong
 
     try:
-        return _measure(side, sizes, iters_scale, prepare)
+        return measure_sides(side, sizes, iters_scale, prepare)
     finally:
         conn.close()

@@ -32,16 +32,17 @@ from importlib.util import find_spec
 import numpy as np
 
 from bench.common import p2p_row
-from bench.peers.mpi import _mpirun, mpirun
+from bench.peers.mpi import mpirun, run_mpirun
 from bench.peers.p2p import (
     SIDE_BYTE,
     ZMQ_ZERO_COPY_MIN_BYTES,
     Rounds,
-    _check_payload,
-    _measure,
+    check_payload,
+    measure_sides,
 )
 from bench.peers.procs import JOIN_GRACE_S, run_group
 from bench.rma_peer import HOSTS, RMA_TRANSPORTS, TIMING
+from runtime.pod.die_mpi import TCP_MAX_SEND
 
 CROSS_HOST_TRANSPORTS = ("mpi4py-tcp", "rma-raw", "rma-pingpong", "zmq-tcp")
 INSTALL_HINT = "pip install -e '.[multihost]'"
@@ -92,7 +93,7 @@ def run_cross_host_peers(
     mpi_transports = [t for t in transports if t in RMA_TRANSPORTS]
     if mpi_transports:
         cmd = cross_host_command(sizes, iters_scale, net_if, mpi_transports, pin)
-        rows = _mpirun(cmd, len(sizes) * len(mpi_transports), timeout_s)
+        rows = run_mpirun(cmd, len(sizes) * len(mpi_transports), timeout_s)
         for row in rows:
             by_transport.setdefault(row["transport"], []).append(row)
     if "zmq-tcp" in transports:
@@ -129,6 +130,7 @@ def cross_host_command(
         ("btl", "self,tcp"),  # no shared-memory BTL: TCP even between ranks on one box
         ("btl_tcp_if_include", net_if),
         ("mpi_yield_when_idle", "1"),
+        ("btl_tcp_max_send_size", TCP_MAX_SEND),  # as a multi-host pod's mpirun
     ):
         cmd += ["--mca", key, value]
     cmd += [sys.executable, "-m", "bench.rma_peer", "--sizes", ",".join(str(s) for s in sizes)]
@@ -191,7 +193,7 @@ def _zmq_tcp_side(side: int, conn, host: str, sizes: list[int], iters_scale: flo
 
             return ping if side == 0 else pong
 
-        return _measure(side, sizes, iters_scale, prepare)
+        return measure_sides(side, sizes, iters_scale, prepare)
     finally:
         sock.close()
         ctx.term()
@@ -200,7 +202,7 @@ def _zmq_tcp_side(side: int, conn, host: str, sizes: list[int], iters_scale: flo
 
 def _check_msg(side: int, msg, size: int) -> None:
     view = memoryview(msg)  # bytes when copied, zmq.Frame otherwise
-    _check_payload("zmq-tcp", side, view.nbytes, view[0], view[-1], size)
+    check_payload("zmq-tcp", side, view.nbytes, view[0], view[-1], size)
 
 
 def _ipv4_of(net_if: str) -> str:

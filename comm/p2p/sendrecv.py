@@ -74,8 +74,9 @@ def _first_fast(ep: Endpoint, peer: int, made: dict, make: Callable) -> Callable
     the pod, which take the general path and its checks."""
     if peer == ep.die_id or not 0 <= peer < ep.num_dies:
         return None
-    if ep.fab.remote[peer]:  # another host: the general path publishes over the fabric
-        fast = made[peer] = _not_fast
+    if ep.fab.remote[peer]:  # another host: one fabric message each way, or the general path
+        remote = _small_tx_remote if make is _small_tx else _small_rx_remote
+        fast = made[peer] = remote(ep, peer) if ep.fab.cheap_guards else _not_fast
         return fast
     fast = made[peer] = make(ep, peer)
     return fast
@@ -219,6 +220,89 @@ def _small_rx(ep: Endpoint, src: int):
             trace.rec(t0, t1 - t0, "recv", 5, src, 0, event_id, 0)
             trace.rec(t1, t2 - t1, "recv", 6, src, 0, event_id, n)
             trace.rec(t2, 0, "recv", 7, src, 0, event_id, n)
+        return True
+
+    return rx
+
+
+def _small_tx_remote(ep: Endpoint, dst: int):
+    """The fast send to a die on another host (docs/protocols.md §11): the payload straight
+    from the caller's buffer into the slot, then event id, msg_info, chunk_id and tail_ptr,
+    carried as ONE fabric message (store messages apply in order: payload before guards).
+    The receiver's words in its mirror are this die's shadow (rule R2)."""
+    me = ep.die_id
+    t = ep.tables
+    fab = ep.fab
+    dw, aw = ep.words[dst], ep.words[me]
+    desc, ack = t.desc0[me], t.ack0[dst]
+    d_chunk, d_tail, d_info = desc + 1, desc + 2, desc + 3
+    a_head, a_done, a_status = ack + 1, ack + 2, ack + 3
+    slots, slot_bytes, ring0 = t.slots, t.slot_bytes, t.ring0[me]
+    limit = ep.small_bytes
+    seqs = ep.tx_seq[dst]
+    queued = ep.tx_queue[dst]
+    trace = ep.trace
+    guards = (desc, d_info, d_chunk, d_tail)
+    c = [None, None, None, None, 0]
+
+    def tx(buf, event_id) -> bool:
+        if queued or trace.enabled:  # issue order / traced steps: the general path
+            return False
+        if buf is not c[0] and not _fill_cache(c, buf, False, limit, ep.ub0, [ep.ub0]):
+            return False
+        if type(event_id) is not int or not 0 <= event_id < EVENT_LIMIT:
+            check_args(ep, buf, dst, event_id, 1, "mte", send=True)  # raises the precise error
+        seq = seqs[0] + 1
+        seqs[0] = seq
+        tail = dw[d_tail]
+        if tail - aw[a_head] >= slots:
+            ep.wait_ge(aw, a_head, tail - slots + 1, dst, "ack.head_ptr")
+        fab.push_from(dst, ring0 + (tail % slots) * slot_bytes, c[1])
+        fab.publish_many(dst, guards, (event_id, c[4], seq << SEQ_SHIFT, tail + 1))
+        if aw[a_done] < seq:
+            ep.wait_ge(aw, a_done, seq, dst, "ack.done")
+        if aw[a_status]:
+            check_ack(ep, aw, ack, dst, event_id)
+        return True
+
+    return tx
+
+
+def _small_rx_remote(ep: Endpoint, src: int):
+    """The fast receive from a die on another host: poll the own descriptor, copy the slot,
+    then the ack (event id, status, head_ptr, done) as one fabric message."""
+    me = ep.die_id
+    t = ep.tables
+    fab = ep.fab
+    lw, rw = ep.words[me], ep.words[src]
+    desc, ack = t.desc0[src], t.ack0[me]
+    d_chunk, d_tail, d_info = desc + 1, desc + 2, desc + 3
+    a_head, a_done, a_status = ack + 1, ack + 2, ack + 3
+    slots = t.slots
+    slot_views = [
+        ep.bytes[me][t.ring0[src] + k * t.slot_bytes :][: t.slot_bytes] for k in range(slots)
+    ]
+    limit = ep.small_bytes
+    queued = ep.rx_queue[src]
+    trace = ep.trace
+    guards = (ack, a_status, a_head, a_done)
+    c = [None, None, None, None, 0]
+
+    def rx(buf, event_id) -> bool:
+        if queued or trace.enabled:
+            return False
+        if buf is not c[0] and not _fill_cache(c, buf, True, limit, ep.ub0, slot_views):
+            return False
+        if type(event_id) is not int or not 0 <= event_id < EVENT_LIMIT:
+            check_args(ep, buf, src, event_id, 1, "mte", send=False)  # raises the precise error
+        head = rw[a_head]
+        if lw[d_tail] <= head:
+            ep.wait_ge(lw, d_tail, head + 1, src, "desc.tail_ptr", zc_probe(ep, src, event_id))
+        if lw[d_info] != c[4] or lw[desc] != event_id:
+            return _small_rx_mismatch(ep, buf, src, event_id, c[4], lw[d_info], lw[desc])
+        c[1][:] = c[3][head % slots]
+        seq = lw[d_chunk] >> SEQ_SHIFT
+        fab.publish_many(src, guards, (event_id, 0, head + 1, seq))
         return True
 
     return rx

@@ -96,7 +96,10 @@ class TxZeroCopy:
                 f" [{lo_.app_off}, {lo_.app_off + lo_.app_bytes}); nothing written"
             )
         t0 = now_ns()
-        copy_bytes(ep.bytes[self.dst][off : off + n], self.src[self.lo : self.hi])
+        if self.fab is not None:  # another host: straight from the source (no mirror copy)
+            self.fab.push_from(self.dst, off, self.src[self.lo : self.hi])
+        else:
+            copy_bytes(ep.bytes[self.dst][off : off + n], self.src[self.lo : self.hi])
         if tr:
             tr.rec(t0, now_ns() - t0, "zc_send", 2, self.dst, self.lane, self.event_id, n)
         # Payload first, descriptor next, tail_ptr LAST (the word the receiver lane polls).
@@ -104,8 +107,7 @@ class TxZeroCopy:
         dw[desc + L.DESC_EVENT] = self.event_id
         dw[desc + L.DESC_INFO] = self.info
         fab = self.fab
-        if fab is not None:  # the stripe (one Put: an RDMA write), payload words, guards
-            fab.push(self.dst, off, n)
+        if fab is not None:  # (the stripe went above), payload words, guards
             fab.push_words(self.dst, desc + L.DESC_EVENT)
             fab.push_words(self.dst, desc + L.DESC_INFO)
             fab.publish_many(self.dst, (desc + L.DESC_CHUNK, desc + L.DESC_TAIL),

@@ -61,7 +61,9 @@ class PodConfig:
         die_cpus: a core per die (a PD pod's parts on their own cores); empty: `pin` decides.
         hosts: the host of every die (`--hosts 2,2` -> (0, 0, 1, 1)); empty: one host.
         fabric: how dies reach the regions of other hosts' dies (`comm.fabric`): "auto" (MPI
-            RMA when `hosts` names more than one host), "mpi", or "mirror" (hosts emulated
+            RMA when `hosts` names more than one host), "mpi" (MPI: two-sided store messages
+            for pushes and guards, one-sided pulls and atomics), "mpi-rma" (MPI one-sided
+            only: Put, Flush, Accumulate per guard), or "mirror" (hosts emulated
             over shared memory with poisoned mirrors and no MPI: a test of the protocols'
             push / pull / publish discipline).
         host_names: the names of `hosts`' hosts for mpirun (`--hosts nodeA:8,nodeB:8`);
@@ -168,7 +170,7 @@ class PodConfig:
     def _check_hosts(self) -> None:
         object.__setattr__(self, "hosts", tuple(self.hosts))
         object.__setattr__(self, "host_names", tuple(self.host_names))
-        _choice("fabric", self.fabric, ("auto", "mpi", "mirror"))
+        _choice("fabric", self.fabric, ("auto", "mpi", "mpi-rma", "mirror"))
         hosts = self.hosts
         if hosts:
             if len(hosts) != self.num_dies or not all(
@@ -197,9 +199,9 @@ class PodConfig:
     @property
     def fabric_kind(self) -> str:
         """ "local" (one host), "mirror" or "mpi"."""
-        if self.num_hosts == 1 and self.fabric != "mpi":
+        if self.num_hosts == 1 and self.fabric not in ("mpi", "mpi-rma"):
             return "local"
-        return "mpi" if self.fabric == "auto" else self.fabric
+        return "mirror" if self.fabric == "mirror" else "mpi"
 
     # -- derived --------------------------------------------------------------------------------
 

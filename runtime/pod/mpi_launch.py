@@ -178,6 +178,12 @@ class MpiPod:
         names = ["XPOD_POD", "XPOD_LAUNCHER", "XPOD_KEY", "XPOD_CONFIG", "PYTHONPATH",
                  "PYTHONUNBUFFERED"]  # fmt: skip
         if not cfg.host_names:
+            # Open MPI's built-in shared-memory BTL makes a segment at init even though the
+            # pod runs self,tcp; a die killed before it is unlinked would leave it in /dev/shm.
+            # It goes into the pod's run directory, which the teardown (or `xpod clean`) removes.
+            run_dir = os.path.join("/dev/shm", C.run_dir_name(self.pod_id))
+            os.makedirs(run_dir, mode=0o700, exist_ok=True)
+            env["OMPI_MCA_btl_sm_backing_directory"] = run_dir
             counts = collections.Counter(self.hosts)
             env["XPOD_HOSTS"] = ",".join(str(counts[h]) for h in sorted(counts))
             names.append("XPOD_HOSTS")

@@ -8,7 +8,7 @@ nobody. Pull and fused dispatch / combine, dedup, INT8, bfloat16 and float32 com
 A2E / E2A through trampolines on either host, refusals and the launcher's resync must stay bit
 for bit `comm.reference`; after every test no die polled a mirror (`fab.remote_polls == 0`)
 and every die pushed and published over the fabric (the remote path ran). The default run
-takes a subset of each suite; `-m slow` adds the rest.
+takes a subset of each suite; `-m multihost` runs the rest.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from tests.integration import test_alltoall_faults as faults
 from tests.integration import test_split_alltoall as split_base
 
 H, K, B = base.H, base.K, base.B
-SLOW = pytest.mark.slow
+SLOW = pytest.mark.multihost  # the full suite: `pytest -m multihost` (CI runs the rest)
 
 # (dies, hosts, combine dtype): an even split, and an uneven one with die 0 alone
 EP_PODS = [(4, (0, 0, 1, 1), "bfloat16"), (3, (0, 1, 1), "float32")]
@@ -43,8 +43,9 @@ def check_fabric(pod: Pod, pulls: bool = False, local: tuple = ()) -> None:
     publishes to its remote peers (and pulls, `pulls`: a pull protocol ran), but the dies
     `local` (an attention die whose trampoline is on its own host writes nowhere else)."""
     hosts = pod.config.hosts
+    want = "mirror" if pod.config.fabric == "mirror" else "mpi"
     for die, (kind, remote, polls, pushes, pulled, publishes) in enumerate(pod.run(_facts)):
-        assert kind == "mirror"
+        assert kind == want
         assert remote == [h != hosts[die] for h in hosts]
         assert polls == 0, f"die {die} polled a mirror {polls} times (rule R1)"
         if die in local:
@@ -57,12 +58,16 @@ def mirrored(cfg: PodConfig, hosts: tuple) -> PodConfig:
     return dataclasses.replace(cfg, hosts=hosts, fabric="mirror")
 
 
+def ep_config(n: int, hosts: tuple, combine_dtype: str, fabric: str = "mirror") -> PodConfig:
+    return PodConfig(a2a_combine_dtype=combine_dtype, num_dies=n, a2a_max_batch=B, a2a_hidden=H,
+                     a2a_topk=K, num_experts=2 * n, a2a_max_local_experts=2 * n, timeout_s=20,
+                     hosts=hosts, fabric=fabric)  # fmt: skip
+
+
 @pytest.fixture(scope="module", params=EP_PODS, ids=lambda p: f"ep{p[0]}-hosts{len(set(p[1]))}")
 def ep_pod(request):
     n, hosts, combine_dtype = request.param
-    cfg = PodConfig(a2a_combine_dtype=combine_dtype, num_dies=n, a2a_max_batch=B, a2a_hidden=H,
-                    a2a_topk=K, num_experts=2 * n, a2a_max_local_experts=2 * n, timeout_s=20,
-                    hosts=hosts, fabric="mirror")  # fmt: skip
+    cfg = ep_config(n, hosts, combine_dtype)
     with Pod.launch(cfg) as pod:
         yield pod
 
@@ -250,10 +255,17 @@ def test_a2e_e2a_through_trampolines_match_reference(n_att, n_exp, hosts, local,
                                                      combine_dtype):  # fmt: skip
     """One attention die's trampoline (die n_att + i for attention die i) on its own host, the
     other's on the other host; the dies `local` write only to dies of their own host."""
+    run_a2e_case(quant, combine_dtype, n_att, n_exp, hosts, local)
+
+
+def run_a2e_case(quant, combine_dtype: str, n_att: int = 2, n_exp: int = 4,
+                 hosts: tuple = (0, 0, 0, 1, 1, 1), local: tuple = (0,),
+                 fabric: str = "mirror") -> None:  # fmt: skip
+    """Three A2E / E2A rounds through trampolines on `hosts`, bit-exact (see above)."""
     n, e = n_att + n_exp, 2 * n_exp
     cfg = PodConfig(num_dies=n, a2a_max_batch=B, a2a_hidden=H, a2a_topk=K, num_experts=e,
                     a2a_max_local_experts=e // n_exp, a2a_combine_dtype=combine_dtype,
-                    timeout_s=20, hosts=hosts, fabric="mirror")  # fmt: skip
+                    timeout_s=20, hosts=hosts, fabric=fabric)  # fmt: skip
     placement = Placement.default(e, tuple(range(n_att, n)))
     att = list(range(n_att))
     ref = base.ref
