@@ -166,7 +166,7 @@ def barrier(ep: Endpoint) -> None:
 
     Each die publishes its count into its own word of every peer's sync block (`sync[me]`,
     single writer) and polls the peers' words in its own region: a die polls only its own
-    memory (docs/protocols.md §10, rule R1), so the barrier works across hosts. O(num_dies)
+    memory (docs/protocols.md §11, rule R1), so the barrier works across hosts. O(num_dies)
     stores and polls per die.
     """
     ep.sync_count += 1

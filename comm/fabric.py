@@ -1,4 +1,4 @@
-"""How a die reaches the other dies' regions: the seam under `comm/` (docs/protocols.md §10).
+"""How a die reaches the other dies' regions: the seam under `comm/` (docs/protocols.md §11).
 
 A pod on one host maps every region (`LocalFabric`): a store into a peer's region is a store,
 and every method below is a no-op or a plain store. A pod over several hosts (`MpiFabric`,

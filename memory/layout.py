@@ -115,7 +115,7 @@ words (runtime.model.expert_balancer):
                                                          die (the leader pushes it, then
                                                          plan_step, then plan_seq LAST)
 ```
-Every die polls these words in its own region (rule R1 of docs/protocols.md §10); the leader
+Every die polls these words in its own region (rule R1 of docs/protocols.md §11); the leader
 pulls a remote die's count row once its count_by word says the step is complete.
 
 The command ring (master -> die) and the result ring (die -> master) are `serve_slots` slots of

@@ -5,7 +5,7 @@ before any starts."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bench.alltoall.inputs import Point, default_experts
 from comm.quant import COMBINE_DTYPES
@@ -21,6 +21,7 @@ from runtime.cli.argtypes import (
     positive_int,
 )
 from runtime.cli.flags import load_config
+from runtime.cli.hosts import add_host_args, host_fields
 
 DEFAULT_BATCHES = "1,8,16,32,64,128"
 QUICK_BATCHES = "1,16,128"
@@ -54,6 +55,7 @@ class Options:
     timeout: float | None
     json: str | None = None
     plot: str | None = None
+    hosts: dict = field(default_factory=dict)  # PodConfig hosts / fabric / ... (--hosts)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -132,6 +134,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--config", type=input_file, default=None, help="PodConfig TOML file")
     p.add_argument("--timeout", type=positive_float, default=None, help="wait deadline (PodConfig)")
+    add_host_args(p)
 
 
 def _a2e_pods(att: list[int], exp: list[int]) -> list[tuple[int, int]]:
@@ -162,8 +165,17 @@ def parse_options(args: argparse.Namespace) -> Options:
     if args.a2e and "a2e" not in protocols:
         protocols.append("a2e")
     quick = args.quick
+    dies = args.dies
+    _, host_cfg = host_fields(args, None)
+    if host_cfg.get("hosts"):
+        n = len(host_cfg["hosts"])
+        if dies not in ([8], [n]) or any(a + x != n for a, x in _a2e_pods(args.attention_dies,
+                                                                          args.expert_dies)
+                                         if args.a2e or "a2e" in protocols):  # fmt: skip
+            raise ConfigError(f"argument --hosts: {n} dies, so one pod of {n} (--dies {n})")
+        dies = [n]
     opts = Options(
-        dies=args.dies,
+        dies=dies,
         batches=args.batch or int_list(1)(QUICK_BATCHES if quick else DEFAULT_BATCHES),
         hidden=args.hidden,
         topk=args.topk,
@@ -184,6 +196,7 @@ def parse_options(args: argparse.Namespace) -> Options:
         timeout=args.timeout,
         json=args.json,
         plot=args.plot,
+        hosts=host_cfg,
     )
     for pt, _ in plan(opts):
         _check_point(pt, opts)
@@ -240,6 +253,10 @@ def pod_config(pt: Point, opts: Options) -> PodConfig:
         "app_bytes": shape,  # the region's size is that of its all-to-all areas
         "trace": "--trace",
         "timeout_s": "--timeout",
+        "hosts": "--hosts",
+        "fabric": "--fabric",
+        "host_names": "--hosts",
+        "net_if": "--net-if",
     }
     return load_config(
         opts.config,
@@ -256,4 +273,5 @@ def pod_config(pt: Point, opts: Options) -> PodConfig:
         a2a_combine_dtype=pt.combine_dtype,
         trace=True if opts.trace else None,
         timeout_s=opts.timeout,
+        **opts.hosts,
     )

@@ -42,7 +42,7 @@ class TxRing:
         self.ring_off = t.ring[ep.die_id][lane]
         self.tail = self.dw[self.desc + L.DESC_TAIL]  # (a remote dst: the mirror, our shadow)
         self.fin = False
-        # A die on another host (docs/protocols.md §10): the slot and the payload words go
+        # A die on another host (docs/protocols.md §11): the slot and the payload words go
         # over the fabric, then chunk_id and tail_ptr are published after them.
         self.fab = ep.fab if ep.fab.remote[dst] else None
 

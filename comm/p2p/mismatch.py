@@ -85,7 +85,7 @@ def reject(ep: Endpoint, src: int, seq: int, got: int, got_event: int, event_id:
         rw[ack + L.ACK_EVENT] = event_id
         rw[ack + L.ACK_STATUS] = status
         rw[rdv + L.RDV_EVENT] = RDV_REJECT
-        if fab is not None:  # payload words, then done and the tag as guards (§10)
+        if fab is not None:  # payload words, then done and the tag as guards (§11)
             for w in (ack + L.ACK_EVENT, ack + L.ACK_STATUS, rdv + L.RDV_EVENT):
                 fab.push_words(src, w)
             fab.publish_many(src, (ack + L.ACK_DONE, rdv + L.RDV_SEQ), (seq, seq))

@@ -56,7 +56,7 @@ class TxZeroCopy:
             dw, desc = self.dw, self.desc
             dw[desc + L.DESC_EVENT] = event_id
             dw[desc + L.DESC_INFO] = info
-            if fab is not None:  # payload words, then chunk_id as the guard (§10)
+            if fab is not None:  # payload words, then chunk_id as the guard (§11)
                 fab.push_words(dst, desc + L.DESC_EVENT)
                 fab.push_words(dst, desc + L.DESC_INFO)
                 fab.publish(dst, desc + L.DESC_CHUNK, seq << SEQ_SHIFT)
@@ -172,7 +172,7 @@ def post_rendezvous(ep: Endpoint, buf: np.ndarray, mv: memoryview, src: int, seq
         sw[f + L.RDV_EVENT] = event_id
         sw[f + L.RDV_OFF] = base + a
         sw[f + L.RDV_NBYTES] = b - a
-        if fab is not None:  # event, offset, size as payload, then the tag (§10)
+        if fab is not None:  # event, offset, size as payload, then the tag (§11)
             fab.push_words(src, f + L.RDV_EVENT, 3)
             fab.publish(src, f + L.RDV_SEQ, seq)
         else:

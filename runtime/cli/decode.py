@@ -17,6 +17,7 @@ from runtime.cli.argtypes import (
     positive_float,
     positive_int,
 )
+from runtime.cli.hosts import add_host_args, host_fields
 from runtime.cli.model_flags import (
     add_alltoall_flags,
     add_eplb_flags,
@@ -76,6 +77,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--block-size", type=positive_int, default=16, help="KV cache block (tokens)")
     p.add_argument("--timeout", type=positive_float, default=120.0, help="wait deadline, seconds")
+    add_host_args(p)
     add_pin_flag(p)
     p.add_argument(
         "--wait", default="auto", choices=("auto", "spin", "yield"), help="PodConfig.wait"
@@ -110,6 +112,7 @@ def parse_options(args: argparse.Namespace) -> DecodeOptions:
     Raises:
         ConfigError naming the flag(s).
     """
+    args.dies, host_cfg = host_fields(args, args.dies, 4)
     dies, att, exp = split_dies(args)
     opts = DecodeOptions(
         dies=dies,
@@ -139,6 +142,7 @@ def parse_options(args: argparse.Namespace) -> DecodeOptions:
         wait=args.wait,
         eplb=args.eplb,
         eplb_config=eplb_config(args, dies_per_node=args.dies_per_node),
+        **host_cfg,
     )
     _check_options(opts)
     return opts

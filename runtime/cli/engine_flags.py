@@ -15,6 +15,7 @@ from runtime.cli.argtypes import (
     positive_float,
     positive_int,
 )
+from runtime.cli.hosts import add_host_args, host_fields
 from runtime.cli.model_flags import (
     add_alltoall_flags,
     add_eplb_flags,
@@ -77,6 +78,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     add("--dies", type=positive_int, default=4,
         help="dies = DP groups (default 4); with --attention-dies, the pod's dies")  # fmt: skip
     add_model_flags(p)
+    add_host_args(p)
     add("--max-num-seqs", type=positive_int, default=8, help="batch limit per group (default 8)")
     add(
         "--max-num-batched-tokens",
@@ -180,6 +182,9 @@ def add_reliability_flags(p: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
     """The EngineConfig of the engine flags (and `extra` fields); ConfigError names the flag."""
     try:
+        args.dies, host_cfg = host_fields(args, args.dies, 4)
+        if host_cfg.get("hosts") and (args.prefill_dies or args.decode_dies):
+            raise ConfigError("--hosts: a PD pod runs on one host (--prefill-dies/--decode-dies)")
         dies, att, exp = split_dies(args)
         cfg = EngineConfig(
             dies=att or dies,
@@ -218,6 +223,7 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
             kv_lease_s=args.kv_lease,
             kv_timeout_s=args.kv_timeout,
             kv_checksum=not args.no_kv_checksum,
+            **host_cfg,
             **extra,
         )  # fmt: skip
         cfg.pod_config()  # the pod it sizes must be valid too

@@ -14,11 +14,10 @@ import sys
 import time
 
 import comm
-from comm.fabric import host_names_of, hosts_of
-from memory.errors import ConfigError
 from runtime.cli.argtypes import fmt_size, positive_int
 from runtime.cli.argtypes import size as size_arg
 from runtime.cli.flags import add_pod_flags, pod_config
+from runtime.cli.hosts import add_host_args, host_fields
 from runtime.pod import Pod, PodConfig
 
 
@@ -28,57 +27,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--size", type=size_arg, default="1M", help="bytes per pair per round (default 1M)"
     )
     p.add_argument("--rounds", type=positive_int, default=5, help="rounds (default 5)")
-    p.add_argument(
-        "--hosts",
-        type=hosts_spec,
-        default=None,
-        metavar="SPEC",
-        help="dies per host: counts (2,2: emulated hosts) or names (nodeA:8,nodeB:8);"
-        " the dies are the sum",
-    )
-    p.add_argument(
-        "--fabric",
-        choices=("mpi", "mirror"),
-        default=None,
-        help="how dies reach other hosts: MPI RMA (default) or poisoned mirrors (one machine)",
-    )
-    p.add_argument(
-        "--net-if",
-        default=None,
-        metavar="IF",
-        help="interface or CIDR between hosts (MPI's TCP and the control plane; default lo)",
-    )
+    add_host_args(p)
     p.set_defaults(dies=4)  # with --hosts: their sum
 
 
-def hosts_spec(text: str) -> tuple[str, list[int]]:
-    """argparse type of --hosts: (the spec, the host of every die)."""
-    try:
-        host_names_of(text)
-        return text, hosts_of(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("--hosts ")) from None
-
-
 def parse_options(args: argparse.Namespace) -> tuple[argparse.Namespace, PodConfig]:
-    extra: dict = {}
     flags = {"app_bytes": "--size/--dies"}
-    if args.hosts is not None:
-        spec, hosts = args.hosts
-        if args.dies not in (4, len(hosts)):  # 4: the default, or a --dies 4 we cannot tell
-            raise ConfigError(f"--dies {args.dies}: --hosts {spec} makes {len(hosts)} dies")
-        args.dies = len(hosts)
-        names = host_names_of(spec)
-        extra.update(hosts=tuple(hosts), fabric=args.fabric or "mpi")
-        if names:
-            extra["host_names"] = tuple(names)
-        flags.update(hosts="--hosts", fabric="--fabric", host_names="--hosts")
-    elif args.fabric is not None:
-        extra["fabric"] = args.fabric
-        flags["fabric"] = "--fabric"
-    if args.net_if is not None:
-        extra["net_if"] = args.net_if
-        flags["net_if"] = "--net-if"
+    args.dies, extra = host_fields(args, args.dies, 4)
+    flags.update(hosts="--hosts", fabric="--fabric", host_names="--hosts", net_if="--net-if")
     app_bytes = 2 * (args.dies or 4) * args.size + (4 << 20)
     return args, pod_config(args, flags, app_bytes=app_bytes, **extra)
 

@@ -41,7 +41,7 @@ class DecodeOptions:
     expert_dies: int = 0
     domains: int = 1
     microbatches: int = 1
-    # pods over hosts (docs/protocols.md §10): the host of every die, the fabric between them
+    # pods over hosts (docs/protocols.md §11): the host of every die, the fabric between them
     hosts: tuple = ()
     fabric: str = "auto"
     host_names: tuple = ()

@@ -35,6 +35,7 @@ def summarize(res: list[dict], opts: DecodeOptions, model: ModelConfig) -> dict:
         "hosts": ",".join(str(list(opts.hosts).count(h)) for h in sorted(set(opts.hosts)))
         if opts.hosts
         else str(opts.dies),
+        "fabric": opts.fabric if opts.hosts else "local",
         "batch": opts.batch,
         "prompt_len": opts.prompt_len,
         "steps": steps,

@@ -379,6 +379,7 @@ def _run(opts: DecodeOptions, model: ModelConfig, per_die, ids, eplb, keep_logit
         f" ({', '.join(str(len(p)) for p in per_die)} per die), prompt {opts.prompt_len},"
         f" {opts.steps} steps, {opts.protocol} {opts.quant or 'float32'} dispatch,"
         f" {opts.combine_dtype} combine, EPLB {balance}"
+        + (f", hosts {list(opts.hosts)} ({cfg.fabric} fabric)" if opts.hosts else "")
     )
     t0 = time.monotonic()
     with prepared_for_fork(model):  # the dies fork with the kernels and one copy of the weights

@@ -132,6 +132,10 @@ class EngineConfig:
     kv_lease_s: float = 30.0
     kv_timeout_s: float = 2.0
     kv_checksum: bool = True
+    hosts: tuple = ()  # pods over hosts (PodConfig.hosts / fabric / host_names / net_if)
+    fabric: str = "auto"
+    host_names: tuple = ()
+    net_if: str = ""
 
     def __post_init__(self) -> None:
         m = self.model_config()
@@ -274,6 +278,10 @@ class EngineConfig:
             timeout_s=self.timeout_s,
             pin=self.pin,
             expert_dies=self.expert_dies or None,
+            hosts=tuple(self.hosts),
+            fabric=self.fabric,
+            host_names=tuple(self.host_names),
+            net_if=self.net_if,
             **self._pd_pod(m),
         )
 

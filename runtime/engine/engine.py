@@ -145,7 +145,7 @@ class Engine(EngineRecovery):
                                                      cfg.pod_dies))  # fmt: skip
         self._launch_pod()
         self.run_dir = f"/dev/shm/xpod.{self.pod.pod_id}.run"
-        os.mkdir(self.run_dir, 0o700)
+        os.makedirs(self.run_dir, 0o700, exist_ok=True)  # an MPI pod made it already
         for r in range(cfg.pod_dies):
             Bell.create(bell_path(self.run_dir, f"d{r}"))
         for r in range(cfg.dies):

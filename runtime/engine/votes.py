@@ -1,4 +1,4 @@
-"""The serving loop's lockstep vote, read at home (docs/protocols.md §10, rule R1).
+"""The serving loop's lockstep vote, read at home (docs/protocols.md §11, rule R1).
 
 Die p votes for step s by storing its rows (and the EXIT flag) in word `3p + 1 + s % 2` of the
 vote block of EVERY voter's region, then s in word `3p` LAST: a publish over the fabric for a

@@ -286,7 +286,7 @@ class ExpertBalancer:
             ("moved_bytes", L.EP_MOVED_BYTES), ("move_ns", L.EP_MOVE_NS),
             ("balance", L.EP_BALANCE_PPM), ("rows", L.EP_ROWS),
             ("count_by", L.EP_COUNT_BY), ("ready_by", L.EP_READY_BY))}  # fmt: skip
-        # Every die polls and reads at home (rule R1, docs/protocols.md §10): the leader pushes
+        # Every die polls and reads at home (rule R1, docs/protocols.md §11): the leader pushes
         # the plan into every die's plan area, each die its count_step into the leader's
         # count_by word and its ready into every member's ready_by word.
         self.plans = [self._plan_area(p) for p in range(die.num_dies)]

@@ -109,6 +109,28 @@ def find_mpirun() -> str:
     return found
 
 
+def bind_address(config: PodConfig) -> str:
+    """Where the launcher's ROUTER listens: loopback for emulated hosts, else the IPv4
+    address of `net_if` (an interface name or a CIDR)."""
+    if not config.host_names:
+        return "127.0.0.1"
+    import ipaddress
+
+    import psutil
+
+    want = config.net_if
+    net = None
+    with contextlib.suppress(ValueError):
+        net = ipaddress.ip_network(want, strict=False) if "/" in want else None
+    for name, addrs in psutil.net_if_addrs().items():
+        for a in addrs:
+            if a.family.name != "AF_INET":
+                continue
+            if (net is None and name == want) or (net and ipaddress.ip_address(a.address) in net):
+                return a.address
+    raise PodError(f"net_if {want!r}: no IPv4 address on this machine (set --net-if)")
+
+
 # btl/tcp's largest fragment: 1 MiB instead of 128 KiB (MULTIHOST §2's hint; measured here,
 # an 8 MiB zero-copy one-way 3.5 ms against 5.7 at the default, pyzmq over TCP 2.7)
 TCP_MAX_SEND = "1048576"
@@ -135,6 +157,11 @@ def mpirun_command(config: PodConfig, mpirun: str, args: list[str]) -> list[str]
         cmd += ["--mca", k, v]
     if config.host_names:
         cmd += ["--prtemca", "oob_tcp_if_include", net]
+        # how mpirun starts its daemons on the other hosts: ssh by default; a command of the
+        # same form (`agent HOST CMD...`) from XPOD_MPI_AGENT (the network-namespace tests')
+        agent = os.environ.get("XPOD_MPI_AGENT")
+        if agent:
+            cmd += ["--prtemca", "plm_ssh_agent", agent]
     return cmd + args
 
 

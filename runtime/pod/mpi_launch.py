@@ -61,7 +61,7 @@ from runtime.pod.common import (
     set_trace,
 )
 from runtime.pod.config import PodConfig
-from runtime.pod.die_mpi import Channel, find_mpirun, mpirun_command
+from runtime.pod.die_mpi import Channel, bind_address, find_mpirun, mpirun_command
 from runtime.pod.proc import parent_death_signal
 
 log = logging.getLogger(__name__)
@@ -74,28 +74,6 @@ STATE_EVERY_S = 1.0
 
 
 # -- mpirun ---------------------------------------------------------------------------------------
-
-
-def bind_address(config: PodConfig) -> str:
-    """Where the launcher's ROUTER listens: loopback for emulated hosts, else the IPv4
-    address of `net_if` (an interface name or a CIDR)."""
-    if not config.host_names:
-        return "127.0.0.1"
-    import ipaddress
-
-    import psutil
-
-    want = config.net_if
-    net = None
-    with contextlib.suppress(ValueError):
-        net = ipaddress.ip_network(want, strict=False) if "/" in want else None
-    for name, addrs in psutil.net_if_addrs().items():
-        for a in addrs:
-            if a.family.name != "AF_INET":
-                continue
-            if (net is None and name == want) or (net and ipaddress.ip_address(a.address) in net):
-                return a.address
-    raise PodError(f"net_if {want!r}: no IPv4 address on this machine (set --net-if)")
 
 
 def _pdeathsig() -> None:  # preexec_fn of mpirun: it dies with the launcher
@@ -119,6 +97,7 @@ class MpiPod:
         self.leaders = {h: self.hosts.index(h) for h in sorted(set(self.hosts))}
         self.pids = [0] * n
         self.procs: list = []  # [mpirun]: this launcher's only child (a Pod's: its dies)
+        self._mapped: dict = {}  # die -> Region the launcher attached (`region`)
         self.mpirun: subprocess.Popen | None = None
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
         self.notice: str | None = None  # prterun's line about a dead rank
@@ -517,6 +496,9 @@ class MpiPod:
                         _wait(p, 2.0)
             crashed = crashed or (p is not None and p.returncode not in (0, None))
         finally:
+            for r in self._mapped.values():
+                r.close()
+            self._mapped = {}
             for t in self._readers:
                 t.join(2.0)
             if self._sock is not None:
@@ -534,7 +516,11 @@ class MpiPod:
         elif crashed and self.mpirun is not None:
             hosts = ",".join(f"{h}:1" for h in self.config.host_names)
             cmd = mpirun_command(
-                self.config.replace(num_dies=len(self.config.host_names), hosts=()),
+                self.config.replace(
+                    num_dies=len(self.config.host_names),
+                    hosts=tuple(range(len(self.config.host_names))),
+                    die_cpus=(),
+                ),
                 find_mpirun(),
                 [sys.executable, "-m", "runtime.cli", "clean", "--pod", self.pod_id],
             )
@@ -553,7 +539,21 @@ class MpiPod:
     # -- conveniences ---------------------------------------------------------------------------
 
     def region(self, die_id: int):
-        raise PodError("a multi-host pod's launcher maps no region (read it inside pod.run)")
+        """The launcher's mapping of a die's region, for control-plane reads (stats, the
+        serving engine's words): every host is this machine (emulated hosts) or PodError."""
+        if self.config.host_names:
+            raise PodError(
+                "a pod over real hosts: the launcher maps no region (read it inside pod.run)"
+            )
+        if self.closed:
+            raise PodError(f"pod {self.pod_id} is closed")
+        r = self._mapped.get(die_id)
+        if r is None:
+            from memory.region import Region, RegionHandle
+
+            handle = RegionHandle(region_name(self.pod_id, die_id), die_id)
+            r = self._mapped[die_id] = Region.attach(handle, self.layout)
+        return r
 
     def set_trace(self, enabled: bool) -> None:
         self.run(set_trace, enabled)

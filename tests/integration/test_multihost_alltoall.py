@@ -26,6 +26,10 @@ from tests.integration import test_alltoall as base
 from tests.integration import test_alltoall_faults as faults
 from tests.integration import test_split_alltoall as split_base
 
+# The whole module is the `multihost` suite (`make test-multihost`): `make test` runs its
+# MPI counterpart, test_multihost_mpi.py, which covers the same protocols in less time.
+pytestmark = pytest.mark.multihost
+
 H, K, B = base.H, base.K, base.B
 SLOW = pytest.mark.multihost  # the full suite: `pytest -m multihost` (CI runs the rest)
 

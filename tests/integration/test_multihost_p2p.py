@@ -1,4 +1,4 @@
-"""Point-to-point conformance with the dies split over two emulated hosts (docs/protocols.md §10).
+"""Point-to-point conformance with the dies split over two emulated hosts (docs/protocols.md §11).
 
 The p2p suite of `test_p2p.py` runs again on a pod whose dies 2 and 3 are on another "host":
 `fabric="mirror"` gives each die poisoned mirrors of the other host's regions, so a store that
@@ -30,6 +30,10 @@ from tests.integration.test_p2p import (  # noqa: F401 - collected here with thi
     test_random_transfers,
     test_sizes,
 )
+
+# The whole module is the `multihost` suite (`make test-multihost`): `make test` runs its
+# MPI counterpart, test_multihost_mpi.py, which covers the same protocols in less time.
+pytestmark = pytest.mark.multihost
 
 HOSTS = (0, 0, 1, 1)
 CFG = dict(base.CFG, hosts=HOSTS, fabric="mirror")
