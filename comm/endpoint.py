@@ -52,6 +52,13 @@ class Endpoint:
         self.ctx = WaitContext(die_id, abort)
         if self.fab.any_remote and self.fab.needs_progress:
             self.ctx.progress = self.fab.progress
+        # wait_ge's per-peer progress period (None: no fabric progress) and the mirrors' words
+        self._progress_every = None
+        self._calls = 0  # progress() calls: a same-host request drives the fabric every 64
+        self._mirror_ids = {id(w) for rem, w in zip(self.fab.remote, self.fab.words, strict=True)
+                            if rem}  # fmt: skip
+        if self.fab.any_remote:
+            self._progress_every = [1 if rem else policy.check_every for rem in self.fab.remote]
         self.trace = trace if trace is not None else Trace(die_id)
         self.words = self.fab.words
         self.bytes = self.fab.bytes
@@ -102,9 +109,13 @@ class Endpoint:
 
     def progress(self) -> bool:
         """Advance every outstanding request once; True if any moved. A multi-host die first
-        lets the fabric land its peers' stores (a caller's `req.test()` loop is a wait too)."""
+        lets the fabric land its peers' stores (a caller's `req.test()` loop is a wait too):
+        at every call while a request to or from another host is outstanding, else every 64."""
         if self.ctx.progress is not None:
-            self.ctx.progress()
+            self._calls += 1
+            remote = self.fab.remote
+            if self._calls % 64 == 0 or any(remote[r.peer] for r in self.active):
+                self.ctx.progress()
         moved = False
         for req in list(self.active):
             moved |= req.advance()
@@ -132,9 +143,14 @@ class Endpoint:
     def wait_ge(
         self, words: memoryview, idx: int, target: int, peer: int, field: str, probe=None
     ) -> int:
-        if self.fab.any_remote and self.fab.is_mirror(words):
+        every = self._progress_every
+        if every is None:  # one host (or no progress to make): the plain wait
+            return wait_ge(words, idx, target, self.policy, self.ctx, peer, field, probe)
+        if id(words) in self._mirror_ids:
             self.fab.remote_polls += 1  # a poll of a word this die does not own (rule R1)
-        return wait_ge(words, idx, target, self.policy, self.ctx, peer, field, probe)
+        # a same-host peer's word: the spin phase, and fabric progress with the deadline checks
+        e = every[peer] if 0 <= peer < self.num_dies else 1
+        return wait_ge(words, idx, target, self.policy, self.ctx, peer, field, probe, e)
 
 
 class _Tables:

@@ -101,6 +101,7 @@ def wait_ge(
     peer: int,
     field: str,
     probe=None,
+    progress_every: int = 1,
 ) -> int:
     """Wait until `words[idx] >= target`; return the value seen.
 
@@ -113,22 +114,25 @@ def wait_ge(
         peer, field: named in the timeout error ("die 1 waited for die 0 ack.done ...").
         probe: optional callable run with the deadline checks (every `check_every` polls of the
             slow phase); it may raise to end the wait (e.g. a protocol mismatch seen elsewhere).
+        progress_every: with a fabric progress (`ctx.progress`), call it every this many polls:
+            1 for a word a die of another host writes (it lands only through progress: no spin
+            phase then), more for a same-host peer (others' stores still land meanwhile).
     Raises:
         PeerTimeout after policy.timeout_s; PodAborted if the launcher aborted the pod.
     """
     v = words[idx]
     if v >= target:
         return v
-    if ctx.progress is not None:  # nothing arrives while spinning outside the fabric
-        return _wait_slow(words, idx, target, policy, ctx, peer, field, probe)
+    if ctx.progress is not None and progress_every == 1:  # nothing arrives while spinning
+        return _wait_slow(words, idx, target, policy, ctx, peer, field, probe, 1)
     for _ in range(policy.spin_polls):
         v = words[idx]
         if v >= target:
             return v
-    return _wait_slow(words, idx, target, policy, ctx, peer, field, probe)
+    return _wait_slow(words, idx, target, policy, ctx, peer, field, probe, progress_every)
 
 
-def _wait_slow(words, idx, target, policy, ctx, peer, field, probe=None) -> int:
+def _wait_slow(words, idx, target, policy, ctx, peer, field, probe=None, every=1) -> int:
     start = _now()
     deadline = start + int(policy.timeout_s * 1e9)
     backoff_at = start + int(policy.backoff_after_s * 1e9)
@@ -138,7 +142,7 @@ def _wait_slow(words, idx, target, policy, ctx, peer, field, probe=None) -> int:
     polls = 0
     progress = ctx.progress
     while True:
-        if progress is not None:
+        if progress is not None and (polls + 1) % every == 0:  # a remote word: every poll
             progress()
         v = words[idx]
         if v >= target:
