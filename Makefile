@@ -18,6 +18,7 @@ install: $(STAMP)
 
 run: $(STAMP)
 	$(XPOD) run --dies 4
+	$(XPOD) run --hosts 2,2 --size 256K
 	$(XPOD) bench p2p --dies 2 --quick --variants mte,zero-copy --cores 1
 	$(XPOD) decode --dies 4 --batch 8 --prompt-len 32 --steps 16 --model small --check
 	$(XPOD) decode --attention-dies 2 --expert-dies 2 --domains 2 --microbatches 2 --batch 8 \
