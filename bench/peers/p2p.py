@@ -286,35 +286,43 @@ def _zmq_side(side: int, addr: str, sizes: list[int], iters_scale: float) -> lis
         else:
             sock.connect(addr)
 
-        def prepare(size: int) -> Rounds:
-            payload = bytes([SIDE_BYTE[side]]) * size
-            copy = size < ZMQ_ZERO_COPY_MIN_BYTES
-            send, recv, now = sock.send, sock.recv, time.perf_counter_ns
-
-            def ping(n: int, stamps: list) -> None:
-                for _ in range(n):
-                    send(payload, copy=copy)
-                    msg = recv(copy=copy)
-                    stamps.append(now())
-                _check_zmq(side, msg, size)
-
-            def pong(n: int, stamps: list) -> None:
-                for _ in range(n):
-                    msg = recv(copy=copy)
-                    send(payload, copy=copy)
-                _check_zmq(side, msg, size)
-
-            return ping if side == 0 else pong
-
-        return measure_sides(side, sizes, iters_scale, prepare)
+        return zmq_rounds(sock, "zmq-ipc", side, sizes, iters_scale)
     finally:
         sock.close()
         ctx.term()
 
 
-def _check_zmq(side: int, msg, size: int) -> None:
+def zmq_rounds(sock, transport: str, side: int, sizes: list[int], iters_scale: float) -> list:
+    """The ping-pong of one side of a connected pyzmq PAIR socket (zmq-ipc here, zmq-tcp in
+    `bench.peers.tcp`): side 0 pings and times, side 1 answers; zero-copy sends from
+    ZMQ_ZERO_COPY_MIN_BYTES."""
+
+    def prepare(size: int) -> Rounds:
+        payload = bytes([SIDE_BYTE[side]]) * size
+        copy = size < ZMQ_ZERO_COPY_MIN_BYTES
+        send, recv, now = sock.send, sock.recv, time.perf_counter_ns
+
+        def ping(n: int, stamps: list) -> None:
+            for _ in range(n):
+                send(payload, copy=copy)
+                msg = recv(copy=copy)
+                stamps.append(now())
+            _check_zmq(transport, side, msg, size)
+
+        def pong(n: int, stamps: list) -> None:
+            for _ in range(n):
+                msg = recv(copy=copy)
+                send(payload, copy=copy)
+            _check_zmq(transport, side, msg, size)
+
+        return ping if side == 0 else pong
+
+    return measure_sides(side, sizes, iters_scale, prepare)
+
+
+def _check_zmq(transport: str, side: int, msg, size: int) -> None:
     view = memoryview(msg)  # bytes when copied, zmq.Frame otherwise
-    check_payload("zmq-ipc", side, view.nbytes, view[0], view[-1], size)
+    check_payload(transport, side, view.nbytes, view[0], view[-1], size)
 
 
 def _pipe_side(side: int, conn, sizes: list[int], iters_scale: float) -> list[dict]:

@@ -33,13 +33,7 @@ import numpy as np
 
 from bench.common import p2p_row
 from bench.peers.mpi import mpirun, run_mpirun
-from bench.peers.p2p import (
-    SIDE_BYTE,
-    ZMQ_ZERO_COPY_MIN_BYTES,
-    Rounds,
-    check_payload,
-    measure_sides,
-)
+from bench.peers.p2p import zmq_rounds
 from bench.peers.procs import JOIN_GRACE_S, run_group
 from bench.rma_peer import HOSTS, RMA_TRANSPORTS, TIMING
 from runtime.pod.die_mpi import TCP_MAX_SEND
@@ -173,36 +167,11 @@ def _zmq_tcp_side(side: int, conn, host: str, sizes: list[int], iters_scale: flo
                 raise RuntimeError("zmq-tcp: side 0 sent no port")
             sock.connect(f"tcp://{host}:{conn.recv()}")
 
-        def prepare(size: int) -> Rounds:
-            payload = bytes([SIDE_BYTE[side]]) * size
-            copy = size < ZMQ_ZERO_COPY_MIN_BYTES
-            send, recv, now = sock.send, sock.recv, time.perf_counter_ns
-
-            def ping(n: int, stamps: list) -> None:
-                for _ in range(n):
-                    send(payload, copy=copy)
-                    msg = recv(copy=copy)
-                    stamps.append(now())
-                _check_msg(side, msg, size)
-
-            def pong(n: int, stamps: list) -> None:
-                for _ in range(n):
-                    msg = recv(copy=copy)
-                    send(payload, copy=copy)
-                _check_msg(side, msg, size)
-
-            return ping if side == 0 else pong
-
-        return measure_sides(side, sizes, iters_scale, prepare)
+        return zmq_rounds(sock, "zmq-tcp", side, sizes, iters_scale)
     finally:
         sock.close()
         ctx.term()
         conn.close()
-
-
-def _check_msg(side: int, msg, size: int) -> None:
-    view = memoryview(msg)  # bytes when copied, zmq.Frame otherwise
-    check_payload("zmq-tcp", side, view.nbytes, view[0], view[-1], size)
 
 
 def _ipv4_of(net_if: str) -> str:
