@@ -103,7 +103,39 @@ def get_trace(die, clear: bool) -> list[tuple]:
     return recs
 
 
+class PodApi:
+    """What `Pod` and `MpiPod` offer alike on top of their own `run` / `close`: the context
+    manager, the dies' traces, the segment names."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def set_trace(self, enabled: bool) -> None:
+        self.run(set_trace, enabled)
+
+    def trace_records(self, clear: bool = False) -> dict[int, list[tuple]]:
+        """Every die's trace records, by die id."""
+        return dict(enumerate(self.run(get_trace, clear)))
+
+    def write_trace(self, path: str, clear: bool = False) -> int:
+        """Write every die's trace as Chrome trace JSON (Perfetto); returns the event count."""
+        from comm.trace import write_chrome
+
+        return write_chrome(path, self.trace_records(clear))
+
+    def segment_names(self) -> list[str]:
+        """Every segment of the pod (a multi-host pod's: on whichever host each lives)."""
+        from memory.region import region_name
+        from runtime.pod.control import ctl_name
+
+        names = [region_name(self.pod_id, r) for r in range(self.config.num_dies)]
+        return names + [ctl_name(self.pod_id)]
+
+
 __all__ = [
     "ABORT_GRACE_S", "ABORT_REPLY_S", "SECONDARY", "SIGTERM_GUARD", "DieCrashed", "DieHung",
-    "SigtermGuard", "get_trace", "resync_die", "root_error", "set_trace",
+    "PodApi", "SigtermGuard", "get_trace", "resync_die", "root_error", "set_trace",
 ]  # fmt: skip

@@ -49,10 +49,9 @@ from runtime.pod.common import (
     SIGTERM_GUARD,
     DieCrashed,
     DieHung,
-    get_trace,
+    PodApi,
     resync_die,
     root_error,
-    set_trace,
 )
 from runtime.pod.config import PodConfig
 from runtime.pod.die import die_main
@@ -87,7 +86,7 @@ def _signal_name(code: int | None) -> str:
     return f"exit code {code}"
 
 
-class Pod:
+class Pod(PodApi):
     """A running pod. Build with `Pod.launch`; use as a context manager."""
 
     def __init__(self, config: PodConfig, pod_id: str | None = None):
@@ -410,34 +409,11 @@ class Pod:
     def _restore_sigterm(self) -> None:
         SIGTERM_GUARD.release(self)
 
-    def __enter__(self) -> Pod:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # -- conveniences ---------------------------------------------------------------------------
 
     def region(self, die_id: int) -> Region:
         """The launcher's own mapping of a die's region (decode any field with it)."""
         return self.regions[die_id]
-
-    def set_trace(self, enabled: bool) -> None:
-        self.run(set_trace, enabled)
-
-    def trace_records(self, clear: bool = False) -> dict[int, list[tuple]]:
-        """Every die's trace records, by die id."""
-        return dict(enumerate(self.run(get_trace, clear)))
-
-    def write_trace(self, path: str, clear: bool = False) -> int:
-        """Write every die's trace as Chrome trace JSON (Perfetto); returns the event count."""
-        from comm.trace import write_chrome
-
-        return write_chrome(path, self.trace_records(clear))
-
-    def segment_names(self) -> list[str]:
-        names = [region_name(self.pod_id, r) for r in range(self.config.num_dies)]
-        return names + [C.ctl_name(self.pod_id)]
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "running"

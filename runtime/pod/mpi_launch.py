@@ -55,10 +55,9 @@ from runtime.pod.common import (
     SIGTERM_GUARD,
     DieCrashed,
     DieHung,
-    get_trace,
+    PodApi,
     resync_die,
     root_error,
-    set_trace,
 )
 from runtime.pod.config import PodConfig
 from runtime.pod.die_mpi import Channel, bind_address, find_mpirun, mpirun_command
@@ -83,7 +82,7 @@ def _pdeathsig() -> None:  # preexec_fn of mpirun: it dies with the launcher
 # -- the pod ---------------------------------------------------------------------------------------
 
 
-class MpiPod:
+class MpiPod(PodApi):
     """A running multi-host pod: the interface of `runtime.pod.Pod` (run, abort, close, ...)."""
 
     def __init__(self, config: PodConfig, pod_id: str | None = None):
@@ -530,12 +529,6 @@ class MpiPod:
             with contextlib.suppress(OSError, subprocess.SubprocessError):
                 subprocess.run(cmd, capture_output=True, timeout=30, check=False)
 
-    def __enter__(self) -> MpiPod:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # -- conveniences ---------------------------------------------------------------------------
 
     def region(self, die_id: int):
@@ -554,22 +547,6 @@ class MpiPod:
             handle = RegionHandle(region_name(self.pod_id, die_id), die_id)
             r = self._mapped[die_id] = Region.attach(handle, self.layout)
         return r
-
-    def set_trace(self, enabled: bool) -> None:
-        self.run(set_trace, enabled)
-
-    def trace_records(self, clear: bool = False) -> dict[int, list[tuple]]:
-        return dict(enumerate(self.run(get_trace, clear)))
-
-    def write_trace(self, path: str, clear: bool = False) -> int:
-        from comm.trace import write_chrome
-
-        return write_chrome(path, self.trace_records(clear))
-
-    def segment_names(self) -> list[str]:
-        """Every segment of the pod, on whichever host it lives (a control segment per host)."""
-        names = [region_name(self.pod_id, r) for r in range(self.config.num_dies)]
-        return names + [C.ctl_name(self.pod_id)]
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "running"
