@@ -138,6 +138,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from memory.a2a_rows import (  # noqa: F401 - DEDUP_ENTRY, PULL_ROW_META: re-exported
+    DEDUP_ENTRY,
+    PULL_ROW_META,
+    a2a_sizes,
+    dedup_entries_off,
+)
+from memory.a2a_rows import check_range as _check
+from memory.a2a_rows import round_up as _round_up
 from memory.errors import ConfigError
 from memory.progress import PROGRESS_STATES, progress_word, unpack_progress  # noqa: F401
 
@@ -227,10 +235,6 @@ FIELD_KINDS = {"desc": P2P_DESC, "ack": P2P_ACK, "rdv": P2P_RDV}
 def sync_bytes(num_dies: int) -> int:
     """The barrier block: one count word per die (die s writes word s), in 32-byte fields."""
     return _round_up(num_dies * WORD, FIELD_BYTES)
-
-
-def _round_up(n: int, align: int) -> int:
-    return (n + align - 1) // align * align
 
 
 @dataclass(frozen=True)
@@ -464,7 +468,7 @@ def compute(
         raise ConfigError(
             f"a2a_combine_bytes: {a2a_combine_bytes!r} must be 2 (bfloat16) or 4 (float32)"
         )
-    a2a = _a2a_sizes(
+    a2a = a2a_sizes(
         num_dies,
         a2a_max_batch,
         a2a_hidden,
@@ -559,56 +563,3 @@ def compute(
         eplb_counts_off=eplb_counts_off if ep else 0,
         eplb_plan_off=eplb_plan_off if ep else 0,
     )
-
-
-PULL_ROW_META = 16  # bytes after a dispatch row's payload: scale f32, slot i32, k i32, expert i32
-DEDUP_ENTRY = 12  # a dedup dispatch row's list entry: k i32, local expert i32, weight f32
-
-
-def dedup_entries_off(payload_bytes: int) -> int:
-    """Byte offset, in a dedup dispatch row, of its list of (k, local expert, weight) entries:
-    right after the payload, 4-byte aligned (docs/protocols.md §6.3)."""
-    return -(-payload_bytes // 4) * 4
-
-
-def _a2a_sizes(
-    num_dies: int,
-    batch: int,
-    hidden: int,
-    topk: int,
-    per_die: int,
-    disp_bytes: int = 4,
-    comb_bytes: int = 2,
-) -> dict:
-    """Rows and strides of the pull send areas (docs/protocols.md §6), zeros when batch is 0.
-
-    Dispatch: one half holds every message a die sends in one step, `batch x topk` rows, each a
-    float32 payload (INT8 uses the first `hidden` bytes; an INT8-only pod, `disp_bytes` 1, has
-    `hidden`-byte payloads) plus PULL_ROW_META. Combine: rows of `comb_bytes x hidden` (bfloat16
-    or float32); one half holds every row an expert die returns, at most
-    `batch x min(topk, experts_per_die)` from each source die. A dispatch row also has room for
-    the list of a dedup row (one row per token and destination die, `dispatch(..., dedup=True)`):
-    min(topk, experts_per_die) entries of DEDUP_ENTRY bytes between payload and meta. Strides
-    are rounded to 64 bytes (a cache line).
-    """
-    if not batch:
-        return {"disp_rows": 0, "disp_stride": 0, "comb_rows": 0, "comb_stride": 0}
-    for name, v in (("a2a_hidden", hidden), ("a2a_topk", topk), ("a2a_experts_per_die", per_die)):
-        _check(name, v, 1, 1 << 20)
-    _check("a2a_max_batch", batch, 1, 1 << 20)
-    return {
-        "disp_rows": batch * topk,
-        "disp_stride": _round_up(
-            dedup_entries_off(disp_bytes * hidden)
-            + DEDUP_ENTRY * min(topk, per_die)
-            + PULL_ROW_META,
-            64,
-        ),
-        "comb_rows": num_dies * batch * min(topk, per_die),
-        "comb_stride": _round_up(comb_bytes * hidden, 64),
-    }
-
-
-def _check(name: str, value: int, lo: int, hi: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-        raise ConfigError(f"{name}: {value!r} is out of range [{lo}, {hi}]")
