@@ -364,9 +364,26 @@ class Supervisor:
             _, when, _ = eng.pongs.get(g, (0, self._epoch, 0))
             age = now - max(when, self._epoch)
             if age > limit:
+                if self._die_exited():  # the pod thread reports that exit once its teardown ends
+                    return None
                 culprit = self._stopped() or f"group {g} (its master or die)"
                 return "heartbeat", f"group {g} silent for {age:.2f} s: {culprit}", now
         return None
+
+    def _die_exited(self) -> bool:
+        """Whether a die of the current pod has exited (or the pod is being torn down for it):
+        a group's silence is then its consequence, not a hang (under load the teardown that
+        precedes `DieCrashed` may outlast the heartbeat timeout)."""
+        pod = self.engine.pod
+        if pod is None:
+            return False
+        if pod.closed:
+            return True
+        for p in list(pod.procs):
+            with contextlib.suppress(ValueError):  # a process closed by a teardown meanwhile
+                if p.exitcode is not None:
+                    return True
+        return False
 
     def _stopped(self) -> str:
         """The engine's processes in procfs state T (stopped), named."""
