@@ -116,19 +116,78 @@ def bind_address(config: PodConfig) -> str:
         return "127.0.0.1"
     import ipaddress
 
+    for a in net_if_addresses(config.net_if):
+        if ipaddress.ip_address(a).version == 4:
+            return a
+    raise PodError(f"net_if {config.net_if!r}: no IPv4 address on this machine (set --net-if)")
+
+
+def local_addresses() -> dict[str, list[str]]:
+    """Every IPv4 and IPv6 address of this machine (its network namespace), by interface."""
     import psutil
 
-    want = config.net_if
-    net = None
-    with contextlib.suppress(ValueError):
-        net = ipaddress.ip_network(want, strict=False) if "/" in want else None
+    out: dict[str, list[str]] = {}
     for name, addrs in psutil.net_if_addrs().items():
         for a in addrs:
-            if a.family.name != "AF_INET":
-                continue
-            if (net is None and name == want) or (net and ipaddress.ip_address(a.address) in net):
-                return a.address
-    raise PodError(f"net_if {want!r}: no IPv4 address on this machine (set --net-if)")
+            if a.family.name in ("AF_INET", "AF_INET6"):
+                out.setdefault(name, []).append(a.address.split("%")[0])  # fe80::1%eth0
+    return out
+
+
+def net_if_addresses(net_if: str) -> list[str]:
+    """This machine's addresses on `net_if`: an interface name or a CIDR (either family)."""
+    import ipaddress
+
+    net = None
+    with contextlib.suppress(ValueError):
+        net = ipaddress.ip_network(net_if, strict=False) if "/" in net_if else None
+    out = []
+    for name, addrs in local_addresses().items():
+        for a in addrs:
+            if (net is None and name == net_if) or (net and ipaddress.ip_address(a) in net):
+                out.append(a)
+    return out
+
+
+def listeners(names: dict[int, str]) -> list[tuple[str, str, int]]:
+    """(name, address, port) of every listening TCP socket and bound UDP socket of the
+    processes `names` maps (pid -> name); a process that is gone or hidden is skipped."""
+    import psutil
+
+    out = []
+    for pid, name in names.items():
+        try:
+            conns = psutil.Process(pid).net_connections("inet")
+        except psutil.Error:
+            continue
+        for c in conns:
+            if c.laddr and (c.status == psutil.CONN_LISTEN or c.type.name == "SOCK_DGRAM"):
+                out.append((name, c.laddr.ip, c.laddr.port))
+    return out
+
+
+def exposed(found: list[tuple[str, str, int]], net_if: str) -> list[tuple[str, str, int]]:
+    """The sockets of `found` another network reaches: bound to an address, or to a wildcard
+    (`0.0.0.0`: every IPv4 address; `::`: every address, a dual-stack socket unless
+    IPV6_V6ONLY, which psutil does not show), that is neither loopback nor `net_if`'s."""
+    import ipaddress
+
+    mine = [ipaddress.ip_address(a) for addrs in local_addresses().values() for a in addrs]
+    allowed = {ipaddress.ip_address(a) for a in net_if_addresses(net_if or "lo")}
+    out = []
+    for entry in found:
+        ip = ipaddress.ip_address(entry[1])
+        reach = [ip]
+        if ip.is_unspecified:
+            reach = [a for a in mine if a.version == 4 or ip.version == 6]
+        if any(not a.is_loopback and a not in allowed for a in reach):
+            out.append(entry)
+    return out
+
+
+def endpoint(address: str, port: int) -> str:
+    """`1.2.3.4:80`, `[::]:80`."""
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
 
 
 # btl/tcp's largest fragment: 1 MiB instead of 128 KiB (MULTIHOST §2's hint; measured here,
@@ -155,6 +214,14 @@ def mpirun_command(config: PodConfig, mpirun: str, args: list[str]) -> list[str]
                  ("btl_tcp_max_send_size", TCP_MAX_SEND),
                  ("mpi_ft_enable", "true")):  # fmt: skip
         cmd += ["--mca", k, v]
+    # Listening sockets (docs/architecture.md §7): if_include above and below only choose the
+    # addresses the ranks and daemons publish and connect over; btl/tcp (every rank) and
+    # PRRTE's oob/tcp (prterun, prted) bind their listeners to 0.0.0.0 and [::] whatever the
+    # parameters (`disable_family` / `disable_ipv6_family` too), so the launcher warns about
+    # them (`exposed`). PMIx's server (prterun's, each prted's) serves only its host's ranks:
+    # pinned to loopback, its default, which would fall back to a public interface on a
+    # machine without one.
+    cmd += ["--pmixmca", "ptl_base_if_include", "lo"]
     if config.host_names:
         cmd += ["--prtemca", "oob_tcp_if_include", net]
         # how mpirun starts its daemons on the other hosts: ssh by default; a command of the

@@ -10,7 +10,10 @@ address of `net_if` for real ones) and runs `mpirun` with the flags MULTIHOST §
 every rank is a die (`runtime.pod.die_mpi`, rank = die id) that connects a DEALER back. The
 leader of each host (its lowest rank) makes that host's regions (the lowest rank of each
 machine its control segment) and connects a second DEALER ("a<host>") served by a thread:
-aborts, kills and reports of stopped dies go through it while the dies run.
+aborts, kills and reports of stopped dies go through it while the dies run. Once they are
+ready, the launcher lists the listening sockets of mpirun's process tree on its machine and
+logs one warning naming those a network other than loopback and `net_if` reaches: Open MPI
+binds btl/tcp's and PRRTE's oob/tcp listeners to every address (docs/architecture.md §7).
 
 The control channel (`runtime.pod.die_mpi.Channel`): every frame both ways is HMAC-SHA256
 signed with a per-pod random key that reaches the dies only through mpirun's environment
@@ -60,7 +63,15 @@ from runtime.pod.common import (
     root_error,
 )
 from runtime.pod.config import PodConfig
-from runtime.pod.die_mpi import Channel, bind_address, find_mpirun, mpirun_command
+from runtime.pod.die_mpi import (
+    Channel,
+    bind_address,
+    endpoint,
+    exposed,
+    find_mpirun,
+    listeners,
+    mpirun_command,
+)
 from runtime.pod.proc import parent_death_signal
 
 log = logging.getLogger(__name__)
@@ -110,6 +121,7 @@ class MpiPod(PodApi):
         self._chan = Channel(b"", "launcher")
         self._readers: list[threading.Thread] = []
         self.timings: dict[str, float] = {}
+        self.exposed: list[tuple[str, str, int]] = []  # (process, address, port): §7's warning
 
     # -- launch ---------------------------------------------------------------------------------
 
@@ -180,7 +192,35 @@ class MpiPod(PodApi):
             t.start()
             self._readers.append(t)
         self._wait_ready()
+        self._warn_exposed()
         self.timings["launch_s"] = time.monotonic() - t0
+
+    def _warn_exposed(self) -> None:
+        """One warning line naming the listening sockets of mpirun and its local children
+        that a network other than loopback and `net_if` reaches (docs/architecture.md §7)."""
+        import psutil
+
+        try:
+            kids = psutil.Process(self.mpirun.pid).children(recursive=True)
+        except psutil.Error:
+            return
+        dies = {p: r for r, p in enumerate(self.pids)}  # real hosts: only this machine's are kids
+        names = {self.mpirun.pid: "prterun"}
+        for p in sorted(kids, key=lambda p: dies.get(p.pid, -1)):
+            names[p.pid] = f"die {dies[p.pid]}" if p.pid in dies else f"pid {p.pid}"
+        found = listeners(names)
+        self.exposed = exposed(found, self.config.net_if)
+        if not self.exposed:
+            return
+        by: dict[str, list[str]] = {}
+        for who, address, port in sorted(self.exposed, key=lambda e: ":" in e[1]):
+            by.setdefault(who, []).append(endpoint(address, port))
+        where = "; ".join(f"{who} {' '.join(eps)}" for who, eps in by.items())
+        log.warning(
+            "pod %s: MPI listens beyond --net-if %s (Open MPI binds these to every address): %s;"
+            " keep other networks off them with a firewall rule or a network namespace"
+            " (docs/architecture.md §7)", self.pod_id, self.config.net_if or "lo", where,
+        )  # fmt: skip
 
     def _read(self, stream, out) -> None:
         """Echo mpirun's output (the dies' prints; not Open MPI's banner that osc/rdma is not
