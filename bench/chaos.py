@@ -424,6 +424,9 @@ def _run(o: Options) -> int:
                          ("stall_s", "stall s", ".3f"),
                          ("resumed", "resumed", "d")])  # fmt: skip
     acc = {k: sum(a[k] for a in accs) for k in accs[0]}
+    # planned faults the engine reported as never fired (each with why: the fault log)
+    not_fired = [{"fault": e["fault"], "reason": e.get("reason", "")}
+                 for c, _ in pairs for e in c.events if e["event"] == "not_fired"]  # fmt: skip
     kills = [f["detect_s"] for f in faults if f["kind"].startswith("kill")]
     restarts = [f.get("restart_s") for f in faults]
     step_s = _pct(base_tpot, 50) or 0.0
@@ -451,6 +454,7 @@ def _run(o: Options) -> int:
         "duration_s": o.duration, "fault_every_s": o.fault_every, "kinds": list(o.kinds),
         "pairs": o.repeat, "requests": len(reqs),
         "faults_injected": len(faults),
+        "faults_not_fired": len(not_fired), "not_fired": not_fired,
         "faults_verified": sum(f["verified"] for f in faults),
         "faults_detected": sum(bool(f["detected"]) for f in faults),
         "faults_recovered": sum(bool(f["tier"]) for f in faults),
@@ -471,7 +475,10 @@ def _run(o: Options) -> int:
         "baseline_tpot_p50_s": step_s,
         "leaks": leaks, "faults": faults,
     }  # fmt: skip
-    for key in ("faults_injected", "faults_verified", "faults_detected", "faults_recovered",
+    for nf in not_fired:
+        progress(f"  planned fault {nf['fault']!r} did not fire: {nf['reason']}")
+    for key in ("faults_injected", "faults_not_fired", "faults_verified", "faults_detected",
+                "faults_recovered",
                 "requests_accepted", "requests_lost", "client_aborts", "tokens_duplicated",
                 "tokens_skipped", "false_recoveries",
                 "streams_differing", "throughput_ratio", "detect_kill_p50_s", "restart_p50_s",

@@ -287,6 +287,13 @@ class Metrics:
             for k, v in sorted(counts.get(what, {}).items()):
                 m.add_metric([k], v)
             yield m
+        plan = rel.get("plan") or {}
+        for key, doc in (("planned", "Faults in the fault plan (--inject)."),
+                         ("fired", "Planned faults that fired so far."),
+                         ("not_fired", "Planned faults that have not fired (yet, while it runs;"
+                                       " reported with why when the engine closes).")):  # fmt: skip
+            value = plan.get("pending", 0) if key == "not_fired" else plan.get(key, 0)
+            yield GaugeMetricFamily(f"xpod_faults_{key}", doc, value=value)
         m = SummaryMetricFamily("xpod_recovery_seconds", "Recovery time by part (detect:"
                                 " injection to detection; teardown; launch; recompute: launch to"
                                 " the first resumed token).", labels=["part"])  # fmt: skip

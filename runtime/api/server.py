@@ -419,6 +419,11 @@ def run(opts: ServerOptions) -> int:
                 signal.signal(s, h)
     if opts.replay_check:
         write_replay(engine, opts.replay_check)
+    plan = engine.supervisor.fault_summary() if engine.supervisor is not None else {}
+    if plan:  # each fault that did not fire was a warning of its own (with why)
+        say(f"faults: planned {plan['planned']}, fired {plan['fired']} (verified"
+            f" {plan['verified']}), detected {plan['detected']}, recovered {plan['recovered']},"
+            f" not fired {len(plan.get('not_fired', []))}")  # fmt: skip
     say("stopped")
     return status
 

@@ -313,6 +313,9 @@ def run(opts: Options) -> int:
     pd = pd_summary(cfg, eng.stats, eng.tracker.pd)
     if pd is not None:
         summary["pd"] = pd
+    faults = fault_summary(eng)
+    if faults is not None:  # the engine warned on stderr of each fault that did not fire
+        summary["faults"] = faults
     if not opts.quiet:
         for out in outs:
             print(completion_line(out))
@@ -434,6 +437,17 @@ def summarize(outs: list[CompletionOutput], wall_s: float, eng: Engine) -> dict:
     }
 
 
+def fault_summary(eng: Engine) -> dict | None:
+    """What became of --inject's plan on the closed engine (None without a plan): planned,
+    fired, verified, detected, recovered, and not_fired (the texts of the faults that never
+    fired; `not_fired_reasons` says why, in the same order)."""
+    if eng.supervisor is None or eng.supervisor.plan is None:
+        return None
+    s = eng.supervisor.fault_summary()
+    return {k: s.get(k, []) for k in ("planned", "fired", "verified", "detected", "recovered",
+                                       "not_fired", "not_fired_reasons")}  # fmt: skip
+
+
 def _group(g: int, outs: list[CompletionOutput], eng: Engine) -> dict:
     s = eng.stats.get(g, {})
     kv = s.get("kv", {})
@@ -513,6 +527,11 @@ def print_summary(s: dict) -> None:
         )
     if not all(g["final_stats"] for g in s["groups"]):
         print("  (some group sent no final stats: its numbers are the latest it sent)")
+    if s.get("faults"):
+        f = s["faults"]
+        print(f"  faults planned {f['planned']}: fired {f['fired']} (verified {f['verified']}),"
+              f" detected {f['detected']}, recovered {f['recovered']}, not fired"
+              f" {len(f['not_fired'])}")  # fmt: skip
     if s.get("split"):
         print_split_stats(s["split"])
     if s.get("pd"):

@@ -117,6 +117,9 @@ class Engine(EngineRecovery):
         self.kv_fault_seq = 0
         self.rollbacks: list[dict] = []  # iteration rollbacks: step, attempt, error, seconds
         self.first_plan: FaultPlan | None = None
+        self.not_fired: list = []  # (Fault, why) of the plan's faults that never fired (close)
+        self.fault_arm: dict[int, list[int]] = {}  # die -> [at=T ordinal, gates released]
+        self.steps_armed = False  # step faults may fire (after the warm-up)
 
     # -- launch ---------------------------------------------------------------------------------
 
@@ -165,6 +168,7 @@ class Engine(EngineRecovery):
             for t in warm:
                 if not t.done.wait(READY_TIMEOUT_S) or t.reason == "error":
                     raise EngineError(f"warm-up request failed: {t.error or 'timed out'}")
+        self.arm_steps()
         plan = self.first_plan
         self.started_at = time.monotonic()
         if cfg.recover or plan is not None:
@@ -219,7 +223,7 @@ class Engine(EngineRecovery):
         serve = ServeSpec(self.model, cfg.protocol, cfg.quant, cfg.blocks, cfg.block_size,
                           self.run_dir, cfg.keep_logits, cfg.gc_every, cfg.eplb, rollback,
                           cfg.op_timeout_s if rollback else 0.0,
-                          plan.unfired_die_side() if plan is not None else (),
+                          plan.unfired_die_side(self.gen) if plan is not None else (),
                           cfg.split, cfg.pd, cfg.decode_blocks, cfg.timeout_s,
                           cfg.kv_checksum)  # fmt: skip
         self._thread(self._pod_loop, serve, self.gen, name="xpod-pod-run")
@@ -508,6 +512,7 @@ class Engine(EngineRecovery):
         self.closing = True
         if self.supervisor is not None:
             self.supervisor.quiesce()  # a restart under way finishes first
+            self.open_gates()  # a die waiting for a fault to fire goes on without it
         with self.lock, contextlib.suppress(zmq.ZMQError):
             self.tracker.accepting = False
             for s in self.to_master:
@@ -541,6 +546,8 @@ class Engine(EngineRecovery):
             if t is not threading.current_thread() and t.name == "xpod-engine-receive":
                 t.join(2)
         self._fail(EngineError("the engine is closed"))
+        if self.supervisor is not None:  # the plan's faults that never fired, and why
+            self.not_fired = self.supervisor.finish(time.monotonic() - self.started_at)
         if self.config.trace and self.pod is not None and not self.pod.closed:
             self._write_trace(pod_run)
         if self.pod is not None:

@@ -40,8 +40,6 @@ tokens; results of steps a die had published are published again with their comm
 from __future__ import annotations
 
 import gc
-import os
-import signal
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -54,6 +52,7 @@ from comm.trace import STEP_NAMES, TRACK_NAMES
 from memory import layout as L
 from memory.errors import LinkError, PeerTimeout, PodAborted, ProtocolError
 from runtime.engine import wire
+from runtime.engine.fault_hook import fault_hook
 from runtime.engine.pd import KVThread, PDTopology
 from runtime.engine.split_loop import end_of_run, expert_serve, notify_parked
 from runtime.engine.step_ring import Bell, Ring, bell_path
@@ -191,51 +190,14 @@ class _Loop:
         self.policy = die.policy
         self.op_policy = die.policy.with_timeout(spec.op_timeout_s) if spec.op_timeout_s else None
         mine = [f for f in spec.faults if f.index == self.me]
-        self.clock.fault = self._fault_hook(mine) if mine else None
+        self.clock.fault = fault_hook(die, mine) if mine else None
         if spec.pd is not None and spec.pd.role(self.me) == "prefill":  # its KV transfers
             kv = [f for f in mine if f.phase == "kv"]
             self.kv_thread = KVThread(die, self.pool, spec.pd, spec.run_dir, spec.kv_timeout_s,
-                                      self._fault_hook(kv) if kv else None,
+                                      fault_hook(die, kv) if kv else None,
                                       spec.kv_checksum)  # fmt: skip
 
     # -- one global step ----------------------------------------------------------------------
-
-    def _fault_hook(self, faults: list):
-        """The die-side fault injection hook (installed only when a fault targets this die):
-        at (step, layer, phase) a collective raises `LinkError` (err), or this die's writes of
-        that collective arrive `for` seconds late (delay), or never until the abort (drop)."""
-        left = {id(f): f.times for f in faults}
-
-        arm = self.die.layout.serve_word(L.SV_FAULT_ARM)
-
-        def hook(step: int, layer: int, phase: str) -> None:
-            for f in faults:
-                if left[id(f)] <= 0 or f.layer not in (-1, layer) or f.phase not in ("", phase):
-                    continue
-                if f.ordinal:  # armed by the shell at its time: this step is the one
-                    if self.words[self.me][arm] < f.ordinal:
-                        continue
-                    f.step, f.ordinal = step, 0
-                if f.step != step:
-                    continue
-                left[id(f)] -= 1
-                w = self.words[self.me]
-                w[self.hits_word] += 1
-                w[self.fault_at_word] = time.monotonic_ns()
-                if f.kind == "kill":  # dies here: its peers are mid-collective
-                    os.kill(os.getpid(), signal.SIGKILL)
-                if f.kind == "err":
-                    raise LinkError(f"die {self.me}: injected link error in the {phase} of"
-                                    f" step {step}, layer {layer}")  # fmt: skip
-                end = time.monotonic() + (f.for_s if f.kind == "delay" else 3600.0)
-                abort = self.die.ctx.abort
-                while time.monotonic() < end:  # this die's writes are late: peers wait
-                    if abort is not None and abort[0][abort[1]] != abort[2]:
-                        raise PodAborted(f"die {self.me}: aborted while its {phase} write of"
-                                         f" step {step}, layer {layer} was held back")  # fmt: skip
-                    time.sleep(0.001)
-
-        return hook
 
     def rewind(self, step: int) -> None:
         """An iteration rollback to `step`: run again the steps from it that this die had
@@ -380,6 +342,8 @@ class _Loop:
         return [r for r in rows if self.bad.isdisjoint(r["table"])]
 
     def run_step(self, s: int, cmd: dict | None) -> None:
+        if self.clock.fault is not None:  # a kill / stop planned at this step fires first
+            self.clock.fault(s, -1, "step")
         self.history.append((s, cmd, dict(self.last), self.stats["steps"]))
         rows = cmd["rows"] if cmd else []
         dropped = []
@@ -473,6 +437,8 @@ class _Loop:
             s = self.s
             if self.heartbeat():
                 self.master_bell.ring()
+            if self.clock.fault is not None:  # a fault the shell fires at this step: it waits
+                self.clock.fault(s, -1, "gate")
             cmd = self.take()
             total, all_exit = self.vote(s, len(cmd["rows"]) if cmd else 0)
             if ring_peers:  # this die left a park for its own work: wake the others

@@ -36,15 +36,32 @@ kill:die=2,step=40,layer=1,phase=combine  die 2 SIGKILLs itself right before tha
   die-side too: the die SIGKILLs itself right before that collective (mid-dispatch or
   mid-combine for its peers, a window no signal from outside can hit); verified by its exit.
 - TARGET: `die`, `master` or `output` and its index (a die index = its DP group).
-- WHEN: `step=S` (the pod's current incarnation reached step S: die 0's vote word, read from
-  the shell's mapping of the regions) and / or `at=T` (seconds since the engine launched);
-  with both, the later one. `gen=G`: only in incarnation G (0 = as launched, +1 per restart;
-  default any). Each fault fires once; a fault due while a restart is under way waits.
+- WHEN: `step=S` and / or `at=T` (seconds since the engine launched); with both, the later
+  one. `gen=G`: only in incarnation G (0 = as launched, +1 per restart; default any). Each
+  fault fires once; a fault due while a restart is under way waits.
+- What `step=S` counts: the steps of the target's own part in the current incarnation (each
+  incarnation counts from 0; the launch's warm-up step is step 1). A part is the set of dies
+  that step in lockstep: every die of a colocated pod; in a PD pod the prefill dies, and apart
+  from them the decode dies (each part's own steps: a decode die's step 12 is the 12th step
+  the decode dies ran, whatever the prefill dies did); in a split pod the attention dies, whose
+  steps the expert dies serve (an expert die's step S is the attention dies' step S). A master
+  or output process counts the steps of its group's die. A step counts whether or not that
+  die had rows in it (a lockstep step of its part), and only while the part runs: an idle,
+  parked part does not step.
+- A fault at `step=S` alone fires at the first step its part runs from S on, exactly there on
+  any machine, however fast the steps (`runtime.engine.fault_hook`): a die's `kill` / `stop` is
+  fired by the die itself at the start of that step (phase "step"; `stop` then waits for the
+  shell's SIGCONT after `for=T`); a master's or output process's `kill` / `stop` and a
+  `kvfault` are fired by the shell while the group's die waits for it at the top of that step,
+  before its vote (phase "gate"). With `at=T` too, the shell fires it once it sees both its
+  time and its step (within a tick). The warm-up steps of a launch never fire one.
 
 Every firing is verified, and a fault that did not fire is a failure of the run: a killed
 process must be gone (or a zombie) within `VERIFY_S`, a stopped one in state `T` (procfs), a
 KV fault reported back by the die's master (the block masked), a die-side fault by the die's
-`fault_hits` serving word.
+`fault_hits` serving word. A planned fault that never fired is reported when the engine closes
+(`FaultPlan.not_fired`: the step never reached, the incarnation never ran, the time after the
+end): on stderr, in the fault log (`"event": "not_fired"`) and in the summaries.
 """
 
 from __future__ import annotations
@@ -54,10 +71,12 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 KINDS = ("kill", "stop", "kvfault", "err", "drop", "delay")
 DIE_SIDE = ("err", "drop", "delay")  # fired inside the die, by a hook
+PHASES = ("dispatch", "combine", "kv")  # the collectives a die-side fault may hit
 TARGETS = ("die", "master", "output")
 NOT_BUILT = ("random",)
 VERIFY_S = 0.5  # a fired fault must show (process gone / stopped) within this
@@ -90,12 +109,23 @@ class Fault:
     verified: bool = False
     detail: str = ""
     resumed_at: float = 0.0  # a `stop ... for=T`: when SIGCONT went out
+    uid: int = -1  # its position in the plan (a die names the fault it fired by it)
     extra: dict = field(default_factory=dict)
 
     @property
     def in_die(self) -> bool:
-        """Fired by a hook inside the die (err / drop / delay, or a kill at a phase)."""
-        return self.kind in DIE_SIDE or (self.kind == "kill" and bool(self.phase))
+        """Triggered by a hook inside a die: err / drop / delay, a kill at a phase, a kill /
+        stop of a die at the start of a step (phase "step"), or a fault the shell fires while
+        the die waits at the start of the step (phase "gate": a master's or output process's
+        kill / stop, a KV fault)."""
+        return self.kind in DIE_SIDE or (
+            self.kind in ("kill", "stop", "kvfault") and self.phase in ("step", "gate", *PHASES)
+        )
+
+    @property
+    def gated(self) -> bool:
+        """Fired by the shell while the group's die waits for it at the start of its step."""
+        return self.phase == "gate"
 
     @property
     def name(self) -> str:
@@ -203,11 +233,16 @@ def parse_faults(text: str, num_groups: int, output_procs: bool = False,
                                  " pod: kill or stop it (at a step or a time)")  # fmt: skip
         if kind in ("kvfault", *DIE_SIDE) and f.target != "die":
             raise FaultSpecError(f"fault {part!r}: {kind} targets a die (die=N)")
-        if kind == "kill" and (f.phase or f.layer >= 0 or f.times != 1):
+        if f.step and not f.at_s and not (f.phase or f.layer >= 0 or f.times != 1):
+            if f.target == "die" and kind in ("kill", "stop"):
+                f.phase = "step"  # fired by the die at the start of its step S
+            elif kind in ("kill", "stop", "kvfault"):
+                f.phase = "gate"  # fired by the shell while the die waits at step S
+        if kind == "kill" and (f.phase in PHASES or f.layer >= 0 or f.times != 1):
             if f.target != "die":
                 raise FaultSpecError(f"fault {part!r}: a kill at a layer / phase targets a die")
             f.phase = f.phase or "dispatch"
-        if f.in_die:
+        if f.in_die and f.phase not in ("step", "gate"):
             if bool(f.step) == bool(f.at_s) or f.gen is not None:
                 raise FaultSpecError(f"fault {part!r}: {kind} takes step=S (the die's own step)"
                                      " or at=T (armed by the shell then: the die's next"
@@ -219,6 +254,7 @@ def parse_faults(text: str, num_groups: int, output_procs: bool = False,
             raise FaultSpecError(f"fault {part!r}: output processes are off (--output-procs)")
         if not f.step and not f.at_s:
             raise FaultSpecError(f"fault {part!r}: say when (step=S and / or at=T)")
+        f.uid = len(faults)
         faults.append(f)
     for d in {f.index for f in faults}:  # the arming order of a die's at=T die-side faults
         timed = sorted((f for f in faults if f.in_die and f.index == d and f.at_s),
@@ -247,10 +283,12 @@ class FaultPlan:
         self.die_side = [f for f in faults if f.in_die]  # by hooks in the dies
         self.resume: list[Fault] = []  # stopped for a while: SIGCONT due
 
-    def due(self, since_launch_s: float, step: int, gen: int = 0) -> list[Fault]:
-        """Faults whose time has come in incarnation `gen` (removed from the armed list)."""
+    def due(self, since_launch_s: float, step_of: Callable[[Fault], int], gen: int = 0,
+            ) -> list[Fault]:  # fmt: skip
+        """Faults whose time has come in incarnation `gen` (removed from the armed list);
+        `step_of(f)`: the step f's target's part has reached (the module docstring)."""
         out = [f for f in self.armed
-               if since_launch_s >= f.at_s and (not f.step or step >= f.step)
+               if since_launch_s >= f.at_s and (not f.step or step_of(f) >= f.step)
                and (f.gen is None or f.gen == gen)]  # fmt: skip
         for f in out:
             self.armed.remove(f)
@@ -283,6 +321,20 @@ class FaultPlan:
         if f.kind == "stop" and f.for_s is not None and f.verified:
             self.resume.append(f)
 
+    def verify_stopped(self, f: Fault) -> None:
+        """A die that stopped itself (a `stop` at a step): verified in procfs within
+        `VERIFY_S` (it counted the hit just before it stopped), then resumed after `for=T`."""
+        deadline = time.monotonic() + VERIFY_S
+        while (st := proc_state(f.pid)) not in ("T", "t"):
+            if time.monotonic() > deadline or st in ("", "Z", "X"):
+                f.verified = False
+                f.detail = f"die {f.index} counted its stop but is in state {st or 'gone'!r}"
+                return
+            time.sleep(0.002)
+        f.detail = f"die {f.index} stopped itself at the start of step {f.step}"
+        if f.for_s is not None:
+            self.resume.append(f)
+
     def tick(self, now: float) -> None:
         """SIGCONT to the processes stopped for a while whose time is up."""
         for f in [f for f in self.resume if now - f.fired_at >= f.for_s]:
@@ -303,10 +355,45 @@ class FaultPlan:
         return [f for f in self.die_side
                 if f.ordinal and not f.fired_at and since_launch_s >= f.at_s]  # fmt: skip
 
-    def unfired_die_side(self) -> tuple[Fault, ...]:
-        """The die-side faults not fired yet (a relaunched pod gets only these)."""
-        return tuple(f for f in self.die_side if not f.fired_at)
+    def unfired_die_side(self, gen: int = 0) -> tuple[Fault, ...]:
+        """The die-side faults not fired yet that incarnation `gen` may fire (a relaunched pod
+        gets only these)."""
+        return tuple(f for f in self.die_side if not f.fired_at and f.gen in (None, gen))
 
     @property
     def unfired(self) -> list[Fault]:
         return list(self.armed) + [f for f in self.die_side if not f.fired_at]
+
+    def not_fired(self, end_s: float, steps: dict[tuple[str, int], int], gen: int,
+                  ) -> list[tuple[Fault, str]]:  # fmt: skip
+        """Every planned fault that did not fire, with why, once the engine ran `end_s`
+        seconds in `gen + 1` incarnations; `steps[(target, index)]`: the most steps its part
+        ran in one incarnation."""
+        return [(f, self.why_not(f, end_s, steps.get((f.target, f.index), 0), gen))
+                for f in self.unfired]  # fmt: skip
+
+    @staticmethod
+    def why_not(f: Fault, end_s: float, steps: int, gen: int) -> str:
+        """Why `f` did not fire (see `not_fired`)."""
+        who = f"{f.target} {f.index}"
+        if f.gen is not None and f.gen > gen:
+            return (f"incarnation {f.gen} never ran (the run ended in incarnation {gen}:"
+                    f" {gen} restart(s))")  # fmt: skip
+        if f.at_s and f.at_s > end_s:
+            return f"the time at={f.at_s:g}s was after the end (the engine ran {end_s:.2f} s)"
+        if f.phase == "kv" and f.step:
+            return (f"transfer {f.step} was never reached: {who} made fewer KV transfers"
+                    " (is it a prefill die of a PD pod?)")  # fmt: skip
+        if f.step and steps < f.step:
+            return (f"the step was never reached: step={f.step}, and {who}'s part ran at"
+                    f" most {steps} steps in an incarnation")  # fmt: skip
+        if steps == 0 and not f.step:
+            return f"the target never ran: {who} ran no step after it was due"
+        if f.extra.get("gate_hit"):
+            return f"its step came as the engine was closing ({who}'s part reached step {f.step})"
+        if f.in_die and f.phase in PHASES:
+            where = f" of layer {f.layer}" if f.layer >= 0 else ""
+            return (f"the target never ran a matching collective: {who} ran no {f.phase}{where}"
+                    " once it was due")  # fmt: skip
+        return (f"its moment passed while {who} was down or restarting (a restart counts its"
+                f" steps from 0 again; it reached {steps} steps)")  # fmt: skip

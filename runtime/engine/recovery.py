@@ -16,6 +16,7 @@ import time
 from memory import layout as L
 from memory.errors import LinkError, PeerTimeout, PodError
 from runtime.engine.executor import ServeSpec, drop_loop, rollback_point, serve_main
+from runtime.engine.fault_hook import GATE_SHIFT, STEPS_ARMED
 from runtime.engine.faults import proc_state
 from runtime.engine.tracker import EngineError, TrackedRequest
 from runtime.pod.launcher import ABORT_GRACE_S
@@ -25,6 +26,7 @@ MAX_ROLLBACKS = 3  # rollbacks of one step before a restart (vllm-ascend's max_r
 ROLLBACK_FAULTS = (LinkError, PeerTimeout)  # the root errors a rollback answers
 TEARDOWN_JOIN_S = 10.0  # the pod thread ends once its dies are killed: its pod.run raises
 DOWN_STATES = ("", "T", "t", "Z", "X")  # procfs states of a process that cannot make progress
+GATE_OPEN = (1 << 22) - 1  # a gate count no die reaches: every gate open (the engine closes)
 
 
 class EngineRecovery:
@@ -89,13 +91,35 @@ class EngineRecovery:
         return self._serve_words(L.SV_PROGRESS, every_die=True)
 
     def fault_hits(self) -> list[int]:
-        """Every die's count of die-side injected faults it fired ([] while down)."""
-        return self._serve_words(L.SV_FAULT_HITS)
+        """Every die's count of die-side injected faults it fired, a split pod's expert dies
+        too ([] while down)."""
+        return self._serve_words(L.SV_FAULT_HITS, every_die=True)
+
+    def fault_times(self) -> list[int]:
+        """Every die's `fault_at` word: when its latest die-side fault fired (monotonic ns)."""
+        return self._serve_words(L.SV_FAULT_AT, every_die=True)
 
     def die_step(self) -> int:
         """Die 0's step in the current incarnation (0 while down)."""
         steps = self._serve_words(L.SV_VOTE_STEP)
         return steps[0] if steps else 0
+
+    def part_steps(self) -> dict[tuple[str, int], int]:
+        """(target, index) -> the step its part reached in the current incarnation ({} while
+        down): a group's die (and its master and output process) its vote step, the steps of
+        its own part (a PD pod's prefill or decode dies); a split pod's expert die the
+        attention step it serves (its progress word's; `runtime.engine.faults`)."""
+        votes = self._serve_words(L.SV_VOTE_STEP)
+        if not votes:
+            return {}
+        out = {}
+        for g, s in enumerate(votes):
+            for what in ("die", "master", "output"):
+                out[(what, g)] = s
+        progress = self._serve_words(L.SV_PROGRESS, every_die=True)
+        for d in range(len(votes), len(progress)):
+            out[("die", d)] = max(0, L.unpack_progress(progress[d])[0])
+        return out
 
     def busy(self) -> bool:
         """Do the masters have requests (so the dies must be making progress)? A PD request
@@ -125,11 +149,42 @@ class EngineRecovery:
 
     def arm_fault(self, die: int, ordinal: int) -> None:
         """Arm die's die-side injected faults up to `ordinal` (its `fault_arm` word)."""
+        self._arm(die, ordinal=ordinal)
+
+    def arm_steps(self) -> None:
+        """Let every die fire its faults planned at a step (`fault_arm` word's STEPS_ARMED
+        bit; `runtime.engine.fault_hook`): after the launch's warm-up, so that a step of the
+        warm-up never fires one; at once in a restart's new pod (its words start at 0)."""
+        self.fault_arm = {}
+        self.steps_armed = True
+        if self.first_plan is not None and self.first_plan.die_side:
+            for d in range(self.config.pod_dies):
+                self._arm(d, now=True)
+
+    def release_gate(self, die: int) -> None:
+        """Let die go on from the fault gate it waits at (the shell fired the fault)."""
+        self._arm(die, gate=1)
+
+    def open_gates(self) -> None:
+        """The engine closes: no gate holds a die any more (its fault does not fire)."""
+        for d in range(self.config.pod_dies):
+            self._arm(d, gate=GATE_OPEN)
+
+    def _arm(self, die: int, ordinal: int | None = None, gate: int = 0, now: bool = False,
+             ) -> None:  # fmt: skip
+        """Write die's `fault_arm` word (this process is its only writer: the word is kept
+        here too, and rewritten whole); not while a restart is under way, unless `now` (the
+        restart's new pod) or a gate opens."""
         pod = self.pod
-        if pod is None or pod.closed or self.recovering:
+        if pod is None or pod.closed or (self.recovering and not (gate or now)):
             return
+        st = self.fault_arm.setdefault(die, [0, 0])
+        if ordinal is not None:
+            st[0] = ordinal
+        st[1] = min(GATE_OPEN, st[1] + gate)
+        word = st[0] | (STEPS_ARMED if self.steps_armed else 0) | st[1] << GATE_SHIFT
         with contextlib.suppress(PodError, IndexError, ValueError):
-            pod.region(die).words[pod.layout.serve_word(L.SV_FAULT_ARM)] = ordinal
+            pod.region(die).words[pod.layout.serve_word(L.SV_FAULT_ARM)] = word
 
     def fail_now(self, detail: str) -> None:
         """Give up (the supervisor): every request ends with an error, the engine is down."""
@@ -183,6 +238,7 @@ class EngineRecovery:
         while self.ready.acquire(blocking=False):  # readies of the old incarnation
             pass
         self._launch_pod()
+        self.arm_steps()  # no warm-up in a restart: its step faults count from its first step
         self._fork_group_processes()
         self._connect_and_run()
 
@@ -252,7 +308,7 @@ class EngineRecovery:
         """A process of incarnation `gen` died (or a step would not roll back): the supervisor
         restarts, or the engine fails."""
         sup = self.supervisor
-        if sup is not None and self.config.recover:
-            sup.report(kind, detail, gen)
+        if sup is not None and (self.config.recover or sup.plan is not None):
+            sup.report(kind, detail, gen)  # it fails the engine if recovery is off
         elif gen == self.gen:
             self._fail(EngineError(detail))

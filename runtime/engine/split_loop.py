@@ -27,6 +27,7 @@ from comm.alltoall.state import a2a_state
 from comm.routing import Placement
 from memory import layout as L
 from memory.errors import PodAborted, ProtocolError
+from runtime.engine.fault_hook import fault_hook
 from runtime.engine.step_ring import Bell, bell_path
 from runtime.model.die_model import DieModel
 from runtime.model.expert_balancer import ExpertBalancer
@@ -83,6 +84,9 @@ class ExpertServer:
         self.clock = split_clock(die, cfg.n_layers)
         self.clock.progress = (self.w, lo.serve_word(L.SV_PROGRESS))
         self.stats = {"die": die.die_id, "role": "expert", "calls": 0, "rows": 0, "parks": 0}
+        # a kill / stop planned at a step: fired at its first call of that step (or later)
+        mine = [f for f in spec.faults if f.index == die.die_id and f.phase == "step"]
+        self.fault = fault_hook(die, mine) if mine else None
 
     def _input_word(self) -> tuple[int, int]:
         """(word index in this die's region, value) that the next A2E call waits for first."""
@@ -146,6 +150,8 @@ class ExpertServer:
                 if got is None:
                     break
                 res, h, step, layer = got
+                if self.fault is not None and step != self.clock.step:
+                    self.fault(step, -1, "step")
                 self.clock.step = step
                 t1 = self.clock.span(2, layer, t0)
                 waited = ctx.waited_ns - w0  # for its input, and for the forwarded flags

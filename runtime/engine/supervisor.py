@@ -41,6 +41,7 @@ from collections import deque
 from multiprocessing.connection import wait as mp_wait
 
 from memory import layout as L
+from runtime.engine.fault_watch import FaultWatch
 from runtime.engine.faults import Fault, FaultPlan, proc_state
 from runtime.model.forward import PHASES
 
@@ -50,7 +51,6 @@ PING_EVERY_S = 0.25
 IDLE_PING_S = 1.0  # an idle engine: a heartbeat a second (each ping wakes every master and die:
 # ~1 % of a core at 4 Hz), and the silence allowed grows by as much; a stopped process is still
 # seen in procfs every PING_EVERY_S, so an idle stop is detected as fast as before
-KV_VERIFY_S = 10.0  # a KV fault the die's master has not masked by then did not fire
 CAUSES = {  # detection -> the injected kinds it can be the detection of
     "exit": ("kill",), "stall": ("stop",), "hang": ("stop",), "heartbeat": ("stop",),
     "link": ("err",), "deadline": ("drop", "stop"), "rollbacks": ("drop", "err"),
@@ -58,7 +58,7 @@ CAUSES = {  # detection -> the injected kinds it can be the detection of
 RECENT_FAULT_S = 30.0  # an injected fault this recent is the cause of what is detected
 
 
-class Supervisor:
+class Supervisor(FaultWatch):
     """Watches `engine` (a `runtime.engine.Engine`) from its own thread; see the module doc."""
 
     def __init__(self, engine, plan: FaultPlan | None = None, fault_log: str = ""):
@@ -95,6 +95,8 @@ class Supervisor:
         self._looked = 0.0  # the last procfs look for stopped processes
         self._epoch = 0.0  # when the current incarnation started answering
         self._stopped_since: dict[int, float] = {}  # pid -> first seen stopped
+        self.max_steps: dict[tuple[str, int], int] = {}  # (target, index) -> steps its part ran
+        self.not_fired: list[tuple[Fault, str]] | None = None  # set by finish()
 
     # -- thread ---------------------------------------------------------------------------------
 
@@ -174,52 +176,6 @@ class Supervisor:
                 eng.fail_now(f"the supervisor failed: {type(e).__name__}: {e}")
                 watching = False
 
-    # -- faults ---------------------------------------------------------------------------------
-
-    def _inject(self, now: float) -> None:
-        plan = self.plan
-        if plan is None:
-            return
-        plan.tick(now)
-        if self.recovering or not (plan.armed or plan.die_side):
-            return
-        for f in plan.due_die_side(now - self.engine.started_at):  # idempotent: no read-back
-            self.engine.arm_fault(f.index, f.ordinal)
-        due = plan.due(now - self.engine.started_at, self.engine.die_step(), self.engine.gen)
-        for f in due:
-            if f.kind == "kvfault":  # verified once the die's master reports the block masked
-                f.extra["before"] = len(self.engine.masked_blocks(f.index))
-                f.fired_at = time.monotonic()
-                self.engine.report_kv_fault(f.index, f.block)
-                self.kv_pending.append(f)
-                continue
-            plan.fire(f, self.engine.pid_of(f.target, f.index))
-            self._fired(f)
-
-    def _die_side(self, now: float) -> None:
-        """Die-side faults (err / drop / delay) fire in the dies: a die counts each in its
-        `fault_hits` word; a new count marks its next armed fault fired (and verified). Called
-        by the supervisor's tick and by the pod thread before it reports a rollback."""
-        plan = self.plan
-        if plan is None or not plan.die_side:
-            return
-        with self.hits_lock:
-            self._die_side_locked(now, plan)
-
-    def _die_side_locked(self, now: float, plan: FaultPlan) -> None:
-        hits = self.engine.fault_hits()
-        for d, n in enumerate(hits):
-            seen = self.hits_seen.get((self.engine.gen, d), 0)
-            for _ in range(max(0, n - seen)):
-                f = next((f for f in plan.die_side if f.index == d and not f.fired_at), None)
-                if f is None:
-                    break
-                f.fired_at, f.verified = now, True
-                f.pid = self.engine.pid_of("die", d)
-                f.detail = f"die {d}: hook hit at step {f.step} ({f.phase})"
-                self._fired(f)
-            self.hits_seen[(self.engine.gen, d)] = n
-
     def on_rollback(self, rec: dict) -> None:
         """An iteration rollback the pod thread ran (`Engine._pod_loop`): detected (link /
         deadline) and recovered (tier "rollback"), logged with its step and time."""
@@ -245,44 +201,6 @@ class Supervisor:
                                                         "stall": rec.get("stall_s")},
                    "requests_resumed": 0})  # fmt: skip
 
-    def _fired(self, f: Fault) -> None:
-        self.fired.append(f)
-        key = f"{f.kind}-{f.target}"
-        self._count("injected", key)
-        if f.verified:
-            self._count("verified", key)
-        level = logging.WARNING if f.verified else logging.ERROR
-        log.log(level, "fault injected: %s: %s", f.text, f.detail)
-        self._log({"event": "injected", **f.record()})
-
-    def _kv_masked(self, now: float) -> None:
-        """KV faults (tier "mask"): the die dropped the rows that hold the block, its master
-        masked it and recomputes them; nothing else pauses. Verified, detected and recovered
-        at once when the master's stats show the block masked."""
-        for f in list(self.kv_pending):
-            masked = self.engine.masked_blocks(f.index)
-            late = now - f.fired_at > KV_VERIFY_S
-            if len(masked) <= f.extra["before"] and not late:
-                continue
-            self.kv_pending.remove(f)
-            if late and len(masked) <= f.extra["before"]:
-                f.detail = f"die {f.index} reported no masked block in {KV_VERIFY_S:g} s"
-                self._fired(f)
-                continue
-            f.verified = True
-            f.block = masked[-1]
-            f.detail = f"die {f.index}: KV block {f.block} poisoned, masked by master {f.index}"
-            self._fired(f)
-            f.extra["detected"] = True
-            self._count("detected", "kv")
-            self._count("recovered", "mask")
-            gen = self.engine.gen
-            self._log({"event": "detected", "kind": "kv", "detail": f.detail, "gen": gen,
-                       "fault": f.text, "detect_s": now - f.fired_at})  # fmt: skip
-            self._log({"event": "recovered", "tier": "mask", "kind": "kv", "gen": gen,
-                       "fault": f.text, "since_detect_s": 0.0, "parts": {},
-                       "requests_resumed": 0, "block": f.block})  # fmt: skip
-
     def _count(self, what: str, key: str) -> None:
         c = self.counts[what]
         c[key] = c.get(key, 0) + 1
@@ -306,18 +224,6 @@ class Supervisor:
             if gen == self.engine.gen:
                 self._self_killed(detail, when)
                 return kind, detail, when
-
-    def _self_killed(self, detail: str, when: float) -> None:
-        """A die-side kill (a die that SIGKILLed itself at a phase) is verified by its exit."""
-        plan = self.plan
-        if plan is None:
-            return
-        for f in plan.die_side:
-            if f.kind == "kill" and not f.fired_at and f"die {f.index} (pid" in detail:
-                f.fired_at, f.verified = when, "SIGKILL" in detail
-                f.detail = f"die {f.index} killed itself before a {f.phase}: {detail}"
-                self._fired(f)
-                return
 
     def _exits(self, ready: list, sentinels: dict):
         for s in ready:
@@ -510,7 +416,8 @@ class Supervisor:
                 "recovery_s": {k: list(v) for k, v in self.recovery_s.items()},
                 "restarts": sum(self.counts["recovered"].values()),
                 "faults": [f.record() for f in self.fired],
-                "unfired": [f.text for f in (self.plan.unfired if self.plan else [])]}  # fmt: skip
+                "unfired": [f.text for f in (self.plan.unfired if self.plan else [])],
+                "plan": self.fault_summary()}  # fmt: skip
 
 
 def describe_progress(word: int) -> str:
