@@ -7,7 +7,8 @@
   die) and first_step (to its first token in the shell: the decode die's first step, which
   sends it with the next one).
 - `xpod_pd_requests{state}`: requests per connector state in the decode masters
-  (Bootstrapping, WaitingForInput, Transferring) and `xpod_pd_transfers{result}` (success,
+  (Bootstrapping, WaitingForInput, Transferring), `xpod_pd_deferred` (requests made to wait for
+  room, each once: backpressure) and `xpod_pd_transfers{result}` (success,
   failed) since start; `xpod_pd_recomputed` / `xpod_pd_failed` by the shell's policy.
 - per link (`prefill->decode`): `xpod_kv_transfer_bytes`, `xpod_kv_transfer_seconds` (the copy
   on the prefill die's KV thread), `xpod_kv_transfers`, `xpod_kv_link_state{state}` (1 for the
@@ -71,6 +72,9 @@ class PDMetrics:
         m.add_metric(["success"], sum(s.get("pd_success", 0) for s in dec))
         m.add_metric(["failed"], sum(s.get("pd_failed", 0) for s in dec))
         yield m
+        yield CounterMetricFamily("xpod_pd_deferred", "PD requests the decode masters made wait"
+                                  " for room (backpressure), each counted once.",
+                                  value=sum(s.get("pd_deferred", 0) for s in dec))  # fmt: skip
         links = {k: v for s in dec for k, v in (s.get("pd_links") or {}).items()}
         fams = [CounterMetricFamily("xpod_kv_transfer_bytes", "KV bytes moved over a link.",
                                     labels=["link"]),

@@ -176,6 +176,7 @@ class _PDReq:
     base: int
     stream: bool
     state: str = "Bootstrapping"
+    deferred: bool = False  # it waited for room at least once (backpressure)
     since: float = field(default_factory=time.monotonic)
     offs: list[int] = field(default_factory=list)
     aborted: bool = False
@@ -215,7 +216,8 @@ class DecodeSide:
         if self.verify:  # the check reads what lands in the die's app area
             master.region.prefault(cfg_layout.app_off, cfg_layout.app_bytes, write=False)
         self.counters = {"pd_success": 0, "pd_failed": 0, "pd_checksum_mismatches": 0,
-                         "pd_quarantined_blocks": 0, "pd_probes": 0}  # fmt: skip
+                         "pd_quarantined_blocks": 0, "pd_probes": 0,
+                         "pd_deferred": 0}  # fmt: skip
 
     # -- requests --------------------------------------------------------------------------
 
@@ -267,16 +269,17 @@ class DecodeSide:
         if not pool_off:
             return  # the die has not made its pool yet
         holding = sum(x.state != "Bootstrapping" for x in self.reqs.values())
-        for r in [r for r in self.reqs.values() if r.state == "Bootstrapping" and not r.aborted]:
+        boot = [r for r in self.reqs.values() if r.state == "Bootstrapping" and not r.aborted]
+        for i, r in enumerate(boot):
             if len(sched.running) + len(sched.waiting) + holding >= self.m.spec.max_num_seqs:
-                return
+                return self._deferred(boot[i:])
             need = kv.blocks_for(len(r.prompt))
             if not kv.can_alloc(need + len(sched.running)):
-                return
+                return self._deferred(boot[i:])
             try:
                 blocks = kv.alloc_blocks(r.rid, len(r.prompt))
             except KVFull:
-                return
+                return self._deferred(boot[i:])
             nb, bs = self.m.spec.num_blocks, self.m.spec.block_size
             stride = bs * self.row_bytes
             r.offs = [pool_off + (layer * nb + b) * stride
@@ -285,6 +288,13 @@ class DecodeSide:
             holding += 1
             body = {"id": r.rid, "die": self.g, "offs": r.offs, "n_tokens": len(r.prompt)}
             self.to_master[r.src].send(wire.pack("kv_dst", body))
+
+    def _deferred(self, reqs: list) -> None:
+        """These wait for room (backpressure): each counted once in `pd_deferred`."""
+        for r in reqs:
+            if not r.deferred:
+                r.deferred = True
+                self.counters["pd_deferred"] += 1
 
     def _land(self, rec, now: float) -> None:
         p, kv = rec.src, self.m.kv
