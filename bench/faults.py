@@ -200,7 +200,8 @@ def _kill_quietly(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def _leftovers(names: list[str], pids: list[int], wait_s: float = 2.0) -> list[str]:
+def _leftovers(names: list[str], pids: list[int], wait_s: float = 10.0) -> list[str]:
+    """What is left after up to `wait_s` (returns as soon as nothing is: a leak is what stays)."""
     deadline = time.monotonic() + wait_s
     while True:
         left = [f"/dev/shm/{n}" for n in names if os.path.exists(f"/dev/shm/{n}")]

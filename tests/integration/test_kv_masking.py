@@ -5,39 +5,39 @@ Batch-invariant mode makes the recomputed streams bit-equal to the fault-free ru
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from runtime.engine import Engine, EngineConfig
 from sched import SamplingParams
+from tests.waiting import stopped, wait_for
 
 TINY = dict(dies=2, model="tiny", timeout_s=20.0, max_num_batched_tokens=32, log_steps=True,
             block_size=8, model_overrides={"batch_invariant": True})  # fmt: skip
+# die 0 and master 0 are stopped on purpose while the requests are placed: no hang detection
+HELD = dict(stall_timeout_s=120.0, heartbeat_timeout_s=120.0, op_timeout_s=60.0)
 SHARED = "a shared prefix of several full blocks, then more"  # > 2 blocks of 8
 OTHER = ["someone else entirely", "and one more on the other group"]
 TINY_BLOCKS = EngineConfig(**{k: v for k, v in TINY.items() if k != "log_steps"}).blocks
 
 
 def run(fault: str | None = None, block: int = -1) -> tuple[list, dict, Engine]:
-    with Engine.launch(**TINY) as eng:
+    """Five long requests, three of them sharing SHARED's cached blocks, all in group 0's first
+    step; with `fault`, a KV fault report is in die 0's word before that step runs (die 0 is
+    stopped meanwhile), so it hits `block` (-1: the first row's first block, a shared one)
+    whatever the machine's speed."""
+    with Engine.launch(**TINY, **HELD) as eng:
         p = SamplingParams(max_tokens=120, ignore_eos=True)
-        s0 = eng.die_step()
-        ids = [eng.submit(SHARED, p, group=0)]
-        deadline = time.monotonic() + 20
-        while eng.die_step() < s0 + 5 and time.monotonic() < deadline:
-            time.sleep(0.005)  # its prefill (2 steps) is done and its prompt blocks cached
-        ids += [eng.submit(SHARED, p, group=0) for _ in range(2)]
-        ids += [eng.submit(OTHER[0], p, group=0), eng.submit(OTHER[1], p, group=1)]
-        if fault == "now":
-            while eng.stats.get(0, {}).get("running", 0) < 4 and time.monotonic() < deadline:
-                time.sleep(0.005)
-            time.sleep(0.05)  # a few decode steps of all of them
-            eng.report_kv_fault(0, block)
+        eng.generate(SHARED, SamplingParams(max_tokens=2), group=0)  # its blocks are cached
+        with stopped(eng.pod.procs[0].pid):
+            with stopped(eng.masters[0].pid):  # its inbox holds them: one plan admits them all
+                ids = [eng.submit(SHARED, p, group=0) for _ in range(3)]
+                ids += [eng.submit(OTHER[0], p, group=0), eng.submit(OTHER[1], p, group=1)]
+            wait_for(lambda: (eng.stats.get(0) or {}).get("running") == 4, what="4 running")
+            if fault == "now":
+                eng.report_kv_fault(0, block)
         outs = [eng.result(i, 60) for i in ids]
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and (fault and not eng.masked_blocks(0)):
-            time.sleep(0.01)
+        if fault:
+            wait_for(lambda: eng.masked_blocks(0), what="the block masked in the stats")
         stats = dict(eng.stats[0])
         rel = eng.reliability()
     return outs, {**stats, "rel": rel}, eng
@@ -46,7 +46,7 @@ def run(fault: str | None = None, block: int = -1) -> tuple[list, dict, Engine]:
 @pytest.fixture(scope="module")
 def fault_free():
     outs, stats, _ = run()
-    assert stats["prefix_hit_tokens"] >= 2 * 16, stats  # the two later ones shared its blocks
+    assert stats["prefix_hit_tokens"] >= 3 * 48, stats  # the three shared the cached blocks
     return [o.token_ids for o in outs]
 
 
@@ -78,10 +78,10 @@ def test_control_a_free_block_affects_nobody(fault_free):
 def test_a_planned_kv_fault_is_verified_detected_and_masked(tmp_path):
     with Engine.launch(**TINY, inject="kvfault:die=1,step=40") as eng:
         p = SamplingParams(max_tokens=150, ignore_eos=True)
+        # die 1 waits at the start of its step 40 until the report is in its word: the fault
+        # hits a block its rows of step 40 hold, however fast the steps are
         outs = eng.generate([SHARED, OTHER[0], OTHER[1]], p, timeout_s=60)
-        deadline = time.monotonic() + 5
-        while not eng.reliability()["counts"]["recovered"] and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: eng.reliability()["counts"]["recovered"], what="the block masked")
         rel = eng.reliability()
     assert [o.finish_reason for o in outs] == ["length"] * 3
     c = rel["counts"]

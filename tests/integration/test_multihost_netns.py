@@ -176,6 +176,6 @@ def test_conformance_and_crash_across_two_network_namespaces(two_hosts):
     assert out["a2a_bad"] == [], out["a2a_bad"][:3]
     dies, latency, msg = out["crash"]
     assert dies == [3], msg
-    assert latency < 2.0, msg
+    assert latency < 30.0, msg  # named by the crash, not by a deadline (the 2 s bar: bench)
     assert out["shm_a"] == [] and sorted(os.listdir(h["b_dir"])) == [], (
         out["shm_a"], os.listdir(h["b_dir"]))  # fmt: skip

@@ -616,12 +616,13 @@ def test_protocol_error_through_pod_run(pod, variant):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("recv_variant", ["mte", "dma"])
 def test_zero_copy_send_to_plain_recv_is_a_protocol_error(pod_factory, recv_variant):
-    pod = pod_factory(num_dies=2, timeout_s=1.0)
+    pod = pod_factory(num_dies=2, timeout_s=60.0)
     t0 = time.monotonic()
     res = pod.run(zc_send_plain_recv, recv_variant)
     assert [r[0] for r in res] == ["ProtocolError", "ProtocolError"], res
     assert "zero-copy" in res[0][1] and "zero-copy" in res[1][1], res
-    assert time.monotonic() - t0 < 1.0, "rejected by the probe, not by the 1 s deadline"
+    # rejected by the probe, not by the 60 s deadline (half of it: any machine tells them apart)
+    assert time.monotonic() - t0 < 30.0
     # the pair is usable afterwards, in every variant and both directions
     for v in VARIANTS:
         for src, dst in ((0, 1), (1, 0)):
@@ -744,13 +745,13 @@ def test_peer_that_never_answers_times_out(pod_factory, variant, direction, nbyt
     (kind, msg), waited = res[0]
     assert res[1] == 1, "the silent die returns at once"
     assert kind == "PeerTimeout", msg
-    assert 0.4 <= waited < 3.0
+    assert 0.4 <= waited < 60 * 0.5  # its own 0.5 s deadline, not another one
     assert "die 0" in msg and "die 1" in msg
     if direction == "recv":  # the fast path polls tail_ptr, the general one chunk_id
         assert "desc.tail_ptr" in msg or "desc.chunk_id" in msg, msg
     else:
         assert any(f in msg for f in ("ack.", "rdv.")), msg
-    assert time.monotonic() - t0 < 5.0
+    assert time.monotonic() - t0 < 60 * 0.5
     pod.close()
 
 

@@ -16,38 +16,20 @@ decode dies in one pod, each part its own lockstep EP group, the KV moved once o
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import time
 
 import pytest
 
 from runtime.engine import Engine
 from runtime.engine.replay import replay_engine
 from sched import SamplingParams
+from tests.waiting import stopped, wait_for
 
 TINY = dict(model="tiny", timeout_s=20.0, max_num_batched_tokens=32)
-
-
-def wait_for(cond, timeout_s: float = 10.0, what: str = ""):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-@contextlib.contextmanager
-def stopped(pid: int):
-    """SIGSTOP `pid` for the block (SIGCONT after it, whatever happens)."""
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(pid, signal.SIGCONT)
+# The tests below stop dies and masters on purpose, for as long as their checks need on a slow
+# machine: no hang detection (that is tested in test_reliability.py)
+HELD = dict(stall_timeout_s=120.0, heartbeat_timeout_s=120.0)
 
 
 def pd_states(eng: Engine) -> dict:
@@ -58,7 +40,7 @@ def pd_states(eng: Engine) -> dict:
     return out
 
 
-def settled(eng: Engine, timeout_s: float = 8.0) -> dict:
+def settled(eng: Engine, timeout_s: float = 30.0) -> dict:
     """Every group idle, no KV block used on either side, no lease held, no PD request open."""
 
     def idle():
@@ -118,19 +100,21 @@ def test_pd_tokens_and_logits_equal_the_replay_of_both_parts():
 def test_an_abort_in_every_connector_state_ends_once_and_frees_both_sides():
     long_ = SamplingParams(max_tokens=150, ignore_eos=True)
     with Engine.launch(prefill_dies=1, decode_dies=1, max_num_seqs=4, decode_blocks=16,
-                       recover=False, kv_timeout_s=30.0,
-                       inject="delay:die=0,step=1,phase=kv,for=1.5s", **TINY) as eng:  # fmt: skip
-        # Transferring: the first transfer is held back mid-copy by the KV fault
+                       recover=False, kv_timeout_s=30.0, **HELD,
+                       inject="delay:die=0,step=1,phase=kv,for=3s", **TINY) as eng:  # fmt: skip
+        # Transferring: the first transfer is held back mid-copy by the KV fault (3 s: a state
+        # the stats, sent every 0.1 s, cannot miss)
         r = eng.submit("a" * 40, SamplingParams(max_tokens=5))
         wait_for(lambda: pd_states(eng).get("Transferring"), what="Transferring")
         eng.abort(r)
         assert eng.result(r, 10).finish_reason == "abort"
         settled(eng)
-        # Bootstrapping: a long request holds the decode pool (its die stopped: it holds it
-        # as long as the test needs), the next one has no room
-        hold = eng.submit("b" * 200, SamplingParams(max_tokens=50, ignore_eos=True))
-        wait_for(lambda: (eng.stats.get(1) or {}).get("running"), what="the long one to run")
+        # Bootstrapping: a long request holds the decode pool: its decode die is stopped before
+        # it arrives, so it runs (its first decode step in flight) and holds the pool until the
+        # die goes on; the next request has no room
         with stopped(eng.pod.procs[1].pid):
+            hold = eng.submit("b" * 200, SamplingParams(max_tokens=50, ignore_eos=True))
+            wait_for(lambda: (eng.stats.get(1) or {}).get("running"), what="the long one to run")
             r = eng.submit("c" * 100, SamplingParams(max_tokens=5))
             wait_for(lambda: pd_states(eng).get("Bootstrapping"), what="Bootstrapping")
             eng.abort(r)
@@ -144,14 +128,14 @@ def test_an_abort_in_every_connector_state_ends_once_and_frees_both_sides():
             eng.abort(r)
             assert eng.result(r, 10).finish_reason == "abort"
         settled(eng)
-        # running on the decode die
-        n0 = eng.stats[1]["tokens"]
-        r = eng.submit("e" * 30, long_)
-        wait_for(lambda: eng.stats[1]["running"] and eng.stats[1]["tokens"] > n0 + 3,
-                 what="tokens")  # fmt: skip
-        eng.abort(r)
-        out = eng.result(r, 10)
-        assert out.finish_reason == "abort" and 3 < len(out.token_ids) < 150
+        # running on the decode die: the die is stopped before the request lands, so the
+        # request is in its batch (a decode step of it in flight) when the abort comes
+        with stopped(eng.pod.procs[1].pid):
+            r = eng.submit("e" * 30, long_)
+            wait_for(lambda: (eng.stats.get(1) or {}).get("running"), what="it to run")
+            eng.abort(r)
+            out = eng.result(r, 10)
+        assert out.finish_reason == "abort" and len(out.token_ids) < 150
         st = settled(eng)
         # the pod still serves
         ok = eng.generate(["after the aborts"], SamplingParams(max_tokens=8), timeout_s=30)
@@ -163,29 +147,28 @@ def test_an_abort_in_every_connector_state_ends_once_and_frees_both_sides():
 
 @pytest.mark.timeout(180)
 def test_a_stopped_prefill_die_is_a_dead_link_and_a_full_decode_side_is_slow():
-    opts = dict(recover=False, kv_timeout_s=0.3, kv_policy="fail")
+    opts = dict(recover=False, kv_timeout_s=0.3, kv_policy="fail", **HELD)
     with Engine.launch(prefill_dies=1, decode_dies=1, max_num_seqs=4, decode_blocks=16, **opts,
                        **TINY) as eng:  # fmt: skip
         # saturated decode side: a request waits for room past the deadline -> probe -> "slow"
-        # (the decode die is stopped: its long request holds the pool as long as needed)
-        hold = eng.submit("b" * 200, SamplingParams(max_tokens=50, ignore_eos=True))
-        wait_for(lambda: (eng.stats.get(1) or {}).get("running"), what="the long one to run")
+        # (the decode die is stopped before the long request lands: it holds the pool as long
+        # as the die is stopped)
         with stopped(eng.pod.procs[1].pid):
+            hold = eng.submit("b" * 200, SamplingParams(max_tokens=50, ignore_eos=True))
+            wait_for(lambda: (eng.stats.get(1) or {}).get("running"), what="the long one to run")
             r = eng.submit("c" * 100, SamplingParams(max_tokens=5))
             wait_for(lambda: link_state(eng, "0->1") == "slow", what='"slow"')
             assert pd_states(eng).get("Bootstrapping") == 1
         assert eng.result(hold, 60).finish_reason == "length"
         assert eng.result(r, 30).finish_reason in ("stop", "length")  # waited, not failed
         settled(eng)
-        # a stopped prefill die: its request fails within the deadline, the link is "dead"
+        # a stopped prefill die: its request fails by the link's deadline and probe (not by
+        # result()'s own timeout, which would raise), the link is "dead"
         with stopped(eng.pod.procs[0].pid):
-            t0 = time.monotonic()
             r = eng.submit("d" * 60, SamplingParams(max_tokens=5))
-            out = eng.result(r, 10)
-            took = time.monotonic() - t0
+            out = eng.result(r, 20)
             assert out.finish_reason == "error" and "link 0->1 dead" in out.error, out
-            assert took < 3.0, took  # timeout 0.3 + probe window 0.3 + ticks (a loaded machine)
-            wait_for(lambda: link_state(eng, "0->1") == "dead", 3.0, '"dead" in the stats')
+            wait_for(lambda: link_state(eng, "0->1") == "dead", what='"dead" in the stats')
         # the prefill die runs again: its late write lands in quarantined blocks, then they free
         wait_for(lambda: link_state(eng, "0->1") == "ok", what='"ok" again')
         ok = eng.generate(["after the stop"], SamplingParams(max_tokens=8), timeout_s=30)
@@ -198,7 +181,7 @@ def test_a_stopped_prefill_die_is_a_dead_link_and_a_full_decode_side_is_slow():
 @pytest.mark.timeout(180)
 def test_an_expired_lease_frees_the_prefill_blocks_and_the_request_is_sent_again():
     with Engine.launch(prefill_dies=1, decode_dies=1, max_num_seqs=4, recover=False,
-                       kv_lease_s=0.3, kv_timeout_s=30.0, **TINY) as eng:  # fmt: skip
+                       kv_lease_s=0.3, kv_timeout_s=30.0, **HELD, **TINY) as eng:  # fmt: skip
         with stopped(eng.masters[1].pid):  # the decode master: nobody reads the KV
             r = eng.submit("lease " * 10, SamplingParams(max_tokens=6, ignore_eos=True))
             wait_for(lambda: (eng.stats.get(0) or {}).get("pd_leases_expired"),
@@ -214,7 +197,7 @@ def test_an_expired_lease_frees_the_prefill_blocks_and_the_request_is_sent_again
 @pytest.mark.timeout(180)
 def test_a_decode_die_killed_mid_transfer_restarts_and_the_request_finishes():
     with Engine.launch(prefill_dies=1, decode_dies=2, max_num_seqs=4,
-                       inject="delay:die=0,step=1,phase=kv,for=1s", **TINY) as eng:  # fmt: skip
+                       inject="delay:die=0,step=1,phase=kv,for=3s", **TINY) as eng:  # fmt: skip
         r = eng.submit("kill me " * 5, SamplingParams(max_tokens=8, ignore_eos=True))
         t = wait_for(lambda: eng.track_info(r), what="the request")
         wait_for(lambda: pd_states(eng).get("Transferring"), what="Transferring")

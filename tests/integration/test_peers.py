@@ -86,9 +86,9 @@ def test_unpinned_peer_runs():
 
 @pytest.mark.timeout(120)
 def test_timeout_kills_both_sides():
-    # 64 MiB over a pipe takes ~0.1 s per round trip here; 0.5 s cannot hold 30 of them.
+    # 30,000 round trips of 64 MiB (4 TB): no machine moves them in 0.5 s
     with pytest.raises(RuntimeError, match="pipe: no result after 0.5 s"):
-        run_peer("pipe", [64 << 20], iters_scale=1.0, timeout_s=0.5)
+        run_peer("pipe", [64 << 20], iters_scale=1000.0, timeout_s=0.5)
 
 
 @pytest.mark.timeout(120)

@@ -36,6 +36,9 @@ from runtime.pod import control
 ROOT = Path(__file__).resolve().parents[2]
 SHM = Path("/dev/shm")
 MiB = 1 << 20
+# A deadline no test waits for when the mechanism under test works: a bound at half of it
+# tells that mechanism from the deadline on any machine, fast or slow
+LONG_S = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -269,12 +272,13 @@ def test_die_exception_reraised_with_type_die_id_and_remote_traceback(pod, exc_n
 
 
 @pytest.mark.timeout(60)
-def test_die_error_aborts_peers_waiting_on_it(pod):
+def test_die_error_aborts_peers_waiting_on_it(pod_factory):
+    pod = pod_factory(timeout_s=LONG_S)
     t0 = time.monotonic()
     with pytest.raises(ValueError, match="gave up") as ei:
         pod.run(raise_while_peer_waits)
-    # die 1 would wait timeout_s (10 s) for die 0; the launcher aborts it after a short grace
-    assert time.monotonic() - t0 < 5.0
+    # die 1 would wait timeout_s for die 0; the launcher aborts it after a short grace
+    assert time.monotonic() - t0 < LONG_S / 2
     assert ei.value.die_id == 0
     assert pod.run(exchange_one, 12)[1] == (np.arange(8) + 12).tolist()
 
@@ -304,11 +308,12 @@ def test_unpicklable_function_refused_in_the_launcher(pod):
 
 
 @pytest.mark.timeout(60)
-def test_run_timeout_aborts_the_dies(pod):
+def test_run_timeout_aborts_the_dies(pod_factory):
+    pod = pod_factory(timeout_s=LONG_S)
     t0 = time.monotonic()
     with pytest.raises(PodError) as ei:
         pod.run(both_recv, timeout_s=0.5)
-    assert time.monotonic() - t0 < 5.0
+    assert time.monotonic() - t0 < LONG_S / 2  # not the dies' own deadline
     assert isinstance(ei.value, PodAborted) or "0.5" in str(ei.value)
     assert pod.run(exchange_one, 13)[1] == (np.arange(8) + 13).tolist()
 
@@ -319,7 +324,7 @@ def test_peer_timeout_names_die_peer_field(pod_factory):
     t0 = time.monotonic()
     with pytest.raises(PeerTimeout) as ei:
         pod.run(recv_from_silent_peer)
-    assert time.monotonic() - t0 < 5.0
+    assert time.monotonic() - t0 < 60 * 0.5  # the 0.5 s deadline, not another one
     msg = str(ei.value)
     assert ei.value.die_id == 0
     assert "die 0" in msg and "die 1" in msg and "desc.tail_ptr" in msg and "seen" in msg
@@ -331,7 +336,7 @@ def test_mutual_wait_times_out_on_both_dies(pod_factory):
     t0 = time.monotonic()
     with pytest.raises(PeerTimeout):
         pod.run(both_recv)
-    assert time.monotonic() - t0 < 5.0
+    assert time.monotonic() - t0 < 60 * 0.5  # the 0.5 s deadline, not another one
     pod.close()
 
 
@@ -418,7 +423,7 @@ def _startup_hook(action: str, bad_die: int):
             raise RuntimeError(f"die {die_id} cannot start")
         if action == "exit":
             os._exit(5)
-        time.sleep(30)
+        time.sleep(3600)  # a hang: the launch must give up on its own ready timeout
 
     return hook
 
@@ -430,11 +435,9 @@ def test_die_failing_at_start_up(monkeypatch, action):
 
     monkeypatch.setattr(runtime.pod.die, "pin_die", _startup_hook(action, 1))
     segs, _ = _snapshot()
-    t0 = time.monotonic()
     cfg = PodConfig(num_dies=3, app_bytes=MiB, timeout_s=5.0, ready_timeout_s=0.5)
     with pytest.raises(Exception) as ei:  # noqa: B017 - the type depends on the failure
-        Pod.launch(cfg)
-    assert time.monotonic() - t0 < 10.0
+        Pod.launch(cfg)  # (a launch that waits for the hung die fails on the test's timeout)
     err = ei.value
     if action == "raise":
         assert isinstance(err, RuntimeError) and err.die_id == 1
@@ -453,14 +456,14 @@ def test_die_failing_at_start_up(monkeypatch, action):
 
 @pytest.mark.timeout(60)
 def test_sigkill_of_a_die_mid_run_tears_the_pod_down(pod_factory):
-    pod = pod_factory(num_dies=4, timeout_s=30.0)
+    pod = pod_factory(num_dies=4, timeout_s=LONG_S)
     names = pod.segment_names()
     pids = [p.pid for p in pod.procs]
     t0 = time.monotonic()
     with pytest.raises(Exception):  # noqa: B017 - the type is checked by the next test
         pod.run(kill_self_while_peer_waits)
-    elapsed = time.monotonic() - t0
-    assert elapsed < 4.0, f"pod.run took {elapsed:.1f} s to notice the dead die"
+    elapsed = time.monotonic() - t0  # noticed, not die 0's deadline
+    assert elapsed < LONG_S / 2, f"pod.run took {elapsed:.1f} s to notice the dead die"
     assert pod.closed
     assert not any((SHM / n.lstrip("/")).exists() for n in names)
     assert all(_zombie_or_gone(pid) for pid in pids)
@@ -468,7 +471,7 @@ def test_sigkill_of_a_die_mid_run_tears_the_pod_down(pod_factory):
 
 @pytest.mark.timeout(60)
 def test_sigkill_of_a_die_mid_run_is_die_crashed(pod_factory):
-    pod = pod_factory(num_dies=4, timeout_s=30.0)
+    pod = pod_factory(num_dies=4, timeout_s=LONG_S)
     names = pod.segment_names()
     pids = [p.pid for p in pod.procs]
     t0 = time.monotonic()
@@ -477,7 +480,7 @@ def test_sigkill_of_a_die_mid_run_is_die_crashed(pod_factory):
     elapsed = time.monotonic() - t0
     msg = str(ei.value)
     assert "die 1" in msg and "SIGKILL" in msg
-    assert elapsed < 4.0, f"pod.run took {elapsed:.1f} s to notice the dead die"
+    assert elapsed < LONG_S / 2, f"pod.run took {elapsed:.1f} s to notice the dead die"
     assert pod.closed
     assert not any((SHM / n.lstrip("/")).exists() for n in names)
     assert all(_zombie_or_gone(pid) for pid in pids)
@@ -569,7 +572,7 @@ class Launcher:
             raise AssertionError(f"launcher died early: {err}")
         return line
 
-    def signal(self, sig: int, timeout_s: float = 15.0) -> int:
+    def signal(self, sig: int, timeout_s: float = 30.0) -> int:
         self.proc.send_signal(sig)
         try:
             self.proc.wait(timeout_s)
@@ -582,7 +585,7 @@ class Launcher:
             self.proc.stderr.close()
         return self.proc.returncode
 
-    def dies_gone(self, timeout_s: float = 5.0) -> bool:
+    def dies_gone(self, timeout_s: float = 30.0) -> bool:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             alive = [
@@ -605,10 +608,8 @@ class Launcher:
 def test_signal_to_launcher_tears_the_pod_down(tmp_path, sig, phase):
     lau = Launcher(tmp_path, phase)
     assert sorted(lau.segments_left()) == sorted(lau.segments)
-    t0 = time.monotonic()
-    code = lau.signal(sig)
+    code = lau.signal(sig)  # (a launcher that does not exit fails in signal())
     assert code != 0, "the launcher should report the signal"
-    assert time.monotonic() - t0 < 10.0
     assert lau.dies_gone(), "die processes outlived their launcher"
     assert lau.segments_left() == [], f"segments left: {lau.segments_left()}\n{lau.stderr}"
 
@@ -628,11 +629,9 @@ def test_killed_launcher_its_dies_remove_every_segment(tmp_path, pod_factory, ph
     live = pod_factory(num_dies=2)
     live_names = [n.lstrip("/") for n in live.segment_names()]
     lau = Launcher(tmp_path, phase)
-    t0 = time.monotonic()
     lau.signal(signal.SIGKILL)
     assert lau.dies_gone(), "dies must exit with their launcher (PR_SET_PDEATHSIG)"
-    assert wait_until(lambda: lau.segments_left() == [], 2.0), lau.segments_left()
-    assert time.monotonic() - t0 < 3.0
+    assert wait_until(lambda: lau.segments_left() == [], 30.0), lau.segments_left()
     assert lau.info["pod_id"] not in control.list_pods()
     # the live pod of this process is untouched and still works
     assert all((SHM / n).exists() for n in live_names)

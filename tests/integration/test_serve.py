@@ -16,28 +16,42 @@ import time
 import pytest
 import zmq
 
+from memory import layout as L
 from runtime.engine import Engine, EngineError
 from runtime.engine.replay import replay
 from runtime.engine.wire import master_socket
 from runtime.model import EOS
 from sched import SamplingParams
+from tests.waiting import wait_for
 
 TINY = dict(model="tiny", timeout_s=20.0)
 
 
-def settled(eng: Engine, timeout_s: float = 5.0) -> dict:
+def settled(eng: Engine) -> dict:
     """Wait until every group reports nothing running, waiting or in use; return the stats."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def idle():
         st = eng.stats
-        idle = len(st) == eng.config.dies and all(
-            s["running"] == 0 and s["waiting"] == 0 and s["kv"]["used"] == 0 and s["inflight"] == 0
-            for s in st.values()
+        return (
+            len(st) == eng.config.dies
+            and all(
+                s["running"] == 0
+                and s["waiting"] == 0
+                and s["kv"]["used"] == 0
+                and s["inflight"] == 0
+                for s in st.values()
+            )
+            and st
         )
-        if idle:
-            return st
-        time.sleep(0.05)
-    raise AssertionError(f"groups did not settle: {eng.stats}")
+
+    return wait_for(idle, what=f"the groups to settle: {eng.stats}")
+
+
+def parked(eng: Engine) -> None:
+    """Wait until every die is parked (its progress word's state: idle, asleep on its bell)."""
+    park = L.PROGRESS_STATES.index("park")
+    wait_for(lambda: all(L.unpack_progress(w)[3] == park for w in eng.progress_words() or [0]),
+             what="every die to park")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +166,7 @@ def test_leaving_a_stream_early_aborts_the_request_and_frees_its_blocks(engine):
 @pytest.mark.timeout(120)
 def test_idle_then_a_burst_on_one_group_then_every_group_finishing_together(engine):
     settled(engine)
-    time.sleep(1.2)  # every die parked
+    parked(engine)
     outs = engine.generate(["burst"] * 6, SamplingParams(max_tokens=5, ignore_eos=True),
                            timeout_s=60, group=1)  # fmt: skip
     assert [len(o.token_ids) for o in outs] == [5] * 6 and {o.group for o in outs} == {1}
@@ -162,7 +176,7 @@ def test_idle_then_a_burst_on_one_group_then_every_group_finishing_together(engi
     outs = [engine.result(i, timeout_s=60) for i in ids]
     assert all(len(o.token_ids) == 9 for o in outs)
     settled(engine)
-    time.sleep(0.8)  # idle again, then one more request
+    parked(engine)  # idle again, then one more request
     assert engine.generate("again", SamplingParams(max_tokens=3), timeout_s=30)[0].token_ids
 
 

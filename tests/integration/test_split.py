@@ -23,11 +23,13 @@ from pathlib import Path
 import psutil
 import pytest
 
+from memory import layout as L
 from memory.errors import ConfigError
 from runtime.decode import DecodeOptions, run_decode
 from runtime.engine import Engine, EngineConfig
 from runtime.engine.replay import replay
 from sched import SamplingParams
+from tests.waiting import wait_for
 
 SHM = Path("/dev/shm")
 EXPERTS = 30  # splits over 2, 3, 5 and 6 expert dies
@@ -198,7 +200,9 @@ def test_fault_plans_for_expert_dies_are_checked():
 def test_an_idle_split_engine_parks_its_expert_dies():
     with Engine.launch(**SPLIT) as eng:
         _ = eng.result(eng.submit("wake up", SamplingParams(max_tokens=4)), timeout_s=30)
-        time.sleep(0.5)
+        park = L.PROGRESS_STATES.index("park")  # every die parked: the state to measure
+        wait_for(lambda: all(L.unpack_progress(w)[3] == park for w in eng.progress_words()
+                             or [0]), what="every die to park")  # fmt: skip
         procs = [psutil.Process(pid) for what, i, pid in eng.processes()
                  if what == "die" and i >= eng.config.dies]  # fmt: skip
         c0 = [sum(p.cpu_times()[:2]) for p in procs]

@@ -35,10 +35,8 @@ def test_returns_after_another_thread_publishes():
 
     t = threading.Thread(target=publish)
     t.start()
-    t0 = time.monotonic()
-    assert wait_ge(w, 5, 3, FAST, WaitContext(2), 0, "ack.done") == 3
+    assert wait_ge(w, 5, 3, FAST, WaitContext(2), 0, "ack.done") == 3  # (not PeerTimeout)
     t.join()
-    assert time.monotonic() - t0 < 2.0
 
 
 @pytest.mark.parametrize("policy", [
@@ -53,7 +51,7 @@ def test_timeout_names_die_peer_field_expected_and_seen(policy):
     with pytest.raises(PeerTimeout) as ei:
         wait_ge(w, 2, 9, policy, WaitContext(3), 5, "ack.head_ptr")
     waited = time.monotonic() - t0
-    assert 0.05 <= waited < 2.0
+    assert 0.05 <= waited < 100 * 0.05  # its 0.05 s deadline, not another one
     msg = str(ei.value)
     assert "die 3" in msg and "die 5" in msg and "ack.head_ptr" in msg
     assert ">= 9" in msg and "seen 4" in msg and "0.05" in msg
@@ -72,11 +70,9 @@ def test_abort_word_change_raises_pod_aborted():
 
     t = threading.Thread(target=abort)
     t.start()
-    t0 = time.monotonic()
-    with pytest.raises(PodAborted) as ei:
+    with pytest.raises(PodAborted) as ei:  # not PeerTimeout: the abort, not the deadline
         wait_ge(w, 1, 1, pol, WaitContext(1, (ctl, 5, 7)), 0, "sync.count")
     t.join()
-    assert time.monotonic() - t0 < pol.timeout_s
     assert "die 1" in str(ei.value) and "sync.count" in str(ei.value)
 
 
