@@ -11,7 +11,7 @@ import numpy as np
 
 from comm.dma import DmaEngine
 from comm.fabric import Fabric
-from comm.trace import Trace
+from comm.trace import Trace, now_ns
 from comm.wait import WaitContext, WaitPolicy, wait_ge
 from memory import layout as L
 from memory.region import Region
@@ -59,6 +59,9 @@ class Endpoint:
                             if rem}  # fmt: skip
         if self.fab.any_remote:
             self._progress_every = [1 if rem else policy.check_every for rem in self.fab.remote]
+        # a capture pod's event log (comm.capture), None otherwise: the protocols record their
+        # guarded steps, rows, copies and ops into it
+        self.cap = getattr(self.fab, "cap", None)
         self.trace = trace if trace is not None else Trace(die_id)
         self.words = self.fab.words
         self.bytes = self.fab.bytes
@@ -152,6 +155,22 @@ class Endpoint:
         e = every[peer] if 0 <= peer < self.num_dies else 1
         return wait_ge(words, idx, target, self.policy, self.ctx, peer, field, probe, e)
 
+    def acquire(self, words: memoryview, idx: int, target: int, peer: int, field: str,
+                probe=None) -> None:  # fmt: skip
+        """A guarded step (docs/protocols.md): go on once this die's own `words[idx]` >=
+        `target`, the word written by die `peer` (`wait_ge` only if it is not there yet). A
+        capture pod records the step whether or not it was already satisfied: the hardware may
+        find it otherwise (docs/projection.md §1)."""
+        cap = self.cap
+        if cap is None:
+            if words[idx] < target:
+                self.wait_ge(words, idx, target, peer, field, probe)
+            return
+        t0 = now_ns()
+        if words[idx] < target:
+            self.wait_ge(words, idx, target, peer, field, probe)
+        cap.acq((idx,), (target,), (peer,), field, t0)
+
 
 class _Tables:
     """Word indices of every field and byte offsets of every ring, precomputed (hot-path lookups;
@@ -194,5 +213,5 @@ def barrier(ep: Endpoint) -> None:
             fab.publish(peer, base + me, n)
     own = ep.words[me]
     for peer in range(ep.num_dies):
-        if peer != me and own[base + peer] < n:
-            ep.wait_ge(own, base + peer, n, peer, "sync[peer]")
+        if peer != me:
+            ep.acquire(own, base + peer, n, peer, "sync[peer]")

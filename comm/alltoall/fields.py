@@ -56,7 +56,7 @@ def poll_fields(ep: Endpoint, kind: int, half: int, op: int, event_id: int, code
     name = "dispatch" if kind == DISPATCH else "combine"
     for src in range(ep.num_dies):
         f = lo.pull_field_word(kind, half, src)
-        ep.wait_ge(lw, f + F_SEQ, op, src, f"pull.{name}[{half}].seq")
+        ep.acquire(lw, f + F_SEQ, op, src, f"pull.{name}[{half}].seq")
         if lw[f + F_SEQ] != op:
             raise ProtocolError(
                 f"die {ep.die_id}: pull {name} field of die {src} carries operation"

@@ -33,6 +33,7 @@ from comm.alltoall.handles import DispatchHandle, DispatchResult, dispatch_resul
 from comm.alltoall.packets import assemble_dedup, dedup_packer, payload_bits
 from comm.alltoall.scatter import wait_slots, write_groups_by_src, write_slots_by_src
 from comm.alltoall.state import kernels, place_info, region_addrs
+from comm.capture import tokens_of
 from comm.endpoint import Endpoint
 from comm.quant import BF16
 from comm.routing import DedupLayout, DispatchLayout, Placement
@@ -95,6 +96,9 @@ def fused_dispatch(ep: Endpoint, payload: np.ndarray, scale: np.ndarray, topk_id
         )
         args = (ep, parts, pb, quant, placement, lay, topk_idx, topk_weights, op, "fused")
         res = assemble_dedup(*args, dl)
+        if ep.cap is not None:
+            n, stride = sum(len(r) for _, r in parts), ep.layout.pull_disp_stride
+            ep.cap.op("assemble", 0, n * stride, len(res.x) * stride, t3, unit="aiv", rows=n)
         if not np.array_equal(res.expert_counts, counts):
             raise ProtocolError(
                 f"die {ep.die_id}: fused dispatch counts {counts.tolist()} disagree with the"
@@ -109,18 +113,21 @@ def fused_dispatch(ep: Endpoint, payload: np.ndarray, scale: np.ndarray, topk_id
 
 
 def fused_gather(ep: Endpoint, half: int, op: int, event_id: int, sources: Iterable[int],
-                 placement: Placement, what: str, quant: str | None,
-                 dedup: bool = False) -> tuple[list, np.ndarray, int]:  # fmt: skip
+                 placement: Placement, what: str, quant: str | None, dedup: bool = False,
+                 writers: Iterable[int] | None = None) -> tuple[list, np.ndarray, int]:  # fmt: skip
     """Wait for the flag of every source (all of them before raising anything), then return
-    ([(src, rows)], per-local-expert counts, time the last flag was seen)."""
+    ([(src, rows)], per-local-expert counts, time the last flag was seen). `writers`: the die
+    that writes each source's flag (A2E: its trampoline; default the source itself)."""
     lo = ep.layout
     lw, parts, problems = ep.words[ep.die_id], [], []
     n_mine = place_info(ep, placement).num_local[ep.die_id]
     counts = np.zeros(n_mine, np.int64)
     name = "a2e" if what else "fused dispatch"
-    for src in sources:
+    sources = list(sources)
+    writers = sources if writers is None else list(writers)
+    for src, writer in zip(sources, writers, strict=True):
         f = lo.fused_flag_word(half, src)
-        ep.wait_ge(lw, f + G_SEQ, op, src, f"fused.flag[{half}]{what}")
+        ep.acquire(lw, f + G_SEQ, op, writer, f"fused.flag[{half}]{what}")
         count = lw[f + G_COUNT]
         if count == REFUSED:
             problems.append(refused(ep, src, name, op))
@@ -173,23 +180,33 @@ def _fused_flags(ep, lay, info, half, op, event_id, code) -> None:
 
 def _carry_dispatch(ep: Endpoint, lay, info, half: int, op: int) -> None:
     """FusedDispatch steps 1-2 to the dies on other hosts, after the kernels wrote their
-    mirrors: this source's packets in each one's block, its counts and flag words, then the
-    flag's operation number LAST (`publish`; the mirror's copy of it is this die's shadow)."""
+    mirrors, in the protocol's order: this source's packets in every one's block (step 1),
+    then each one's counts and flag words, the flag's operation number LAST (step 2:
+    `publish`; the mirror's copy of it is this die's shadow)."""
     lo, fab, me = ep.layout, ep.fab, ep.die_id
     stride = lo.pull_disp_stride
     block = block_off(ep, half, me)
     cw = lo.fused_counts_off_of(half, me) // 8
     flag = lo.fused_flag_word(half, me)
     offs, starts = lay.dest_offsets.tolist(), info.exp_start.tolist()
+    cap = ep.cap
     for d in range(ep.num_dies):
-        if not fab.remote[d]:
-            continue
         p = info.pos[d]
-        if p >= 0 and offs[p + 1] > offs[p]:
-            fab.push(d, block, (offs[p + 1] - offs[p]) * stride)
-        if starts[d + 1] > starts[d]:
-            fab.push_words(d, cw, starts[d + 1] - starts[d])
-        carry_flag(fab, d, flag, op)
+        if p < 0 or offs[p + 1] == offs[p]:
+            continue
+        a, b = offs[p], offs[p + 1]
+        if cap is not None:  # the rows' messages (this die's own: a local write)
+            slots = getattr(lay, "msg_slot", None)  # a dedup layout: a row per token already
+            cap.rows(d, b - a, b - a if slots is None else tokens_of(slots[a:b]), stride)
+            if d == me:
+                cap.put(me, (b - a) * stride, "fused_disp")
+        if fab.remote[d]:
+            fab.push(d, block, (b - a) * stride)
+    for d in range(ep.num_dies):
+        if fab.remote[d]:
+            if starts[d + 1] > starts[d]:
+                fab.push_words(d, cw, starts[d + 1] - starts[d])
+            carry_flag(fab, d, flag, op)
 
 
 def _fused_receive(ep, half, op, event_id, placement, quant, lay, topk_idx, topk_weights, pb):
@@ -203,7 +220,7 @@ def _fused_receive(ep, half, op, event_id, placement, quant, lay, topk_idx, topk
     code = QUANT_CODE[quant]
     for src in range(ep.num_dies):
         f = lo.fused_flag_word(half, src)
-        ep.wait_ge(lw, f + G_SEQ, op, src, f"fused.flag[{half}]")
+        ep.acquire(lw, f + G_SEQ, op, src, f"fused.flag[{half}]")
         count = lw[f + G_COUNT]
         if count == REFUSED:
             problems.append(refused(ep, src, "fused dispatch", op))
@@ -243,6 +260,8 @@ def _fused_receive(ep, half, op, event_id, placement, quant, lay, topk_idx, topk
             f"die {ep.die_id}: fused dispatch packets per local expert {counts.tolist()} disagree"
             " with the counts their sources wrote"
         )
+    if ep.cap is not None:
+        ep.cap.op("assemble", 0, total * stride, total * stride, t3, unit="aiv", rows=total)
     if got < 0:
         raise ProtocolError(
             f"die {ep.die_id}: dispatch rows from die {-1 - got} name a local expert outside"
@@ -286,6 +305,10 @@ def fused_combine(
     check_sources(ep, owners, op, event_id, "fused combine")
     t2 = now_ns()
     out = own_weighted_sum(ep, idx, w)
+    if ep.cap is not None:
+        rows, h = len(r_slot), lo.a2a_hidden
+        ep.cap.op("weighted_sum", 2 * rows * h, rows * lo.pull_comb_stride, 2 * len(out) * h, t2,
+                  unit="aiv", rows=rows)  # fmt: skip
     if tr:
         t3 = now_ns()
         n_rows = len(handle.recv_src_rank if g is None else g.src)

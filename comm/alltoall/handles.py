@@ -117,7 +117,8 @@ class A2EHandle:
         role: "attention" or "expert".
         dispatch: an expert die's DispatchHandle (None on attention dies).
         topk_idx, topk_weights: an attention die's routing (None on expert dies).
-        partner_slots: on a trampoline, the (batch_slot, k_index) pairs its attention die routed.
+        partner_slots: on a trampoline, the (batch_slot, k_index, expert die) of every row its
+            attention die routed.
         metadata_writes: fields this die wrote in other dies' meta areas during `a2e`.
         op: the pod-wide operation number of the call (`Split.next_op`); e2a uses it too.
         event_id: the operation's event id (an expert die may have learned it from the packets).
@@ -131,7 +132,7 @@ class A2EHandle:
     dispatch: DispatchHandle | None
     topk_idx: np.ndarray | None
     topk_weights: np.ndarray | None
-    partner_slots: tuple[np.ndarray, np.ndarray] | None
+    partner_slots: tuple[np.ndarray, np.ndarray, np.ndarray] | None
     metadata_writes: int
     op: int = 0
     event_id: int = 0

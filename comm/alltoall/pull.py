@@ -67,6 +67,7 @@ from comm.alltoall.packets import assemble, assemble_dedup, dedup_packer, payloa
 from comm.alltoall.refuse import refuse_combine, refuse_dispatch
 from comm.alltoall.remote import pull_blocks
 from comm.alltoall.state import a2a_state, kernels, place_info, region_addrs
+from comm.capture import captured
 from comm.endpoint import Endpoint
 from comm.quant import BF16
 from comm.routing import Placement
@@ -74,6 +75,7 @@ from comm.trace import now_ns
 from memory.errors import ProtocolError
 
 
+@captured("dispatch")
 def dispatch(
     ep: Endpoint,
     x: np.ndarray,
@@ -132,6 +134,9 @@ def dispatch(
         refuse_dispatch(ep, protocol, refusal_event(event_id), e)
         raise
     t1 = now_ns()
+    if ep.cap is not None and quant == "int8":  # the hardware's: bf16 in, int8 + scale out
+        b, h = x.shape
+        ep.cap.op("quantize", 3 * b * h, 2 * b * h, b * h + 4 * b, t0, unit="aiv", rows=b, hidden=h)
     code = QUANT_CODE[quant] + (DEDUP_CODE if dl is not None else 0)
     if protocol == "fused":
         res = fused_dispatch(
@@ -155,6 +160,8 @@ def dispatch(
         pack(0, n, flat8, flat8.view(np.int32))
     offs = (lay if dl is None else dl).dest_offsets.tolist()
     t2 = now_ns()
+    if ep.cap is not None:  # step 3: this die's own send rows, a local write
+        ep.cap.copy(n * stride, t1)
     # step 4: tell every destination where its block is
     for p, d in enumerate(placement.dies):
         publish(ep, DISPATCH, half, d, event_id, offs[p], offs[p + 1] - offs[p], op, code)
@@ -171,8 +178,13 @@ def dispatch(
     ]
     if ep.fab.any_remote:  # a source on another host: its block into its mirror first
         pull_blocks(ep, ep.layout.pull_block_off(DISPATCH, half), stride, where)
+    t5 = now_ns()
     args = (ep, parts, pb, quant, placement, lay, topk_idx, topk_weights, op, "pull")
     result = assemble(*args) if dl is None else assemble_dedup(*args, dl)
+    if ep.cap is not None:
+        total = sum(c for _, c in where)
+        ep.cap.op("assemble", 0, total * stride, len(result.x) * stride, t5, unit="aiv",
+                  rows=total)  # fmt: skip
     st.last = result.handle
     if tr:
         t5 = now_ns()
@@ -181,6 +193,7 @@ def dispatch(
     return result
 
 
+@captured("combine")
 def combine(
     ep: Endpoint, expert_out: np.ndarray, handle: DispatchHandle, event_id: int = 0
 ) -> np.ndarray:
@@ -238,6 +251,8 @@ def combine(
             ep, expert_out, g, pull_rows(ep, ep.die_id, COMBINE, half, 0, len(dest))
         )
     t1 = now_ns()
+    if ep.cap is not None:  # this die's own combine rows, a local write
+        ep.cap.copy(len(dest) * ep.layout.pull_comb_stride, t0)
     counts = np.bincount(dest, minlength=ep.num_dies)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     code = handle.op & OP_CODE_MASK
@@ -247,6 +262,10 @@ def combine(
     where = poll_fields(ep, COMBINE, half, op, event_id, code)  # step 5
     t3 = now_ns()
     out = _reduce(ep, handle, where, half)  # steps 6-7
+    if ep.cap is not None:
+        rows = sum(c for _, c in where)
+        ep.cap.op("weighted_sum", 2 * rows * hidden, rows * ep.layout.pull_comb_stride,
+                  out.shape[0] * hidden * 2, t3, unit="aiv", rows=rows)  # fmt: skip
     if ep.trace.enabled:
         t4 = now_ns()
         for step, a, b in ((3, t0, t1), (4, t1, t2), (5, t2, t3), (6, t3, t4)):

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from comm.capture import tokens_of
 from comm.endpoint import Endpoint
 from comm.fabric import Fabric
 from memory import layout as L
@@ -34,27 +35,41 @@ def push_runs(fab: Fabric, peer: int, base: int, stride: int, lin: np.ndarray, n
         fab.push(peer, base + a * stride, (b - a) * stride + nbytes)
 
 
-def push_combine(ep: Endpoint, peer: int, lin: np.ndarray, op: int, refusal: bool = False) -> None:
+def push_combine(ep: Endpoint, peer: int, lin: np.ndarray, op: int, refusal: bool = False,
+                 words: bool = True) -> None:  # fmt: skip
     """A fused combine (or E2A) to a remote peer, after its rows were written in the mirror:
     this die's event id word (and its refusal word, `refusal`), the rows at lin (none for a
-    refusal), then their completion words LAST."""
+    refusal), then their completion words LAST (`words`; else the caller publishes them with
+    `publish_slots` once it carried every peer's rows)."""
     fab, lo, me = ep.fab, ep.layout, ep.die_id
     fab.push_words(peer, lo.fused_cevent_off // L.WORD + me)
     if refusal:
         fab.push_words(peer, lo.fused_refuse_off // L.WORD + me)
     else:
         row = lo.a2a_hidden * lo.a2a_combine_bytes
-        push_runs(fab, peer, lo.fused_comb_off, lo.pull_comb_stride, lin, row)
-    base = lo.fused_cflag_off // L.WORD
+        if ep.cap is not None:  # a capture pod: the rows (in place already) as one put
+            ep.cap.rows(peer, len(lin), tokens_of(lin // lo.a2a_topk), lo.pull_comb_stride)
+            ep.cap.put(peer, len(lin) * lo.pull_comb_stride, "fused_comb")
+        else:
+            push_runs(fab, peer, lo.fused_comb_off, lo.pull_comb_stride, lin, row)
+    if words:
+        publish_slots(ep, peer, lin, op)
+
+
+def publish_slots(ep: Endpoint, peer: int, lin: np.ndarray, op: int) -> None:
+    """The completion words of the combine rows at lin of a remote peer, after the rows."""
+    base = ep.layout.fused_cflag_off // L.WORD
     words = (lin + base).tolist()
-    fab.publish_many(peer, words, [op] * len(words))
+    ep.fab.publish_many(peer, words, [op] * len(words))
 
 
 def pull_blocks(ep: Endpoint, base: int, stride: int, where: Sequence[tuple[int, int]]) -> None:
     """Bring every remote source's rows [off, off + count) of its area at byte `base` (rows
     `stride` bytes apart) into its mirror, before they are read; where[src] = (off, count),
     already checked against the area."""
-    fab = ep.fab
+    fab, cap = ep.fab, ep.cap
     for src, (off, count) in enumerate(where):
         if count > 0 and fab.remote[src]:
+            if cap is not None:
+                cap.rows(src, count, 0, stride)
             fab.pull(src, base + off * stride, count * stride)

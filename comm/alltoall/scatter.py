@@ -10,10 +10,12 @@ import numpy as np
 
 from comm.alltoall.areas import comb_dtype, comb_flat_elems, meta_words
 from comm.alltoall.handles import DedupGroups
-from comm.alltoall.remote import push_combine
+from comm.alltoall.remote import publish_slots, push_combine
 from comm.alltoall.state import kernels, region_addrs
+from comm.capture import tokens_of
 from comm.endpoint import Endpoint
 from comm.quant import BF16
+from comm.trace import now_ns
 from memory.errors import ProtocolError
 
 _NO_BITS = {2: np.zeros(0, np.uint16), 4: np.zeros(0, np.int32)}  # their bits, by size
@@ -61,11 +63,25 @@ def write_slots_by_src(
     bits = np.uint32 if rows.dtype != cdt else (np.uint16 if item == 2 else np.int32)
     k.fused_scatter(rows.view(bits), *args, mem.addrs, mem.nbytes, _NO_BITS[item], *place)
     k.fused_cflags(mem.addrs, mem.nbytes, lin, starts, lo.fused_cflag_off // 8, op)  # LAST
-    if ep.fab.any_remote:  # the kernels wrote the mirrors of other hosts' dies: carry them
-        ends = starts.tolist()
-        for d in range(ep.num_dies):
-            if ends[d] < ends[d + 1] and ep.fab.remote[d]:
-                push_combine(ep, d, lin[ends[d] : ends[d + 1]], op)
+    if ep.fab.any_remote:  # the kernels wrote the mirrors of other hosts' dies: carry them,
+        ends = starts.tolist()  # every row first, then every die's completion words
+        runs = [(d, lin[ends[d] : ends[d + 1]]) for d in range(ep.num_dies)
+                if ends[d] < ends[d + 1] and ep.fab.remote[d]]  # fmt: skip
+        for d, part in runs:
+            push_combine(ep, d, part, op, words=False)
+        local_rows(ep, lin[ends[ep.die_id] : ends[ep.die_id + 1]])
+        for d, part in runs:
+            publish_slots(ep, d, part, op)
+
+
+def local_rows(ep: Endpoint, lin: np.ndarray) -> None:
+    """A capture pod: the combine rows this die wrote into its own buffer (at lin), a local
+    put with their rows (the per-row work counts as a remote row's does)."""
+    if ep.cap is None or not len(lin):
+        return
+    lo = ep.layout
+    ep.cap.rows(ep.die_id, len(lin), tokens_of(lin // lo.a2a_topk), lo.pull_comb_stride)
+    ep.cap.put(ep.die_id, len(lin) * lo.pull_comb_stride, "fused_comb")
 
 
 def _bad_plan(ep: Endpoint, dest, slots, ks, cap: int) -> None:
@@ -104,6 +120,10 @@ def write_groups_by_src(
     stride = lo.pull_comb_stride // lo.a2a_combine_bytes
     starts = starts.tolist()
     remote = ep.fab.remote if ep.fab.any_remote else [False] * ep.num_dies
+    sent = []  # the remote dies' rows: their completion words go after every row
+    if ep.cap is not None:  # each group pre-reduced over its experts' rows (bf16 on hardware)
+        h, e = lo.a2a_hidden, len(g.pos)
+        ep.cap.op("reduce_groups", 2 * e * h, 2 * e * h, 2 * n * h, unit="aiv", rows=e, groups=n)
     for d in range(ep.num_dies):
         a, b = starts[d], starts[d + 1]
         if a == b:
@@ -117,9 +137,13 @@ def write_groups_by_src(
                 " written"
             )
         if remote[d]:  # another host: the event word and rows written in its mirror
-            push_combine(ep, d, lin[a:b], op)
+            push_combine(ep, d, lin[a:b], op, words=False)
+            sent.append((d, lin[a:b]))
         else:
+            local_rows(ep, lin[a:b])
             meta_words(ep, d, lo.fused_cflag_off, cap)[lin[a:b]] = op  # LAST
+    for d, part in sent:
+        publish_slots(ep, d, part, op)
 
 
 def _bad_dedup_plan(ep: Endpoint, g: DedupGroups, cap: int) -> None:
@@ -153,10 +177,16 @@ def wait_slots(
     slots = np.ascontiguousarray(slots, np.int64)
     ks = np.ascontiguousarray(ks, np.int64)
     pending = kernels().first_pending
+    t0 = now_ns()
     while True:
         j = pending(flags, slots, ks, topk, op)
         if j < 0:
-            return
+            break
         peer = -1 if owners is None else int(owners[j])
         i = int(slots[j] * topk + ks[j])
         ep.wait_ge(ep.words[ep.die_id], base + i, op, peer, f"{what}.cflag[{i}]")
+    if ep.cap is not None and len(slots):  # one guarded step over every routed slot
+        if owners is None:
+            raise ProtocolError(f"die {ep.die_id}: {what}: a capture needs each slot's writer")
+        words = (base + slots * topk + ks).tolist()
+        ep.cap.acq(words, [op] * len(words), np.asarray(owners).tolist(), f"{what}.cflag", t0)

@@ -55,6 +55,7 @@ from comm.alltoall.refuse import refuse_slots
 from comm.alltoall.scatter import wait_slots, write_slots_by_src
 from comm.alltoall.split import Split, as_split
 from comm.alltoall.state import a2a_state, kernels
+from comm.capture import captured, tokens_of
 from comm.endpoint import Endpoint
 from comm.quant import BF16
 from comm.routing import Placement, get_dispatch_layout
@@ -119,6 +120,7 @@ def a2e_align(ep: Endpoint, split: Split | int) -> None:
     st.a2e_next_mb = 0
 
 
+@captured("a2e")
 def a2e(
     ep: Endpoint,
     x: np.ndarray | None,
@@ -179,6 +181,9 @@ def a2e(
         bad, event_id = e, refusal_event(event_id)
     tr = ep.trace if ep.trace.enabled else None
     t0 = now_ns()
+    if ep.cap is not None and attention and bad is None and quant == "int8":
+        b, h = x.shape  # the hardware's: bf16 in, int8 + scale out
+        ep.cap.op("quantize", 3 * b * h, 2 * b * h, b * h + 4 * b, unit="aiv", rows=b, hidden=h)
     if attention:
         d = sp.domain_of(me)
         op = st.fused_ops[DISPATCH] = sp.next_op(st.fused_ops[DISPATCH], d, mb_next, False)
@@ -208,8 +213,8 @@ def a2e(
     t1 = now_ns()
     try:
         if event_id is None:
-            event_id = _learn_event(ep, half, op, sp.domains[d])
-        res = _expert_gather(ep, half, op, event_id, sp.domains[d], placement, quant)
+            event_id = _learn_event(ep, sp, half, op, sp.domains[d])
+        res = _expert_gather(ep, sp, half, op, event_id, sp.domains[d], placement, quant)
     except PodError as e:
         if bad is not None:
             raise bad from e
@@ -246,13 +251,13 @@ def _check_microbatch(ep: Endpoint, sp: Split, mb: object, slot_base: object, x,
             )
 
 
-def _learn_event(ep: Endpoint, half: int, op: int, sources) -> int:
+def _learn_event(ep: Endpoint, sp: Split, half: int, op: int, sources) -> int:
     """The event id of this operation, from the first source's forwarded flag (the gather
-    then checks that every source agrees)."""
+    then checks that every source agrees); the flag's writer is the source's trampoline."""
     lw = ep.words[ep.die_id]
     src = sources[0]
     f = ep.layout.fused_flag_word(half, src)
-    ep.wait_ge(lw, f + G_SEQ, op, src, f"fused.flag[{half}] (forwarded)")
+    ep.acquire(lw, f + G_SEQ, op, sp.trampoline(src), f"fused.flag[{half}] (forwarded)")
     return int(lw[f + G_EVENT])
 
 
@@ -269,6 +274,8 @@ def _a2e_stage1(ep, payload, scale, lay, tramp, op, event_id, code, slot_base) -
     meta[:, 2] = lay.msg_k
     meta[:, 3] = lay.msg_local_expert | lay.msg_dest << DEST_SHIFT
     if n and ep.fab.any_remote and ep.fab.remote[tramp]:  # its mirror: push the rows
+        if ep.cap is not None:
+            ep.cap.rows(tramp, n, tokens_of(lay.msg_slot), stride)
         ep.fab.push(tramp, lo.a2e_in_off + (op & 1) * lo.pull_disp_rows * stride, n * stride)
     # the one metadata write of this attention die
     publish_flag(ep, tramp, _flag_word(ep, op), event_id, n, op, code)
@@ -280,7 +287,7 @@ def _a2e_stage2(ep, att, half, op, placement):
     lo = ep.layout
     lw = ep.words[ep.die_id]
     f = _flag_word(ep, op)
-    ep.wait_ge(lw, f + G_SEQ, op, att, f"a2e.flag[{half}]")
+    ep.acquire(lw, f + G_SEQ, op, att, f"a2e.flag[{half}]")
     if lw[f + G_SEQ] != op:
         raise ProtocolError(
             f"die {ep.die_id}: a2e flag of attention die {att} carries operation"
@@ -291,39 +298,55 @@ def _a2e_stage2(ep, att, half, op, placement):
     if n == REFUSED:
         for d in placement.dies:
             publish_flag(ep, d, lo.fused_flag_word(half, att), event, REFUSED, op)
-        return (np.zeros(0, np.int64), np.zeros(0, np.int64)), len(placement.dies)
+        none = np.zeros(0, np.int64)
+        return (none, none, none), len(placement.dies)
     rows = _a2e_rows(ep, ep.die_id, half, n)
     meta = rows[:, stride - L.PULL_ROW_META :].view(np.int32)
     dest = meta[:, 3] >> DEST_SHIFT
     local = meta[:, 3] & ((1 << DEST_SHIFT) - 1)
     remote = ep.fab.remote if ep.fab.any_remote else [False] * ep.num_dies
-    for d in placement.dies:
+    cw = lo.fused_counts_off_of(half, att)
+    sent = []
+    for d in placement.dies:  # every expert die's rows first, then their counts and flags
         sel = np.nonzero(dest == d)[0]
         block = fused_rows(ep, d, half, att, len(sel))  # the expert die's block for att
         block[:] = rows[sel]
         block[:, stride - 4 : stride] = local[sel].view(np.uint8).reshape(-1, 4)
         n_local = placement.num_local(d)
-        counts = np.bincount(local[sel], minlength=n_local)
-        cw = lo.fused_counts_off_of(half, att)
-        meta_words(ep, d, cw, n_local)[:] = counts
-        if remote[d]:  # its mirror: push the rows and counts (the flag is published)
+        meta_words(ep, d, cw, n_local)[:] = np.bincount(local[sel], minlength=n_local)
+        if ep.cap is not None and len(sel):  # the forwarded rows' messages (self: local)
+            ep.cap.rows(d, len(sel), tokens_of(meta[sel, 1]), stride)
+            if not remote[d]:
+                ep.cap.put(d, len(sel) * stride, "fused_disp")
+        if remote[d] and len(sel):  # its mirror: push the rows (the flag is published)
             ep.fab.push(d, block_off(ep, half, att), len(sel) * stride)
+        sent.append((d, len(sel), n_local))
+    for d, n_rows, n_local in sent:
+        if remote[d]:
             ep.fab.push_words(d, cw // L.WORD, n_local)
-        publish_flag(ep, d, lo.fused_flag_word(half, att), event, len(sel), op, code)
-    return (meta[:, 1].astype(np.int64), meta[:, 2].astype(np.int64)), len(placement.dies)
+        publish_flag(ep, d, lo.fused_flag_word(half, att), event, n_rows, op, code)
+    slots, ks = meta[:, 1].astype(np.int64), meta[:, 2].astype(np.int64)
+    return (slots, ks, dest.astype(np.int64)), len(placement.dies)
 
 
-def _expert_gather(ep, half, op, event_id, sources, placement, quant) -> DispatchResult:
-    """An expert die waits for the forwarded flags of the domain's attention dies and groups
-    their rows (local expert, source, slot, k)."""
+def _expert_gather(ep, sp, half, op, event_id, sources, placement, quant) -> DispatchResult:
+    """An expert die waits for the forwarded flags of the domain's attention dies (each
+    written by its trampoline) and groups their rows (local expert, source, slot, k)."""
     lo = ep.layout
-    parts, _, _ = fused_gather(ep, half, op, event_id, sources, placement, " (forwarded)", quant)
+    t0 = now_ns()
+    writers = [sp.trampoline(a) for a in sources]
+    parts, _, _ = fused_gather(ep, half, op, event_id, sources, placement, " (forwarded)", quant,
+                               writers=writers)  # fmt: skip
+    if ep.cap is not None:
+        n, stride = sum(len(r) for _, r in parts), lo.pull_disp_stride
+        ep.cap.op("assemble", 0, n * stride, n * stride, t0, unit="aiv", rows=n)
     pb = lo.a2a_hidden * (1 if quant == "int8" else 4)
     empty = get_dispatch_layout(np.zeros((0, lo.a2a_topk), np.int64), placement)
     none = np.zeros((0, lo.a2a_topk))
     return assemble(ep, parts, pb, quant, placement, empty, none, none, op, "a2e")
 
 
+@captured("e2a")
 def e2a(
     ep: Endpoint, expert_out: np.ndarray | None, handle: A2EHandle, event_id: int | None = 0
 ) -> np.ndarray | None:
@@ -369,7 +392,7 @@ def e2a(
     # no attention die runs a cycle ahead of the areas
     f = _flag_word(ep, op)
     lw = ep.words[ep.die_id]
-    ep.wait_ge(lw, f + G_SEQ, op, tramp, f"e2a'.done[{op & 1}]")
+    ep.acquire(lw, f + G_SEQ, op, tramp, f"e2a'.done[{op & 1}]")
     st.a2e_open.pop(op, None)
     if bad is not None:
         raise bad
@@ -389,6 +412,10 @@ def e2a(
     wait_slots(ep, r_slot + base, r_k, op, "e2a'", np.full(len(r_slot), tramp))  # done: a check
     t1 = now_ns()
     out = _weighted_sum_at(ep, idx, w, base)
+    if ep.cap is not None:
+        rows, h = len(r_slot), ep.layout.a2a_hidden
+        ep.cap.op("weighted_sum", 2 * rows * h, rows * ep.layout.pull_comb_stride,
+                  2 * len(out) * h, t1, unit="aiv", rows=rows)  # fmt: skip
     if ep.trace.enabled:
         ep.trace.rec(t0, t1 - t0, "e2a", 5, tramp, 0, event_id, 0)
         ep.trace.rec(t1, now_ns() - t1, "e2a", 6, -1, 0, event_id, 0)
@@ -435,15 +462,13 @@ def _e2a_expert(ep, expert_out, handle, op, event_id, bad) -> None:
             meta_words(ep, t, lo.a2e_seen_off, ep.num_dies)[me] = op
     if handle.partner is not None:  # E2A': a trampoline forwards to its partner
         att = handle.partner
-        slots, ks = handle.partner_slots
-        wait_slots(ep, slots, ks, op, "e2a")
+        slots, ks, owners = handle.partner_slots
+        wait_slots(ep, slots, ks, op, "e2a", owners)
         # and every expert die finished it: none still reads a block the next calls reuse
-        seen = meta_words(ep, me, lo.a2e_seen_off, ep.num_dies)
         lw = ep.words[me]
         base = lo.a2e_seen_off // L.WORD
         for x in handle.split.exp_dies:
-            if seen[x] < op:
-                ep.wait_ge(lw, base + x, op, x, "a2e.seen (its E2A of the operation)")
+            ep.acquire(lw, base + x, op, x, "a2e.seen (its E2A of the operation)")
         t2 = now_ns()
         partner = np.full(len(slots), att, np.int64)
         refuse = meta_words(ep, me, lo.fused_refuse_off, ep.num_dies)

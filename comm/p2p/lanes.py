@@ -22,7 +22,8 @@ class TxRing:
 
     __slots__ = (
         "ep", "dst", "lane", "src", "lo", "hi", "k", "nchunks", "seq", "event_id", "info",
-        "dw", "desc", "aw", "ack", "ring", "ring_off", "tail", "dma", "op", "fin", "fab",
+        "dw", "desc", "aw", "ack", "ring", "ring_off", "tail", "dma", "op", "fin", "fab", "sid",
+        "t_acq",
     )  # fmt: skip
 
     def __init__(self, ep, dst, lane, src, lo, hi, seq, event_id, info, dma):
@@ -45,11 +46,14 @@ class TxRing:
         # A die on another host (docs/protocols.md §11): the slot and the payload words go
         # over the fabric, then chunk_id and tail_ptr are published after them.
         self.fab = ep.fab if ep.fab.remote[dst] else None
+        self.sid, self.t_acq = -1, 0  # a capture pod: this lane's stream (`lane_streams`)
 
     def pump(self) -> bool:
         k, nch = self.k, self.nchunks
         if k == nch:
             return False
+        if self.sid >= 0:
+            return self._pump_captured()
         ep = self.ep
         lo_ = ep.layout
         slots, C = lo_.ring_slots, lo_.slot_bytes
@@ -96,6 +100,42 @@ class TxRing:
         self.k, self.tail = k, tail
         return moved
 
+    def _pump_captured(self) -> bool:
+        """`pump` in a capture pod, canonical (docs/projection.md): a chunk at a time (dma: a
+        run of half the ring or to its end), each once its credit is in, recorded as its
+        guarded step, the slot's put and the descriptor's publish, whatever credits the host
+        happened to have."""
+        ep, cap = self.ep, self.ep.cap
+        lo_ = ep.layout
+        slots, C = lo_.ring_slots, lo_.slot_bytes
+        moved = False
+        with cap.on(self.sid):
+            while self.k < self.nchunks:
+                k, tail = self.k, self.tail
+                run = min(self.nchunks - k, slots - tail % slots, slots // 2) if self.dma else 1
+                need = tail + run - slots  # head_ptr this chunk's credit needs
+                if self.aw[self.ack + L.ACK_HEAD] < need:
+                    self.t_acq = self.t_acq or now_ns()
+                    return moved
+                cap.acq((self.ack + L.ACK_HEAD,), (need,), (self.dst,), "ack.head_ptr",
+                        self.t_acq or now_ns())  # fmt: skip
+                self.t_acq = 0
+                a = self.lo + k * C
+                b = min(self.hi, a + run * C)
+                off = self.ring_off + (tail % slots) * C
+                if self.dma:
+                    copy_bytes(self.ring[off : off + b - a], self.src[a:b])
+                else:
+                    self._mte(a, b, off, k, None)
+                self.dw[self.desc + L.DESC_EVENT] = self.event_id
+                self.dw[self.desc + L.DESC_INFO] = self.info
+                self.tail = tail + run
+                chunk = self.seq << SEQ_SHIFT | (k + run - 1)
+                _publish_chunk(self.fab, self.dst, off, b - a, self.desc, chunk, self.tail)
+                self.k = k + run
+                moved = True
+        return moved
+
     def _mte(self, a, b, off, k, tr):
         ub = self.ep.ub(self.lane)
         half = len(ub[0])
@@ -128,8 +168,15 @@ class TxRing:
         if self.fin:
             return True
         if self.k < self.nchunks or self.aw[self.ack + L.ACK_DONE] < self.seq:
+            if self.sid >= 0 and self.k == self.nchunks:
+                self.t_acq = self.t_acq or now_ns()
             return False
         self.fin = True
+        if self.sid >= 0:  # step 8, the ack: this lane's last guarded step
+            cap = self.ep.cap
+            with cap.on(self.sid):
+                cap.acq((self.ack + L.ACK_DONE,), (self.seq,), (self.dst,), "ack.done",
+                        self.t_acq or now_ns())  # fmt: skip
         trace_done(self.ep, self.op, self.dst, self.lane, self.event_id, self.hi - self.lo)
         return True
 
@@ -170,7 +217,7 @@ class Rx:
     __slots__ = (
         "ep", "src", "lane", "dst", "lo", "hi", "k", "nchunks", "seq", "event_id", "info", "mode",
         "status", "ack_event", "lw", "desc", "rw", "ack", "ring", "ring_off", "head", "acked",
-        "t_wait", "op", "fab",
+        "t_wait", "op", "fab", "sid", "t_acq",
     )  # fmt: skip
 
     def __init__(
@@ -197,10 +244,13 @@ class Rx:
         self.acked = False
         self.t_wait = now_ns()
         self.fab = ep.fab if ep.fab.remote[src] else None
+        self.sid, self.t_acq = -1, 0  # a capture pod: this lane's stream (`lane_streams`)
 
     def pump(self) -> bool:
         if self.acked:
             return False
+        if self.sid >= 0:
+            return self._pump_captured()
         ep = self.ep
         lw, desc = self.lw, self.desc
         tail = lw[desc + L.DESC_TAIL]
@@ -246,6 +296,52 @@ class Rx:
             publish_ack(self.fab, self.src, ack, head, None)  # one credit per pump
         return True
 
+    def _pump_captured(self) -> bool:
+        """`pump` in a capture pod, canonical: a chunk at a time (dma: the sender's runs, the
+        same function of the ring position), each recorded as its guarded step (tail_ptr),
+        its copy out of the ring (none for zero-copy) and its credit, the last one the ack."""
+        ep, cap = self.ep, self.ep.cap
+        lo_ = ep.layout
+        slots, C = lo_.ring_slots, lo_.slot_bytes
+        lw, desc, mode = self.lw, self.desc, self.mode
+        moved = False
+        with cap.on(self.sid):
+            while self.k < self.nchunks:
+                head, k = self.head, self.k
+                run = min(self.nchunks - k, slots - head % slots, slots // 2) if mode == DMA else 1
+                if lw[desc + L.DESC_TAIL] < head + run or (
+                    lw[desc + L.DESC_CHUNK] >> SEQ_SHIFT < self.seq
+                ):
+                    self.t_acq = self.t_acq or now_ns()
+                    return moved
+                if (
+                    lw[desc + L.DESC_CHUNK] >> SEQ_SHIFT != self.seq
+                    or lw[desc + L.DESC_EVENT] != self.event_id
+                    or lw[desc + L.DESC_INFO] != self.info
+                ):
+                    raise self._foreign()
+                cap.acq((desc + L.DESC_TAIL,), (head + run,), (self.src,), "desc.tail_ptr",
+                        self.t_acq or now_ns())  # fmt: skip
+                self.t_acq = 0
+                if mode in (MTE, DMA):
+                    a = self.lo + k * C
+                    b = min(self.hi, a + run * C)
+                    off = self.ring_off + (head % slots) * C
+                    t0 = now_ns()
+                    if mode == DMA:
+                        copy_bytes(self.dst[a:b], self.ring[off : off + b - a])
+                    else:
+                        self._mte(a, b, off, k)
+                    cap.copy(b - a, t0)
+                self.head, self.k = head + run, k + run
+                self.rw[self.ack + L.ACK_HEAD] = self.head
+                if self.k == self.nchunks:
+                    self._ack(None)
+                else:
+                    publish_ack(self.fab, self.src, self.ack, self.head, None)
+                moved = True
+        return moved
+
     def _foreign(self) -> ProtocolError:
         lw, desc = self.lw, self.desc
         return ProtocolError(
@@ -288,6 +384,19 @@ class Rx:
 
     def check(self) -> None:
         """A receiver lane's errors are raised by `pump`."""
+
+
+def lane_streams(ep: Endpoint, lanes: Sequence, tx: bool, peer: int, sid: int,
+                 seq: int) -> None:  # fmt: skip
+    """A capture pod: give each lane its stream (`p2p.tx.D.L`, `p2p.rx.S.L`; the DMA engine's:
+    `dma.*`), starting after event `seq` of stream `sid` (its call's begin, or where the
+    receive learned of the message)."""
+    cap = ep.cap
+    for ln in lanes:
+        kind = "dma" if getattr(ln, "dma", False) or getattr(ln, "mode", 0) == DMA else "p2p"
+        ln.sid = cap.stream(f"{kind}.{'tx' if tx else 'rx'}.{peer}.{ln.lane}")
+        if ln.sid != sid:
+            cap.after(ln.sid, sid, seq)
 
 
 def check_lanes(lanes: Sequence) -> None:

@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from comm.endpoint import Endpoint
-from comm.p2p.lanes import Rx, TxRing, check_lanes, publish_ack
+from comm.p2p.lanes import Rx, TxRing, check_lanes, lane_streams, publish_ack
 from comm.p2p.message import ABORTED, DMA, SEQ_SHIFT, ZC, check_args, pack_info, stripes
 from comm.p2p.mismatch import reject, rx_error, verdict
 from comm.p2p.zero_copy import TxZeroCopy, app_offset, post_rendezvous
@@ -32,6 +32,7 @@ class Request:
 
     __slots__ = (
         "ep", "peer", "is_send", "event_id", "_start", "_lanes", "_job", "_queue", "done", "error",
+        "begin",
     )  # fmt: skip
 
     def __init__(self, ep: Endpoint, peer: int, is_send: bool, event_id: int, start):
@@ -44,6 +45,9 @@ class Request:
         ep.active.append(self)
         self.done = False
         self.error: BaseException | None = None
+        cap = ep.cap  # a capture pod: the call starts on the caller's stream (main)
+        self.begin = -1 if cap is None else cap.begin("send" if is_send else "recv", event_id,
+                                                       cap.main)  # fmt: skip
 
     def advance(self) -> bool:
         """Move as far as possible without blocking; True if anything moved. Errors are kept in
@@ -78,6 +82,10 @@ class Request:
         self.error = error
         self._queue.remove(self)
         self.ep.active.remove(self)
+        cap = self.ep.cap
+        if cap is not None and self.begin >= 0:  # the call ends once every lane has
+            joins = [(ln.sid, cap.last(ln.sid)) for ln in self._lanes or () if ln.sid >= 0]
+            cap.end("send" if self.is_send else "recv", self.event_id, joins)
 
     def _result(self) -> bool:
         if self.error is not None:
@@ -187,14 +195,19 @@ def isend(
         spans = stripes(len(mv), cores)
         seq = ep.tx_seq[dst][0] = ep.tx_seq[dst][0] + 1  # one seq per message of the pair
         if var == ZC:
-            return [
+            lanes = [
                 TxZeroCopy(ep, dst, i, mv, a, b, seq, event_id, info)
                 for i, (a, b) in enumerate(spans)
             ]
+            if ep.cap is not None:  # after lane 0's announcement (on the caller's stream)
+                lane_streams(ep, lanes, True, dst, ep.cap.main, ep.cap.last(ep.cap.main))
+            return lanes
         lanes = [
             TxRing(ep, dst, i, mv, a, b, seq, event_id, info, var == DMA)
             for i, (a, b) in enumerate(spans)
         ]
+        if ep.cap is not None:
+            lane_streams(ep, lanes, True, dst, ep.cap.main, req.begin)
         if var == DMA:
             req._job = ep.dma.submit(lanes)
         return lanes
@@ -224,13 +237,22 @@ def irecv(
         seq = lw[chunk0] >> SEQ_SHIFT
         if seq <= rw[done0]:
             return None
+        cap = ep.cap
+        if cap is not None:  # step 5's first guarded step: the message's start on lane 0
+            sid0 = cap.stream(f"{'dma' if var == DMA else 'p2p'}.rx.{src}.0")
+            cap.after(sid0, cap.main, req.begin)
+            with cap.on(sid0):
+                cap.acq((chunk0,), (seq << SEQ_SHIFT,), (src,), "desc.chunk_id", t_start)
         got, got_event = lw[chunk0 - L.DESC_CHUNK + L.DESC_INFO], lw[chunk0 - L.DESC_CHUNK]
         status = verdict(expect, got, event_id, got_event)
         if status:
             reject(ep, src, seq, got, got_event, event_id, status)
             raise rx_error(ep, src, event_id, expect, got, got_event, status)
         spans = stripes(len(mv), cores)
-        if var == ZC:
+        if var == ZC and cap is not None:  # the rendezvous: lane 0's step 0
+            with cap.on(sid0):
+                post_rendezvous(ep, buf, mv, src, seq, event_id, cores)
+        elif var == ZC:
             post_rendezvous(ep, buf, mv, src, seq, event_id, cores)
         slot = ep.layout.slot_bytes
         lanes = [
@@ -249,10 +271,13 @@ def irecv(
             )  # fmt: skip
             for i, (a, b) in enumerate(spans)
         ]
+        if cap is not None:  # every lane after lane 0's start (the rendezvous posted on it)
+            lane_streams(ep, lanes, False, src, sid0, cap.last(sid0))
         if var == DMA:
             req._job = ep.dma.submit(lanes)
         return lanes
 
+    t_start = now_ns()
     req = Request(ep, src, False, event_id, start)
     req.test()
     return req

@@ -33,7 +33,7 @@ class TxZeroCopy:
 
     __slots__ = (
         "ep", "dst", "lane", "src", "lo", "hi", "seq", "event_id", "info", "dw", "desc",
-        "aw", "ack", "rdv", "sent", "t_wait", "fin", "fab",
+        "aw", "ack", "rdv", "sent", "t_wait", "fin", "fab", "sid", "t_acq",
     )  # fmt: skip
 
     def __init__(self, ep, dst, lane, src, lo, hi, seq, event_id, info):
@@ -47,6 +47,7 @@ class TxZeroCopy:
         self.rdv = t.rdv[dst][lane]
         self.sent = self.fin = False
         self.t_wait = now_ns()
+        self.sid, self.t_acq = -1, 0  # a capture pod: this lane's stream
         fab = self.fab = ep.fab if ep.fab.remote[dst] else None
         if lane == 0:
             # Ready-to-send: event id, msg_info, then chunk_id LAST, tail_ptr untouched. The
@@ -70,6 +71,16 @@ class TxZeroCopy:
         tag = aw[rdv + L.RDV_SEQ]
         if tag < self.seq:
             return False  # a rendezvous of an earlier message, or none yet
+        if self.sid >= 0:
+            with ep.cap.on(self.sid):
+                ep.cap.acq((rdv + L.RDV_SEQ,), (self.seq,), (self.dst,), "rdv.seq", self.t_wait)
+                return self._send()
+        return self._send()
+
+    def _send(self) -> bool:
+        """The rendezvous of this message is in: check it, write the stripe, publish."""
+        ep, aw, rdv = self.ep, self.aw, self.rdv
+        tag = aw[rdv + L.RDV_SEQ]
         if tag > self.seq:
             raise ProtocolError(
                 f"die {ep.die_id} send to die {self.dst} (event_id {self.event_id}), lane"
@@ -130,8 +141,15 @@ class TxZeroCopy:
         if self.fin:
             return True
         if not self.sent or self.aw[self.ack + L.ACK_DONE] < self.seq:
+            if self.sent and self.sid >= 0:
+                self.t_acq = self.t_acq or now_ns()
             return False
         self.fin = True
+        if self.sid >= 0:  # step 8: this lane's last guarded step
+            cap = self.ep.cap
+            with cap.on(self.sid):
+                cap.acq((self.ack + L.ACK_DONE,), (self.seq,), (self.dst,), "ack.done",
+                        self.t_acq or now_ns())  # fmt: skip
         trace_done(self.ep, "zc_send", self.dst, self.lane, self.event_id, self.hi - self.lo)
         return True
 

@@ -70,6 +70,8 @@ class PodConfig:
             empty: every host is this machine (emulated hosts).
         net_if: the interface (or CIDR) MPI's TCP transport and the control plane use between
             hosts (`btl_tcp_if_include`); default "lo" for emulated hosts.
+        capture: a capture pod (docs/projection.md): every die records every event projected
+            time needs (`comm.capture`), every peer reached through the fabric seam; one host.
     """
 
     num_dies: int = 4
@@ -102,6 +104,7 @@ class PodConfig:
     fabric: str = "auto"
     host_names: tuple = ()
     net_if: str = ""
+    capture: bool = False
 
     def __post_init__(self) -> None:
         if self.cores == 0:
@@ -191,6 +194,10 @@ class PodConfig:
             )
         if not isinstance(self.net_if, str):
             raise ConfigError(f"net_if: {self.net_if!r} must be an interface name or CIDR")
+        if not isinstance(self.capture, bool):
+            raise ConfigError(f"capture: {self.capture!r} must be True or False")
+        if self.capture and self.num_hosts > 1:
+            raise ConfigError("capture: a capture pod runs on one host (hosts names several)")
 
     @property
     def num_hosts(self) -> int:
@@ -198,7 +205,9 @@ class PodConfig:
 
     @property
     def fabric_kind(self) -> str:
-        """ "local" (one host), "mirror" or "mpi"."""
+        """ "local" (one host), "capture", "mirror" or "mpi"."""
+        if self.capture:
+            return "capture"
         if self.num_hosts == 1 and self.fabric not in ("mpi", "mpi-rma"):
             return "local"
         return "mirror" if self.fabric == "mirror" else "mpi"

@@ -204,7 +204,12 @@ def die_main(die_id: int, cfg: dict, pod_id: str, conn, launcher_pid: int) -> No
 
 def _fabric(die_id: int, config: PodConfig, regions: list):
     """The die's fabric in a forked pod: every region mapped; with `fabric="mirror"` the dies
-    of other (emulated) hosts become poisoned mirrors (`comm.fabric.MirrorFabric`)."""
+    of other (emulated) hosts become poisoned mirrors (`comm.fabric.MirrorFabric`); a capture
+    pod records every event (`comm.capture.CaptureFabric`)."""
+    if config.capture:
+        from comm.capture import Capture, CaptureFabric
+
+        return CaptureFabric(die_id, regions, Capture(die_id, regions[die_id].layout))
     if config.fabric_kind == "mirror":
         from comm.fabric import MirrorFabric
 
