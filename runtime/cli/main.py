@@ -8,6 +8,7 @@ xpod serve  [--dies 4] [--port 8000]     an OpenAI-compatible HTTP server over t
 xpod bench p2p|ring|alltoall|...         benchmarks (`xpod bench p2p --help`)
 xpod clean  [--dry-run]                  remove segments of pods whose launcher is gone
 xpod layout [--dies 8] ...               print the region layout of a configuration
+xpod project DIR --profile cm384         re-project a saved capture on a hardware profile
 ```
 
 Each command module has `add_args(parser)`, `parse_options(args)` (every flag checked, nothing
@@ -41,6 +42,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("", "benchmarks"),
     "clean": ("runtime.cli.clean", "remove segments of pods whose launcher is gone"),
     "layout": ("runtime.cli.layout", "print the region layout of a configuration"),
+    "project": ("runtime.cli.project", "project a saved capture on a hardware profile"),
 }
 # `xpod bench <name>` -> (module, help line: the first line of the module's docstring)
 BENCHES: dict[str, tuple[str, str]] = {

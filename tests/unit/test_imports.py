@@ -39,6 +39,7 @@ RUNTIME_LAYERS: dict[str, set[str]] = {
     "runtime.engine": {"memory", "comm", "sched", "runtime.pod", "runtime.model"},
     "runtime.api": {"memory", "comm", "sched", "runtime.pod", "runtime.model", "runtime.engine"},
     "runtime.cli": {"memory", "comm", "sched", "runtime"},
+    "runtime.project": set(),
 }
 
 
