@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 XPOD   := $(VENV)/bin/xpod
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test test-multihost lint format bench bench-full mpi clean-shm
+.PHONY: install run test test-scale test-multihost lint format bench bench-full mpi clean-shm
 
 $(STAMP): setup.cfg pyproject.toml
 	python3 -m venv $(VENV)
@@ -30,7 +30,11 @@ run: $(STAMP)
 	$(XPOD) bench serve --launch --dies 4 --max-concurrency 8 --ignore-eos --num-prompts 32 --quick
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not multihost"
+	$(PY) -m pytest -q -m "not multihost and not scale"
+
+# Captures of large pods (EP32-64 at the paper's sizes, the synthesizer checked against them).
+test-scale: $(STAMP)
+	$(PY) -m pytest -q -m scale
 
 # The whole multi-host suite (MPI and mirror conformance, every crash case): ~2 min more.
 test-multihost: $(STAMP)

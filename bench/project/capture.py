@@ -1,0 +1,96 @@
+"""Capture pods of the benchmarks' workloads (docs/projection.md §1): the same pod as the
+measured run with `capture=True`, a warm-up call and a few captured ones, written to a
+directory the replay reads (`runtime.project`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.alltoall.dies import a2e_run, ep_run
+from bench.alltoall.inputs import Point, counts_matrix
+from comm import recv as comm_recv
+from comm import send as comm_send
+from runtime import Pod, PodConfig
+from runtime.pod.capture import write_capture
+
+CAPTURE_WARMUP, CAPTURE_ITERS = 1, 2  # calls: the first is left out of the percentiles
+CAPTURE_TIMEOUT_S = 1800.0  # a 128-die pod's calls on 2 cores take minutes
+
+
+def _want_rows(pt: Point) -> np.ndarray:
+    counts = counts_matrix(pt)
+    want = counts.sum(axis=0)
+    if pt.attention_dies:
+        want[: pt.attention_dies] = counts[: pt.attention_dies].sum(axis=1)
+    return want
+
+
+def capture_alltoall(cfg: PodConfig, pt: Point, protocol: str, quant: str,
+                     directory: str | Path | None = None) -> tuple[Path, dict]:  # fmt: skip
+    """Capture `protocol` x `quant` of point `pt` on a fresh capture pod of `cfg`'s shape
+    (every word starts at 0, so every guarded step's write is in the log); returns the
+    capture's directory and what it cost (seconds, peak resident MiB of the launcher)."""
+    cfg = dataclasses.replace(cfg, capture=True, trace=False, hosts=(), fabric="auto")
+    if cfg.timeout_s < 60:
+        cfg = dataclasses.replace(cfg, timeout_s=60.0)
+    out = Path(directory or tempfile.mkdtemp(prefix="xpod-capture-"))
+    fn = a2e_run if protocol == "a2e" else ep_run
+    names = ["a2e", "e2a"] if protocol == "a2e" else ["dispatch", "combine"]
+    t0 = time.monotonic()
+    with Pod.launch(cfg) as pod:
+        pod.run(fn, pt, protocol, quant, CAPTURE_WARMUP, CAPTURE_ITERS, _want_rows(pt),
+                timeout_s=CAPTURE_TIMEOUT_S)  # fmt: skip
+        workload = {"bench": "alltoall", "protocol": protocol, "quant": quant,
+                    "batch": pt.batch, "hidden": pt.hidden, "topk": pt.topk,
+                    "experts": pt.num_experts, "routing": pt.routing, "seed": pt.seed,
+                    "dies": pt.dies, "attention_dies": pt.attention_dies,
+                    "combine_dtype": pt.combine_dtype}  # fmt: skip
+        write_capture(pod, out, workload, names, warmup=CAPTURE_WARMUP)
+    cost = {
+        "capture_s": round(time.monotonic() - t0, 3),
+        "launcher_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+    }
+    return out, cost
+
+
+def _one_way(die, nbytes: int, cores: int, variant: str, calls: int) -> int:
+    """Die 0 sends `calls` messages of `nbytes` to die 1 (a barrier before each: die 1's
+    receive is posted when the send starts, as 001 §3.1 times a send's eight steps)."""
+    whole = die.alloc(max(nbytes, 1), np.uint8)
+    buf = whole[:nbytes]
+    try:
+        for i in range(calls):
+            die.barrier()
+            if die.die_id == 0:
+                buf[:] = i & 0xFF
+                comm_send(die, buf, 1, event_id=i, cores=cores, variant=variant)
+            elif die.die_id == 1:
+                comm_recv(die, buf, 0, event_id=i, cores=cores, variant=variant)
+        return int(buf[0]) if nbytes and die.die_id == 1 else 0
+    finally:
+        die.free(whole)
+
+
+def capture_p2p(cfg: PodConfig, nbytes: int, cores: int, variant: str,
+                directory: str | Path | None = None) -> tuple[Path, dict]:  # fmt: skip
+    """Capture one-way sends of `nbytes` over `cores` lanes from die 0 to die 1 on a fresh
+    2-die capture pod of `cfg`'s ring shape (lanes raised to `cores` if needed)."""
+    cfg = dataclasses.replace(cfg, num_dies=2, capture=True, trace=False, hosts=(),
+                              fabric="auto", lanes=max(cfg.lanes, cores),
+                              app_bytes=max(cfg.app_bytes, 2 * nbytes + (1 << 20)))  # fmt: skip
+    out = Path(directory or tempfile.mkdtemp(prefix="xpod-capture-"))
+    t0 = time.monotonic()
+    with Pod.launch(cfg) as pod:
+        pod.run(_one_way, nbytes, cores, variant, CAPTURE_WARMUP + CAPTURE_ITERS,
+                timeout_s=CAPTURE_TIMEOUT_S)  # fmt: skip
+        workload = {"bench": "p2p", "bytes": nbytes, "cores": cores, "variant": variant,
+                    "pattern": "one-way: a barrier, then die 0 sends, die 1 receives"}  # fmt: skip
+        write_capture(pod, out, workload, ["send"], warmup=CAPTURE_WARMUP)
+    cost = {"capture_s": round(time.monotonic() - t0, 3)}
+    return out, cost
