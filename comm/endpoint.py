@@ -172,6 +172,14 @@ class Endpoint:
         cap.acq((idx,), (target,), (peer,), field, t0)
 
 
+def shifted(ep: Endpoint, dies) -> list[int]:
+    """`dies` in the order that starts after this die and wraps around (this die last): an
+    all-to-all's peers in a shifted schedule, so that at each step every die sends to a
+    different die instead of all of them to the first one (no incast by construction)."""
+    n, me = ep.num_dies, ep.die_id
+    return sorted(dies, key=lambda d: (d - me - 1) % n)
+
+
 class _Tables:
     """Word indices of every field and byte offsets of every ring, precomputed (hot-path lookups;
     `RegionLayout.field_word` builds a dict per call)."""

@@ -78,9 +78,11 @@ def _one_way(die, nbytes: int, cores: int, variant: str, calls: int) -> int:
 
 
 def capture_p2p(cfg: PodConfig, nbytes: int, cores: int, variant: str,
-                directory: str | Path | None = None) -> tuple[Path, dict]:  # fmt: skip
+                directory: str | Path | None = None,
+                inter_node: bool = False) -> tuple[Path, dict]:  # fmt: skip
     """Capture one-way sends of `nbytes` over `cores` lanes from die 0 to die 1 on a fresh
-    2-die capture pod of `cfg`'s ring shape (lanes raised to `cores` if needed)."""
+    2-die capture pod of `cfg`'s ring shape (lanes raised to `cores` if needed);
+    `inter_node`: the two dies on different nodes (001 §3.1 times a pair on two servers)."""
     cfg = dataclasses.replace(cfg, num_dies=2, capture=True, trace=False, hosts=(),
                               fabric="auto", lanes=max(cfg.lanes, cores),
                               app_bytes=max(cfg.app_bytes, 2 * nbytes + (1 << 20)))  # fmt: skip
@@ -91,6 +93,7 @@ def capture_p2p(cfg: PodConfig, nbytes: int, cores: int, variant: str,
                 timeout_s=CAPTURE_TIMEOUT_S)  # fmt: skip
         workload = {"bench": "p2p", "bytes": nbytes, "cores": cores, "variant": variant,
                     "pattern": "one-way: a barrier, then die 0 sends, die 1 receives"}  # fmt: skip
-        write_capture(pod, out, workload, ["send"], warmup=CAPTURE_WARMUP)
+        write_capture(pod, out, workload, ["send"], warmup=CAPTURE_WARMUP,
+                      nodes=[0, 1] if inter_node else None)  # fmt: skip
     cost = {"capture_s": round(time.monotonic() - t0, 3)}
     return out, cost

@@ -44,6 +44,11 @@ class _Die:
         self.syncs = 0
 
 
+def _shifted(me: int, n: int) -> list[int]:
+    """`comm.endpoint.shifted`: the dies from me + 1 on, wrapping around, me last."""
+    return [(me + 1 + i) % n for i in range(n)]
+
+
 def _barrier(die: _Die, n: int, lo: L.RegionLayout) -> None:
     """`comm.endpoint.barrier`: this die's count into every peer's word, then every peer's."""
     die.syncs += 1
@@ -104,13 +109,14 @@ def _dispatch(die: _Die, r: _Routes, lo: L.RegionLayout, it: int, quant: str) ->
         cap.op("quantize", 3 * b * h, 2 * b * h, b * h + 4 * b, unit="aiv", rows=b, hidden=h)
     offs = r.offsets(me)
     flag = lo.fused_flag_word(half, me)
-    for d in range(n):  # `comm.alltoall.fused._carry_dispatch`: every die's rows, then flags
+    order = _shifted(me, n)
+    for d in order:  # `comm.alltoall.fused._carry_dispatch`: every die's rows, then flags
         a, b = offs[d], offs[d + 1]
         if b > a:
             slots = r.sent_slots(me, d)
             cap.rows(d, b - a, b - a if r.dedup else tokens_of(slots), stride)
             cap.put(d, (b - a) * stride, "fused_disp")
-    for d in range(n):
+    for d in order:
         if d != me:
             cap.pub(d, (flag + G_SEQ,), (op,))
     for src in range(n):  # `fused_gather` / `_fused_receive`
@@ -150,9 +156,9 @@ def _combine(die: _Die, r: _Routes, lo: L.RegionLayout, it: int) -> None:
         if groups:
             cap.op("reduce_groups", 2 * ent * h, 2 * ent * h, 2 * groups * h, unit="aiv",
                    rows=ent, groups=groups)  # fmt: skip
-        sent = [s for s in range(n) if _combine_rows(cap, r, lo, me, s) and s != me]
+        sent = [s for s in _shifted(me, n) if _combine_rows(cap, r, lo, me, s) and s != me]
     else:  # `write_slots_by_src`: every remote source, then this die's own rows
-        sent = [s for s in range(n) if s != me and _combine_rows(cap, r, lo, me, s)]
+        sent = [s for s in _shifted(me, n) if s != me and _combine_rows(cap, r, lo, me, s)]
         _combine_rows(cap, r, lo, me, me)
     for s in sent:
         _slot_words(cap, r, lo, me, s, op)

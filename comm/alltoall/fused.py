@@ -34,7 +34,7 @@ from comm.alltoall.packets import assemble_dedup, dedup_packer, payload_bits
 from comm.alltoall.scatter import wait_slots, write_groups_by_src, write_slots_by_src
 from comm.alltoall.state import kernels, place_info, region_addrs
 from comm.capture import tokens_of
-from comm.endpoint import Endpoint
+from comm.endpoint import Endpoint, shifted
 from comm.quant import BF16
 from comm.routing import DedupLayout, DispatchLayout, Placement
 from comm.trace import now_ns
@@ -190,7 +190,8 @@ def _carry_dispatch(ep: Endpoint, lay, info, half: int, op: int) -> None:
     flag = lo.fused_flag_word(half, me)
     offs, starts = lay.dest_offsets.tolist(), info.exp_start.tolist()
     cap = ep.cap
-    for d in range(ep.num_dies):
+    order = shifted(ep, range(ep.num_dies))
+    for d in order:
         p = info.pos[d]
         if p < 0 or offs[p + 1] == offs[p]:
             continue
@@ -202,7 +203,7 @@ def _carry_dispatch(ep: Endpoint, lay, info, half: int, op: int) -> None:
                 cap.put(me, (b - a) * stride, "fused_disp")
         if fab.remote[d]:
             fab.push(d, block, (b - a) * stride)
-    for d in range(ep.num_dies):
+    for d in order:
         if fab.remote[d]:
             if starts[d + 1] > starts[d]:
                 fab.push_words(d, cw, starts[d + 1] - starts[d])

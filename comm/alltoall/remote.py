@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from comm.capture import tokens_of
-from comm.endpoint import Endpoint
+from comm.endpoint import Endpoint, shifted
 from comm.fabric import Fabric
 from memory import layout as L
 
@@ -68,7 +68,8 @@ def pull_blocks(ep: Endpoint, base: int, stride: int, where: Sequence[tuple[int,
     `stride` bytes apart) into its mirror, before they are read; where[src] = (off, count),
     already checked against the area."""
     fab, cap = ep.fab, ep.cap
-    for src, (off, count) in enumerate(where):
+    for src in shifted(ep, range(len(where))):
+        off, count = where[src]
         if count > 0 and fab.remote[src]:
             if cap is not None:
                 cap.rows(src, count, 0, stride)

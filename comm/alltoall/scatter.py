@@ -13,7 +13,7 @@ from comm.alltoall.handles import DedupGroups
 from comm.alltoall.remote import publish_slots, push_combine
 from comm.alltoall.state import kernels, region_addrs
 from comm.capture import tokens_of
-from comm.endpoint import Endpoint
+from comm.endpoint import Endpoint, shifted
 from comm.quant import BF16
 from comm.trace import now_ns
 from memory.errors import ProtocolError
@@ -65,7 +65,7 @@ def write_slots_by_src(
     k.fused_cflags(mem.addrs, mem.nbytes, lin, starts, lo.fused_cflag_off // 8, op)  # LAST
     if ep.fab.any_remote:  # the kernels wrote the mirrors of other hosts' dies: carry them,
         ends = starts.tolist()  # every row first, then every die's completion words
-        runs = [(d, lin[ends[d] : ends[d + 1]]) for d in range(ep.num_dies)
+        runs = [(d, lin[ends[d] : ends[d + 1]]) for d in shifted(ep, range(ep.num_dies))
                 if ends[d] < ends[d + 1] and ep.fab.remote[d]]  # fmt: skip
         for d, part in runs:
             push_combine(ep, d, part, op, words=False)
@@ -124,7 +124,7 @@ def write_groups_by_src(
     if ep.cap is not None:  # each group pre-reduced over its experts' rows (bf16 on hardware)
         h, e = lo.a2a_hidden, len(g.pos)
         ep.cap.op("reduce_groups", 2 * e * h, 2 * e * h, 2 * n * h, unit="aiv", rows=e, groups=n)
-    for d in range(ep.num_dies):
+    for d in shifted(ep, range(ep.num_dies)):
         a, b = starts[d], starts[d + 1]
         if a == b:
             continue

@@ -56,7 +56,7 @@ from comm.alltoall.scatter import wait_slots, write_slots_by_src
 from comm.alltoall.split import Split, as_split
 from comm.alltoall.state import a2a_state, kernels
 from comm.capture import captured, tokens_of
-from comm.endpoint import Endpoint
+from comm.endpoint import Endpoint, shifted
 from comm.quant import BF16
 from comm.routing import Placement, get_dispatch_layout
 from comm.trace import now_ns
@@ -307,7 +307,7 @@ def _a2e_stage2(ep, att, half, op, placement):
     remote = ep.fab.remote if ep.fab.any_remote else [False] * ep.num_dies
     cw = lo.fused_counts_off_of(half, att)
     sent = []
-    for d in placement.dies:  # every expert die's rows first, then their counts and flags
+    for d in shifted(ep, placement.dies):  # every expert die's rows, then counts and flags
         sel = np.nonzero(dest == d)[0]
         block = fused_rows(ep, d, half, att, len(sel))  # the expert die's block for att
         block[:] = rows[sel]

@@ -23,7 +23,7 @@ def dump_die(die, directory: str) -> dict:
 
 
 def write_capture(pod, directory: str | os.PathLike, workload: dict, calls: list[str],
-                  warmup: int = 0) -> Path:  # fmt: skip
+                  warmup: int = 0, nodes: list[int] | None = None) -> Path:  # fmt: skip
     """Write the capture of everything `pod` (a capture pod) ran so far into `directory`
     (made if needed; an earlier capture there is replaced); returns its path.
 
@@ -32,6 +32,8 @@ def write_capture(pod, directory: str | os.PathLike, workload: dict, calls: list
         workload: what ran (docs/projection.md §1.1), stored as given.
         calls: the call names a projection reports (e.g. ["dispatch", "combine"]).
         warmup: calls of each name to leave out of the reported percentiles.
+        nodes: the node of each die the workload places them on (default: the profile's
+            die // dies_per_node).
     """
     if not pod.config.capture:
         raise ConfigError("write_capture: the pod is not a capture pod (PodConfig.capture)")
@@ -48,6 +50,8 @@ def write_capture(pod, directory: str | os.PathLike, workload: dict, calls: list
         "config": pod.config.to_dict(), "workload": workload, "calls": list(calls),
         "warmup": int(warmup), "synthesized": False, "commit": _commit(),
     }  # fmt: skip
+    if nodes is not None:
+        meta["nodes"] = [int(x) for x in nodes]
     tmp = out / ".meta.json.tmp"
     tmp.write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
     os.replace(tmp, meta_path)

@@ -57,6 +57,7 @@ class ProfileCosts:
         self._k: dict[str, float] = {}
         self._memo: dict[tuple, tuple] = {}
         self._per_node = 0
+        self.nodes: list[int] | None = None  # the capture's placement of dies on nodes
         self.by_kind = {"put": self.put, "get": self.get, "pub": self.pub, "acq": self.acq,
                         "op": self.op, "copy": self.copy, "begin": self.begin, "end": self.zero,
                         "after": self.zero}  # fmt: skip
@@ -79,7 +80,10 @@ class ProfileCosts:
     # -- latencies and rates ----------------------------------------------------------------------
 
     def same_node(self, a: int, b: int) -> bool:
-        """Whether dies a and b share a node (node = die // die.dies_per_node)."""
+        """Whether dies a and b share a node: the capture's `nodes` (meta.json: a node per
+        die, a placement the workload states), else die // die.dies_per_node."""
+        if self.nodes is not None:
+            return self.nodes[a] == self.nodes[b]
         if not self._per_node:
             self._per_node = int(self.k("die.dies_per_node"))
         return a // self._per_node == b // self._per_node
@@ -113,18 +117,19 @@ class ProfileCosts:
 
     def _put(self, sc: StreamClass, nbytes: int, rows: int, tokens: int, intra: bool,
              local: bool) -> tuple:  # fmt: skip
-        if sc.dma:
+        if sc.dma:  # the DMA engine moves the bytes: the lane waits for the transfer
             eng, req = 0.0, self.k("dma.startup_us")
-        else:
+            rate = self.rate(sc)
+        else:  # the stream's cores: the per-row and per-token work, then moving the bytes
+            rate = self.rate(sc)
             work = (rows * self.k("aiv.t_row_us") if rows else 0.0) + (
                 tokens * self.k("aiv.t_tok_us") if tokens else 0.0
             )
-            eng, req = work / sc.cores + self.k("aiv.t_put_us"), 0.0
-        rate = self.rate(sc)
+            eng, req = work / sc.cores + self.k("aiv.t_put_us") + nbytes / (rate * 1e3), 0.0
         if local:  # a copy within the die: no port, no latency
-            return (req + max(eng, nbytes / (rate * 1e3)), 0.0, None)
+            return (req + (eng if not sc.dma else nbytes / (rate * 1e3)), 0.0, None)
         port = self.k("link.port_gbps")
-        xfer_us = nbytes / (min(port, rate) * 1e3)
+        xfer_us = nbytes / ((min(port, rate) if sc.dma else port) * 1e3)
         return (req, nbytes / (port * 1e3), xfer_us, self.write_latency(intra), eng)
 
     def get(self, die: int, sc: StreamClass, ev: list, prev_t1: int | None = None) -> Cost:
@@ -209,7 +214,7 @@ class ProfileCosts:
 
 
 class HostCosts:
-    """The `host` profile (docs/projection.md §2 item 6): each event costs what it took here.
+    """The `host` profile (docs/projection.md §2 item 7): each event costs what it took here.
 
     A die ran all its streams on one thread, in the order of its file: `serial` makes the
     graph chain a die's events in that order (the host thread is the die's one engine), and

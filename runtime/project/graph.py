@@ -7,10 +7,13 @@ order are kept in `extra[g]`, a list of encoded successors: `s` (released when g
 `~s` (released when g's bytes or words have ARRIVED at the peer):
 
 - `after` <- the event it names (done);  `end` <- each of its joins (done);
-- `pub` <- the last earlier `put` of its stream to the same peer (arrived): data before guard.
-  Puts of one stream end in program order and share the pair's latency, so the last one's
-  arrival is the latest of them all. Only the pub's own stream counts: how a die's streams
-  interleave in its file is the host's timing, which no projection may read;
+- data before guard: a `pub`'s words arrive no earlier than the last earlier `put` of its
+  stream to the same peer (`floor[pub]` = that put): the stream's writes to a peer are
+  delivered in order (one MTE queue), so the guard follows the data without the stream
+  waiting for the data to land. Puts of one stream end in program order and share the pair's
+  latency, so the last one's arrival is the latest of them all. Only the pub's own stream
+  counts: how a die's streams interleave in its file is the host's timing, which no projection
+  may read;
 - `acq` <- for each of its words, the `pub` of the word's writer to this die that sets it to
   the smallest value >= the target (equal values: the lowest seq, then the lowest stream);
   one edge per distinct pub (arrived). No such pub: "trace incomplete".
@@ -48,6 +51,7 @@ class Graph:
     file_idx: list[int]
     xfer: dict[int, tuple]
     base: list[list[int]]  # base[die][stream]: the node of seq 0
+    floor: dict[int, int] = field(default_factory=dict)  # pub -> the put its words follow
     die_start: list[int] = field(default_factory=list)  # die d's nodes: die_start[d]..[d + 1]
     stream_base: list[int] = field(default_factory=list)  # sorted: the first node of each stream
     stream_key: list[tuple[int, int]] = field(default_factory=list)  # its (die, stream)
@@ -168,7 +172,7 @@ def _add_pub(g: Graph, pubs: dict, last_put: dict, die: int, s: int, seq: int, n
              ev: list) -> None:  # fmt: skip
     put = last_put.get(ev[4])
     if put is not None:
-        g.add_edge(put, node, on_arrival=True)
+        g.floor[node] = put
     peer = ev[4]
     for w, v in zip(ev[5], ev[6], strict=True):
         key = (die, peer, w)

@@ -21,7 +21,7 @@ projects on a profile whose DMA startup is unknown.
 
 `--profile NAME` reads `runtime/project/profiles/NAME.toml` (package data); an argument with a
 `/` or ending in `.toml` is a path. `host` is the built-in self-replay profile (no file): each
-event costs what it took on the capturing machine (docs/projection.md §2 item 6).
+event costs what it took on the capturing machine (docs/projection.md §2 item 7).
 """
 
 from __future__ import annotations

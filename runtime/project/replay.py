@@ -4,12 +4,14 @@ Resources (the contention model, stated in every output as `CONTENTION_MODEL`):
 - one engine per (die, stream): its events run one at a time in program order, which the
   graph's program-order edges already enforce;
 - two FIFO ports per die, `egress` and `ingress`, of `link.port_gbps` each. A transfer (a put,
-  or a get, whose bytes flow from the peer's egress into this die's ingress) asks for both of
-  its ports at once when it may start (a get: after its read latency; a DMA: after its
-  startup); requests are served in order of that time, ties by `(die, stream, seq)`. It holds
-  them together for `nbytes / port_gbps` (its share of the ports: a slower transfer leaves the
-  rest to the next one) and ends `nbytes / min(port_gbps, cores x b_core_gbps)` after it got
-  them; its bytes arrive `write_latency` after it ends.
+  or a get, whose bytes flow from the peer's egress into this die's ingress) asks for the
+  sender's egress when it may start (a get: after its read latency; a DMA: after its startup);
+  requests are served in order of that time, ties by `(die, stream, seq)`. It takes
+  `nbytes / port_gbps` of the egress, then as much of the receiver's ingress, from the time the
+  egress started it (cut-through: a busy ingress delays the bytes' arrival, never the sender's
+  next transfers). A put's stream goes on once its cores did its work and moved its bytes
+  (`nbytes / (cores x b_core_gbps)`); its bytes arrive `write_latency` after both that and the
+  ingress. A get, and a DMA put, waits for its transfer.
 
 The scheduler: nodes whose predecessors are all done are either computed at once (an event
 that takes no port: its finish is `ready + cost`, whatever else happens, so the order in which
@@ -33,10 +35,12 @@ from runtime.project.result import Result
 
 CONTENTION_MODEL = (
     "one engine per (die, stream) in program order; per die one egress and one ingress FIFO port"
-    " of link.port_gbps: a transfer holds the sender's egress and the receiver's ingress together"
-    " for nbytes / port_gbps in request order (ties by die, stream, seq) and ends"
-    " nbytes / min(port_gbps, cores x b_core_gbps) after it got them, its bytes arriving the"
-    " write latency later; a non-blocking fabric (no switch contention)"
+    " of link.port_gbps, served in request order (ties by die, stream, seq): a transfer takes"
+    " nbytes / port_gbps of the sender's egress, then of the receiver's ingress (from the time"
+    " the egress started it, cut-through; a busy ingress delays the bytes, not the sender's next"
+    " transfers); a put's stream goes on once its cores did its work and moved its bytes"
+    " (nbytes / (cores x b_core_gbps)), its bytes arriving the write latency after both; a get"
+    " (and a DMA put) waits for its transfer; a non-blocking fabric (no switch contention)"
 )
 HOST_MODEL = (
     "host: a die's events one at a time in the order of its file (the die's one thread on the"
@@ -49,7 +53,14 @@ def replay(capture: Capture, profile: Profile) -> Result:
     return the Result. Raises ProjectError for an incomplete trace or a constant the profile
     lacks."""
     with paused_gc():
-        graph = build_graph(capture, cost_model(profile))
+        model = cost_model(profile)
+        nodes = capture.meta.get("nodes")
+        if nodes is not None and not profile.is_host:
+            if not isinstance(nodes, list) or len(nodes) != capture.num_dies:
+                raise ProjectError(f"{capture.path}: meta.json nodes: a node for each of the"
+                                   f" {capture.num_dies} dies, got {nodes!r}")  # fmt: skip
+            model.nodes = [int(x) for x in nodes]
+        graph = build_graph(capture, model)
         ready, finish, transfers = schedule(graph, capture.num_dies)
     model = HOST_MODEL if profile.is_host else CONTENTION_MODEL
     return Result(capture, profile, graph, ready, finish, transfers, model)
@@ -66,10 +77,12 @@ def schedule(g: Graph, num_dies: int) -> tuple[list[float], list[float], list[tu
     ready = [0.0] * n
     finish = [0.0] * n
     npred = list(g.npred)
-    cost, lat, nxt, extra, xfer = g.cost, g.lat, g.nxt, g.extra, g.xfer
+    cost, lat, nxt, extra, xfer, floor = g.cost, g.lat, g.nxt, g.extra, g.xfer, g.floor
+    arrival = [0.0] * n
     egress = [0.0] * num_dies
     ingress = [0.0] * num_dies
-    heap: list[tuple[float, int]] = []
+    heap: list[tuple[float, int, int]] = []  # (time, stage, node): 0 egress, 1 ingress
+    started: dict[int, float] = {}  # node -> when its egress started it
     transfers: list[tuple] = []
     work = [x for x in range(n - 1, -1, -1) if npred[x] == 0]
     done = 0
@@ -78,27 +91,46 @@ def schedule(g: Graph, num_dies: int) -> tuple[list[float], list[float], list[tu
             x = work.pop()
             xf = xfer.get(x)
             if xf is not None:
-                heappush(heap, (ready[x] + xf[0], x))
+                heappush(heap, (ready[x] + xf[0], 0, x))
                 continue
             f = ready[x] + cost[x]
             a = f + lat[x]
+            if floor:  # a pub's words land after the data its stream sent the peer before
+                put = floor.get(x)
+                if put is not None and arrival[put] > a:
+                    a = arrival[put]
         elif heap:
-            t, x = heappop(heap)
+            t, stage, x = heappop(heap)
             _req, src, dst, port_us, xfer_us, la, eng, nbytes = xfer[x]
-            e, i = egress[src], ingress[dst]
-            s = e if e > t else t
-            if i > s:
-                s = i
-            egress[src] = ingress[dst] = s + port_us
+            # two FIFO servers in a row, each in the order of the time it is asked: the
+            # sender's egress, then (from the time the egress started it: cut-through) the
+            # receiver's ingress; a busy receiver delays the bytes, not the sender's next
+            # transfers
+            if stage == 0:
+                e = egress[src]
+                s = e if e > t else t
+                egress[src] = s + port_us
+                started[x] = s
+                heappush(heap, (s, 1, x))
+                continue
+            s = started.pop(x)
+            i = ingress[dst]
+            si = i if i > s else s
+            ingress[dst] = si + port_us
             end = s + xfer_us
-            f = ready[x] + eng
-            if end > f:
-                f = end
-            a = end + la
+            if si + port_us > end:
+                end = si + port_us
+            if eng:  # a put by the stream's cores: they go on once they moved its bytes,
+                f = ready[x] + eng  # which arrive once the ports carried them too
+                a = (end if end > f else f) + la
+            else:  # a get, or the DMA engine's put: the stream waits for the transfer
+                f = end if end > ready[x] else ready[x]
+                a = end + la
             transfers.append((src, dst, s, end, nbytes))
         else:
             break
         finish[x] = f
+        arrival[x] = a
         done += 1
         if nxt[x]:
             y = x + 1

@@ -1,4 +1,4 @@
-"""A projection's figures (docs/projection.md §2 item 4), every one in projected µs.
+"""A projection's figures (docs/projection.md §2 item 5), every one in projected µs.
 
 - per call (`begin` .. `end` on a die): its duration, from the start of the begin's own work
   (`finish(begin) - its own cost`) to `finish(end)`;

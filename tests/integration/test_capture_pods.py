@@ -117,7 +117,7 @@ CAPTURE = """
 import sys
 from bench.alltoall.inputs import Point
 from bench.project.capture import capture_alltoall
-from tests.integration.test_project_capture import a2a_config
+from tests.integration.test_capture_pods import a2a_config
 pt = Point(4, 16, 512, 8, 256, 1)
 capture_alltoall(a2a_config(pt, "int8"), pt, "fused", "int8", sys.argv[1])
 """
