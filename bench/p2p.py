@@ -18,6 +18,7 @@ import numpy as np
 import comm
 from bench import common
 from bench.common import parse_sizes
+from bench.project import attach
 from memory.errors import ConfigError
 from runtime import Pod, PodConfig
 from runtime.cli.argtypes import (
@@ -336,6 +337,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ring-slots", type=positive_int, default=None, help="slots per ring (PodConfig)"
     )
+    attach.add_project_args(p, "p2p")
 
 
 P2P_FLAGS = {
@@ -366,6 +368,7 @@ class Options:
     json: str | None
     plot: str | None
     compare_single_host: bool = False
+    project: attach.Projection | None = None  # --project: loaded and checked here
 
 
 def parse_options(args: argparse.Namespace) -> Options:
@@ -415,6 +418,7 @@ def parse_options(args: argparse.Namespace) -> Options:
         json=args.json,
         plot=args.plot,
         compare_single_host=bool(getattr(args, "compare_single_host", False) and hosts),
+        project=attach.projection_of(args, pair=True),
     )
 
 
@@ -433,6 +437,7 @@ def run(opts: Options) -> int:
     single = (
         cfg.replace(hosts=(), fabric="auto", host_names=()) if opts.compare_single_host else None
     )
+    projected = attach.p2p_figures(opts.project, cfg, sizes, variants, cores_list)
     with Pod.launch(cfg) as pod:
         for rep in range(opts.repeat):
             if opts.repeat > 1:
@@ -456,6 +461,7 @@ def run(opts: Options) -> int:
         if opts.breakdown:
             steps = breakdown(pod, sizes, variants, cores_list[0])
     rows = runs[0] if len(runs) == 1 else merge_repeats(runs)
+    attach.attach(rows, projected, lambda r: (r["variant"], r["cores"], r["size_bytes"]))
     cols = COLUMNS + ([("pair", "pair", ""), ("cross_host", "cross", "")] if multi else [])
     common.print_table(rows, cols + ([("p50_spread", "spread", ".0%")] if len(runs) > 1 else []))
     if multi:
@@ -467,6 +473,7 @@ def run(opts: Options) -> int:
         print("send steps and die 1's receive steps, as a share of the traced one-way p50 (steps")
         print("of the two sides overlap when they stream; polls are waits for the other side):")
         common.print_table(steps, BREAKDOWN_COLUMNS)
+    attach.print_projected(rows, opts.project, "p2p")
     common.write_outputs(rows, opts.json, opts.plot)
     return 0
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
 import comm
 from bench import common
+from bench.project import attach
 from runtime import Pod, PodConfig
 from runtime.cli.argtypes import input_file, int_list, output_file, positive_int
 from runtime.cli.argtypes import size as size_arg
@@ -117,6 +119,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="write a Chrome/Perfetto trace (last pod size)",
     )
     p.add_argument("--config", type=input_file, default=None, help="PodConfig TOML file")
+    attach.add_project_args(p, "ring")
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +129,7 @@ class Options:
     config: str | None
     trace: str | None
     json: str | None
+    project: attach.Projection | None = None  # --project: loaded and checked here
 
 
 def parse_options(args: argparse.Namespace) -> Options:
@@ -134,15 +138,20 @@ def parse_options(args: argparse.Namespace) -> Options:
     for dies in args.dies:
         ring_config(dies, args.size, args.config, bool(args.trace))
         pods.append((dies, args.rounds or max(20, (400 if args.quick else 2000) // dies)))
-    return Options(pods, args.size, args.config, args.trace, args.json)
+    project = attach.projection_of(args)
+    return Options(pods, args.size, args.config, args.trace, args.json, project)
 
 
 def run(opts: Options) -> int:
     rows = []
+    cfg_of = partial(ring_config, size=opts.size, config=opts.config)
+    projected = attach.ring_figures(opts.project, opts.pods, opts.size, cfg_of)
     for dies, rounds in opts.pods:
         common.progress(f"xpod bench ring: {dies} dies, {rounds} rounds ...")
         rows.append(run_ring(dies, rounds, opts.size, opts.config, opts.trace))
+    attach.attach(rows, projected, lambda r: (r["dies"],))
     common.print_table(rows, COLUMNS)
+    attach.print_projected(rows, opts.project, "ring")
     if opts.json:
         common.write_jsonl(opts.json, rows)
     return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from functools import partial
 
 import numpy as np
 
@@ -14,6 +15,7 @@ from bench.alltoall.inputs import Point, counts_matrix, hottest_over_mean, msg_b
 from bench.alltoall.measure import a2a_row, measure_peers, memcpy_gbps, xpod_row
 from bench.alltoall.options import Options, parse_options, plan, pod_config
 from bench.alltoall.report import COLUMNS, merge_repeats, mib, print_summary, table_rows
+from bench.project import attach
 from runtime import Pod
 
 
@@ -115,6 +117,8 @@ def run(opts: Options) -> int:
         f" top-{opts.topk}, protocols {','.join(opts.protocols)}, quant {','.join(opts.quants)}"
         f"{', peers mpi4py + zmq' if opts.peers else ''}, {os.cpu_count()} cores"
     )
+    cfg_of = partial(pod_config, opts=opts)
+    projected = attach.alltoall_figures(opts.project, points, opts.quants, cfg_of)
     runs: list[list[dict]] = [[] for _ in range(opts.repeat)]
     t_start = time.monotonic()
     for i, (pt, protocols) in enumerate(points):
@@ -125,8 +129,10 @@ def run(opts: Options) -> int:
             f"[{i + 1}/{len(points)}] {pt.label} done, {time.monotonic() - t_start:.0f} s"
         )
     rows = runs[0] if opts.repeat == 1 else merge_repeats(runs)
+    attach.attach(rows, projected, attach.alltoall_key)
     columns = COLUMNS + ([("total_p50_spread", "spread", ".0%")] if opts.repeat > 1 else [])
     common.print_table(table_rows(rows), columns)
     print_summary(rows)
+    attach.print_projected(rows, opts.project, "alltoall")
     common.write_outputs(rows, opts.json, opts.plot)
     return 0

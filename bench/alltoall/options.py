@@ -8,6 +8,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from bench.alltoall.inputs import Point, default_experts
+from bench.project import attach
 from comm.quant import COMBINE_DTYPES
 from memory.errors import ConfigError
 from runtime import PodConfig
@@ -56,6 +57,7 @@ class Options:
     json: str | None = None
     plot: str | None = None
     hosts: dict = field(default_factory=dict)  # PodConfig hosts / fabric / ... (--hosts)
+    project: attach.Projection | None = None  # --project: loaded and checked with the flags
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -135,6 +137,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=input_file, default=None, help="PodConfig TOML file")
     p.add_argument("--timeout", type=positive_float, default=None, help="wait deadline (PodConfig)")
     add_host_args(p)
+    attach.add_project_args(p, "alltoall")
 
 
 def _a2e_pods(att: list[int], exp: list[int]) -> list[tuple[int, int]]:
@@ -197,6 +200,7 @@ def parse_options(args: argparse.Namespace) -> Options:
         json=args.json,
         plot=args.plot,
         hosts=host_cfg,
+        project=attach.projection_of(args),
     )
     for pt, _ in plan(opts):
         _check_point(pt, opts)

@@ -97,3 +97,45 @@ def capture_p2p(cfg: PodConfig, nbytes: int, cores: int, variant: str,
                       nodes=[0, 1] if inter_node else None)  # fmt: skip
     cost = {"capture_s": round(time.monotonic() - t0, 3)}
     return out, cost
+
+
+def _ring_rounds(die, size: int, calls: int) -> int:
+    """`bench.ring.token_ring`'s rounds (a barrier, then die 0 sends a token of `size` bytes
+    to die 1, die i forwards to i + 1, die N-1 returns it to die 0), die 0 recording each
+    round as a call `round` (its send's start to its recv's end) for the projection."""
+    n, me = die.num_dies, die.die_id
+    nxt, prv = (me + 1) % n, (me - 1) % n
+    tok = np.zeros(max(1, size // 8), np.int64)
+    die.barrier()
+    cap = die.cap
+    for r in range(calls):
+        if me == 0:
+            cap.begin("round", r, cap.main)
+            tok[0] = r
+            comm_send(die, tok, nxt, r)
+            comm_recv(die, tok, prv, r)
+            cap.end("round", r)
+            if tok[0] != r + n - 1:
+                raise AssertionError(f"ring round {r}: token {tok[0]} != {r + n - 1}")
+        else:
+            comm_recv(die, tok, prv, r)
+            tok[0] += 1
+            comm_send(die, tok, nxt, r)
+    return int(tok[0])
+
+
+def capture_ring(cfg: PodConfig, size: int,
+                 directory: str | Path | None = None) -> tuple[Path, dict]:  # fmt: skip
+    """Capture token-ring rounds (`bench.ring`) of a `size`-byte token over `cfg.num_dies`
+    dies on a fresh capture pod of `cfg`'s shape; meta.json's calls: `round` (die 0's)."""
+    cfg = dataclasses.replace(cfg, capture=True, trace=False, hosts=(), fabric="auto",
+                              host_names=())  # fmt: skip
+    out = Path(directory or tempfile.mkdtemp(prefix="xpod-capture-"))
+    t0 = time.monotonic()
+    with Pod.launch(cfg) as pod:
+        pod.run(_ring_rounds, size, CAPTURE_WARMUP + CAPTURE_ITERS, timeout_s=CAPTURE_TIMEOUT_S)
+        pattern = "token ring: die i sends to i + 1, die N-1 back to die 0"
+        workload = {"bench": "ring", "dies": cfg.num_dies, "bytes": size, "pattern": pattern}
+        write_capture(pod, out, workload, ["round"], warmup=CAPTURE_WARMUP)
+    cost = {"capture_s": round(time.monotonic() - t0, 3)}
+    return out, cost
