@@ -11,7 +11,9 @@ host times), to real captures at every size the machine runs (tests/integration/
 test_project_synth.py). It extrapolates structure, never timing.
 
 Protocols: the expert-parallel fused dispatch / combine (`fused`, `fused-dedup`, INT8 or
-float32 rows), as `bench.alltoall.dies.ep_run` calls them (a barrier before each call).
+float32 rows), as `bench.alltoall.dies.ep_run` calls them (a barrier before each call); the
+A2E / E2A of a split pod (`a2e`) are `bench.project.synth_a2e`'s, which `synthesize_alltoall`
+hands over to.
 """
 
 from __future__ import annotations
@@ -183,6 +185,10 @@ def synthesize_alltoall(cfg: PodConfig, pt: Point, protocol: str, quant: str,
                         directory: str | Path) -> Path:  # fmt: skip
     """Write the capture `bench.project.capture.capture_alltoall(cfg, pt, protocol, quant)`
     would write, from the routing and the layout alone (`synthesized: true`)."""
+    if protocol == "a2e":  # the split pod's A2E / E2A (`bench.project.synth_a2e`)
+        from bench.project.synth_a2e import synthesize_a2e
+
+        return synthesize_a2e(cfg, pt, quant, directory)
     if protocol not in SYNTH_PROTOCOLS or pt.attention_dies:
         raise ValueError(f"synthesize: protocol {protocol!r}: only {', '.join(SYNTH_PROTOCOLS)}")
     base, dedup = split_protocol(protocol)
@@ -207,19 +213,28 @@ def _write(dies: list[_Die], cfg: PodConfig, pt: Point, protocol: str, quant: st
            out: Path) -> Path:  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").unlink(missing_ok=True)
-    entries = []
-    for die in dies:
-        for e in die.cap.events:  # no host times: a synthesized trace has none
-            e[2] = e[3] = 0
-        entries.append(die.cap.write(str(out)))
+    entries = [_write_die(die, out) for die in dies]
+    return _write_meta(out, entries, cfg.to_dict(), pt, protocol, quant, ["dispatch", "combine"])
+
+
+def _write_die(die: _Die, out: Path) -> dict:
+    """Write one die's file (no host times: a synthesized trace has none); its meta entry."""
+    for e in die.cap.events:
+        e[2] = e[3] = 0
+    return die.cap.write(str(out))
+
+
+def _write_meta(out: Path, entries: list[dict], config: dict, pt: Point, protocol: str,
+                quant: str, calls: list[str]) -> Path:  # fmt: skip
+    """meta.json, LAST (docs/projection.md §1.1), labelled `synthesized`."""
     workload = {"bench": "alltoall", "protocol": protocol, "quant": quant, "batch": pt.batch,
                 "hidden": pt.hidden, "topk": pt.topk, "experts": pt.num_experts,
                 "routing": pt.routing, "seed": pt.seed, "dies": pt.dies,
                 "attention_dies": pt.attention_dies,
                 "combine_dtype": pt.combine_dtype}  # fmt: skip
     meta = {"format": FORMAT, "version": VERSION, "layout_version": L.LAYOUT_VERSION,
-            "num_dies": pt.dies, "dies": entries, "config": cfg.to_dict(),
-            "workload": workload, "calls": ["dispatch", "combine"], "warmup": CAPTURE_WARMUP,
+            "num_dies": pt.dies, "dies": entries, "config": config,
+            "workload": workload, "calls": list(calls), "warmup": CAPTURE_WARMUP,
             "synthesized": True, "commit": ""}  # fmt: skip
     tmp = out / ".meta.json.tmp"
     tmp.write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
