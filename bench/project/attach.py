@@ -148,10 +148,13 @@ Capturer = Callable[[Path], tuple[Path, dict]]  # directory -> (capture, its cos
 
 def _project(proj: Projection, name: str, what: str, capture: Capturer) -> tuple:
     """Capture (into DIR/name or a temporary directory), replay; (result, its JSON, fields
-    common to every bench). A refusal: ConfigError naming the point and the key."""
+    common to every bench). A projection that needs a constant the profile lacks or marks
+    unknown is refused for this point only: (None, None, fields) with `projection_refused`
+    naming the key, and every projected figure of the row null (never a default value)."""
     from memory.layout import LAYOUT_VERSION
 
     common.progress(f"capturing {what} for projection ({proj.where}) ...")
+    refused = None
     with tempfile.TemporaryDirectory(prefix="xpod-capture-") as tmp:
         where = (proj.keep or Path(tmp)) / name
         path, cost = capture(where)
@@ -160,8 +163,9 @@ def _project(proj: Projection, name: str, what: str, capture: Capturer) -> tuple
             result = replay(load_capture(path, LAYOUT_VERSION), proj.profile)
             doc = result.to_json()
         except ProjectError as e:
-            raise ConfigError(f"argument --project {proj.spec}: the projection of {what}"
-                              f" refused: {e}") from None  # fmt: skip
+            result = doc = None
+            refused = str(e)
+            common.progress(f"  {proj.label} {what}: projection refused: {e}")
         replay_s = time.monotonic() - t0
     fields = {
         "profile": proj.profile.name,
@@ -170,6 +174,8 @@ def _project(proj: Projection, name: str, what: str, capture: Capturer) -> tuple
         "projection_capture_s": cost["capture_s"],
         "projection_replay_s": round(replay_s, 3),
     }
+    if refused is not None:
+        fields["projection_refused"] = refused
     if proj.keep is not None:
         fields["projection_capture"] = str(path)
     return result, doc, fields
@@ -227,11 +233,14 @@ def p2p_figures(proj: Projection | None, cfg: PodConfig, sizes: list[int], varia
                     what = f"p2p {as_} c{c} {common.fmt_size(size)}B"
                     run = partial(capture_p2p, base, size, c, as_, inter_node=inter)
                     res, doc, f = _project(proj, f"p2p-{as_}-c{c}-{size}B", what, run)
-                    f["projected_p50_us"] = doc["projected"]["calls"]["send"]["p50_us"]
-                    f["projected_per_die_us"] = per_die_us(res, ("send", "recv"), "send")
                     f["projection_nodes"] = proj.nodes
-                    common.progress(f"  {proj.label} {what}: p50 {f['projected_p50_us']:.2f} us"
-                                    f" (capture {f['projection_capture_s']:.1f} s)")  # fmt: skip
+                    f["projected_p50_us"] = f["projected_per_die_us"] = None
+                    if res is not None:
+                        f["projected_p50_us"] = doc["projected"]["calls"]["send"]["p50_us"]
+                        f["projected_per_die_us"] = per_die_us(res, ("send", "recv"), "send")
+                        common.progress(f"  {proj.label} {what}: p50"
+                                        f" {f['projected_p50_us']:.2f} us (capture"
+                                        f" {f['projection_capture_s']:.1f} s)")  # fmt: skip
                     done[(as_, c, size)] = f
                 out[(variant, c, size)] = dict(done[(as_, c, size)])
     return out
@@ -250,13 +259,16 @@ def ring_figures(proj: Projection | None, pods: list[tuple[int, int]], size: int
         what = f"ring {dies} dies {common.fmt_size(size)}B"
         run = partial(capture_ring, _one_host(cfg_of(dies)), size)
         res, doc, f = _project(proj, f"ring-{dies}d-{size}B", what, run)
+        out[(dies,)] = f
+        f["projected_round_p50_us"] = f["projected_p50_us"] = f["projected_per_die_us"] = None
+        if res is None:
+            continue
         rnd = doc["projected"]["calls"]["round"]["p50_us"]
         f["projected_round_p50_us"] = rnd
         f["projected_p50_us"] = _r(rnd / dies)
         f["projected_per_die_us"] = per_die_us(res, ("send", "recv"), "round")
         common.progress(f"  {proj.label} {what}: p50 {f['projected_p50_us']:.2f} us per hop"
                         f" (capture {f['projection_capture_s']:.1f} s)")  # fmt: skip
-        out[(dies,)] = f
     return out
 
 
@@ -285,6 +297,12 @@ def alltoall_figures(proj: Projection | None, points: list, quants: list[str],
                 name = f"{tag}-b{pt.batch}-{pt.routing}-{protocol}-{quant}"
                 run = partial(capture_alltoall, cfg, pt, protocol, quant)
                 res, doc, f = _project(proj, name, what, run)
+                key = (protocol, quant, pt.dies, pt.attention_dies, pt.batch, pt.routing)
+                out[key] = f
+                for k in ("dispatch", "combine", "total", "per_die"):
+                    f[f"projected_{k}_us"] = None
+                if res is None:
+                    continue
                 calls = doc["projected"]["calls"]
                 f["projected_dispatch_us"] = calls[first]["p50_us"]
                 f["projected_combine_us"] = calls[second]["p50_us"]
@@ -295,8 +313,6 @@ def alltoall_figures(proj: Projection | None, points: list, quants: list[str],
                     f" {second} {f['projected_combine_us']:.1f} us, total"
                     f" {f['projected_total_us']:.1f} us (capture {f['projection_capture_s']:.1f} s)"
                 )
-                key = (protocol, quant, pt.dies, pt.attention_dies, pt.batch, pt.routing)
-                out[key] = f
     return out
 
 
@@ -344,6 +360,9 @@ def print_projected(rows: list[dict], proj: Projection | None, bench: str) -> No
           f" profile {proj.profile.name} ({proj.profile.path})")  # fmt: skip
     common.print_table(mine, [*columns, ("projection_capture_s", "capture_s", ".1f"),
                               ("label", "", "")])  # fmt: skip
+    refused = {r["projection_refused"] for r in mine if r.get("projection_refused")}
+    for why in sorted(refused):  # "-" in the table: the profile lacks what the point needs
+        print(f"refused (-): {why}")
     print(f"contention model: {CONTENTION_MODEL}")
     print(f"profile {proj.profile.name} sha256 {proj.profile.sha256}")
 
