@@ -42,7 +42,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("", "benchmarks"),
     "clean": ("runtime.cli.clean", "remove segments of pods whose launcher is gone"),
     "layout": ("runtime.cli.layout", "print the region layout of a configuration"),
-    "project": ("runtime.cli.project", "project a saved capture on a hardware profile"),
+    "project": ("bench.project.cli", "project a capture on a hardware profile; validate a profile"),
 }
 # `xpod bench <name>` -> (module, help line: the first line of the module's docstring)
 BENCHES: dict[str, tuple[str, str]] = {

@@ -22,7 +22,8 @@ INTERFACE = ("add_args", "parse_options", "run")
 @pytest.mark.parametrize("name", [n for n, (m, _) in COMMANDS.items() if m])
 def test_every_command_module_has_the_interface(name):
     module, _ = COMMANDS[name]
-    assert module.startswith("runtime.cli."), module
+    # `project` launches capture pods for --validate / --calibrate: its front is in bench/
+    assert module.startswith("runtime.cli.") or (name, module) == ("project", "bench.project.cli")
     mod = importlib.import_module(module)
     missing = [f for f in INTERFACE if not callable(getattr(mod, f, None))]
     assert not missing, f"{module} lacks {missing}"
