@@ -43,9 +43,11 @@ P2P_BIG = 9_000_000
 P2P_RING = {"ring_slots": 64, "slot_bytes": 16384, "variant": "mte"}
 
 # 001 §3.3 (l.185): one of the three DP domains: 160 attention dies (TP1) + 288 expert dies,
-# batch 96 per die; A2E 172 us, E2A 193 us
+# batch 96 per die; A2E 172 us, E2A 193 us. 001 places 256 routed experts and 32 redundant
+# copies one per expert die; xpod's block placement holds 288 experts, one per die, routed
+# uniformly (bench.project.synth_a2e docstring)
 A2E_LAYOUT = {"attention_dies": 160, "expert_dies": 288, "batch": 96, "hidden": 7168,
-              "topk": 8, "experts": 256, "quant": "int8"}  # fmt: skip
+              "topk": 8, "experts": 288, "quant": "int8"}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

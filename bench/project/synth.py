@@ -18,49 +18,20 @@ hands over to.
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import numpy as np
 
 from bench.alltoall.inputs import Point, routing, split_protocol
 from bench.project.capture import CAPTURE_ITERS, CAPTURE_WARMUP
+from bench.project.synth_common import SynthDie, barrier, shifted_order, write_die, write_meta
 from comm.alltoall.fields import G_SEQ
 from comm.capture import Capture, tokens_of
 from comm.routing import Placement, get_dedup_layout, get_dispatch_layout
 from memory import layout as L
 from runtime import PodConfig
-from runtime.pod.capture import FORMAT, VERSION
 
 SYNTH_PROTOCOLS = ("fused", "fused-dedup")
-
-
-class _Die:
-    """One die's recorder and the layouts it needs."""
-
-    def __init__(self, d: int, lo: L.RegionLayout):
-        self.d = d
-        self.cap = Capture(d, lo)
-        self.a2a = self.cap.stream("a2a")
-        self.syncs = 0
-
-
-def _shifted(me: int, n: int) -> list[int]:
-    """`comm.endpoint.shifted`: the dies from me + 1 on, wrapping around, me last."""
-    return [(me + 1 + i) % n for i in range(n)]
-
-
-def _barrier(die: _Die, n: int, lo: L.RegionLayout) -> None:
-    """`comm.endpoint.barrier`: this die's count into every peer's word, then every peer's."""
-    die.syncs += 1
-    base, cap = lo.sync_off // L.WORD, die.cap
-    for p in range(n):
-        if p != die.d:
-            cap.pub(p, (base + die.d,), (die.syncs,))
-    for p in range(n):
-        if p != die.d:
-            cap.acq((base + p,), (die.syncs,), (p,), "sync[peer]", 0)
 
 
 class _Routes:
@@ -101,7 +72,7 @@ class _Routes:
         return int(self.lay[src].num_tokens_per_die[dst])
 
 
-def _dispatch(die: _Die, r: _Routes, lo: L.RegionLayout, it: int, quant: str) -> None:
+def _dispatch(die: SynthDie, r: _Routes, lo: L.RegionLayout, it: int, quant: str) -> None:
     pt, cap, me = r.pt, die.cap, die.d
     stride = lo.pull_disp_stride
     op, n = it + 1, pt.dies
@@ -111,7 +82,7 @@ def _dispatch(die: _Die, r: _Routes, lo: L.RegionLayout, it: int, quant: str) ->
         cap.op("quantize", 3 * b * h, 2 * b * h, b * h + 4 * b, unit="aiv", rows=b, hidden=h)
     offs = r.offsets(me)
     flag = lo.fused_flag_word(half, me)
-    order = _shifted(me, n)
+    order = shifted_order(me, n)
     for d in order:  # `comm.alltoall.fused._carry_dispatch`: every die's rows, then flags
         a, b = offs[d], offs[d + 1]
         if b > a:
@@ -148,7 +119,7 @@ def _slot_words(cap: Capture, r: _Routes, lo: L.RegionLayout, me: int, src: int,
     cap.pub(src, (lin + base).tolist(), [op] * len(lin))
 
 
-def _combine(die: _Die, r: _Routes, lo: L.RegionLayout, it: int) -> None:
+def _combine(die: SynthDie, r: _Routes, lo: L.RegionLayout, it: int) -> None:
     pt, cap, me = r.pt, die.cap, die.d
     op, n, topk = it + 1, pt.dies, pt.topk
     if r.dedup:  # `comm.alltoall.scatter.write_groups_by_src`
@@ -158,9 +129,9 @@ def _combine(die: _Die, r: _Routes, lo: L.RegionLayout, it: int) -> None:
         if groups:
             cap.op("reduce_groups", 2 * ent * h, 2 * ent * h, 2 * groups * h, unit="aiv",
                    rows=ent, groups=groups)  # fmt: skip
-        sent = [s for s in _shifted(me, n) if _combine_rows(cap, r, lo, me, s) and s != me]
+        sent = [s for s in shifted_order(me, n) if _combine_rows(cap, r, lo, me, s) and s != me]
     else:  # `write_slots_by_src`: every remote source, then this die's own rows
-        sent = [s for s in _shifted(me, n) if s != me and _combine_rows(cap, r, lo, me, s)]
+        sent = [s for s in shifted_order(me, n) if s != me and _combine_rows(cap, r, lo, me, s)]
         _combine_rows(cap, r, lo, me, me)
     for s in sent:
         _slot_words(cap, r, lo, me, s, op)
@@ -194,11 +165,11 @@ def synthesize_alltoall(cfg: PodConfig, pt: Point, protocol: str, quant: str,
     base, dedup = split_protocol(protocol)
     lo = cfg.layout()
     r = _Routes(pt, dedup)
-    dies = [_Die(d, lo) for d in range(pt.dies)]
+    dies = [SynthDie(d, lo) for d in range(pt.dies)]
     for it in range(CAPTURE_WARMUP + CAPTURE_ITERS):
         for name, step in (("dispatch", _dispatch), ("combine", _combine)):
             for die in dies:
-                _barrier(die, pt.dies, lo)
+                barrier(die, pt.dies, lo)
                 die.cap.begin(name, it, die.a2a)
                 with die.cap.on(die.a2a):
                     if name == "dispatch":
@@ -209,34 +180,9 @@ def synthesize_alltoall(cfg: PodConfig, pt: Point, protocol: str, quant: str,
     return _write(dies, cfg, pt, protocol, quant, Path(directory))
 
 
-def _write(dies: list[_Die], cfg: PodConfig, pt: Point, protocol: str, quant: str,
+def _write(dies: list[SynthDie], cfg: PodConfig, pt: Point, protocol: str, quant: str,
            out: Path) -> Path:  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").unlink(missing_ok=True)
-    entries = [_write_die(die, out) for die in dies]
-    return _write_meta(out, entries, cfg.to_dict(), pt, protocol, quant, ["dispatch", "combine"])
-
-
-def _write_die(die: _Die, out: Path) -> dict:
-    """Write one die's file (no host times: a synthesized trace has none); its meta entry."""
-    for e in die.cap.events:
-        e[2] = e[3] = 0
-    return die.cap.write(str(out))
-
-
-def _write_meta(out: Path, entries: list[dict], config: dict, pt: Point, protocol: str,
-                quant: str, calls: list[str]) -> Path:  # fmt: skip
-    """meta.json, LAST (docs/projection.md §1.1), labelled `synthesized`."""
-    workload = {"bench": "alltoall", "protocol": protocol, "quant": quant, "batch": pt.batch,
-                "hidden": pt.hidden, "topk": pt.topk, "experts": pt.num_experts,
-                "routing": pt.routing, "seed": pt.seed, "dies": pt.dies,
-                "attention_dies": pt.attention_dies,
-                "combine_dtype": pt.combine_dtype}  # fmt: skip
-    meta = {"format": FORMAT, "version": VERSION, "layout_version": L.LAYOUT_VERSION,
-            "num_dies": pt.dies, "dies": entries, "config": config,
-            "workload": workload, "calls": list(calls), "warmup": CAPTURE_WARMUP,
-            "synthesized": True, "commit": ""}  # fmt: skip
-    tmp = out / ".meta.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
-    os.replace(tmp, out / "meta.json")
-    return out
+    entries = [write_die(die, out) for die in dies]
+    return write_meta(out, entries, cfg.to_dict(), pt, protocol, quant, ["dispatch", "combine"])

@@ -45,7 +45,7 @@ import numpy as np
 
 from bench.alltoall.inputs import Point, routing
 from bench.project.capture import CAPTURE_ITERS, CAPTURE_WARMUP
-from bench.project.synth import _barrier, _Die, _shifted, _write_die, _write_meta
+from bench.project.synth_common import SynthDie, barrier, shifted_order, write_die, write_meta
 from comm.alltoall.fields import G_SEQ
 from comm.alltoall.split import Split
 from comm.capture import area_of, tokens_of
@@ -122,7 +122,7 @@ def _flag_word(lo: L.RegionLayout, op: int) -> int:
     return (lo.a2e_flag_off + (op & 1) * L.FIELD_BYTES) // L.WORD
 
 
-def _a2e_attention(die: _Die, r: _Routes, lo: L.RegionLayout, op: int, quant: str) -> None:
+def _a2e_attention(die: SynthDie, r: _Routes, lo: L.RegionLayout, op: int, quant: str) -> None:
     """`a2e` on an attention die: quantize, then `_a2e_stage1`."""
     pt, cap, a = r.pt, die.cap, die.d
     if quant == "int8":  # bf16 in, int8 + scale out
@@ -136,7 +136,7 @@ def _a2e_attention(die: _Die, r: _Routes, lo: L.RegionLayout, op: int, quant: st
     cap.pub(t, (_flag_word(lo, op) + G_SEQ,), (op,))  # its one metadata write
 
 
-def _a2e_expert(die: _Die, r: _Routes, lo: L.RegionLayout, op: int) -> None:
+def _a2e_expert(die: SynthDie, r: _Routes, lo: L.RegionLayout, op: int) -> None:
     """`a2e` on an expert die: `_a2e_stage2` if it is a trampoline, then `_expert_gather`."""
     pt, cap, me = r.pt, die.cap, die.d
     half, stride = op & 1, lo.pull_disp_stride
@@ -144,7 +144,7 @@ def _a2e_expert(die: _Die, r: _Routes, lo: L.RegionLayout, op: int) -> None:
     for a in r.split.partners(me):  # A2E': forward the partner's packets
         cap.acq((_flag_word(lo, op) + G_SEQ,), (op,), (a,), f"a2e.flag[{half}]", 0)
         block = lo.fused_disp_off + (half * pt.dies + a) * lo.fused_disp_rows * stride
-        order = [d for d in _shifted(me, pt.dies) if d in exp]
+        order = [d for d in shifted_order(me, pt.dies) if d in exp]
         for d in order:
             s = r.span(a, d)
             k = s.stop - s.start
@@ -162,26 +162,26 @@ def _a2e_expert(die: _Die, r: _Routes, lo: L.RegionLayout, op: int) -> None:
     cap.op("assemble", 0, n * stride, n * stride, unit="aiv", rows=n)
 
 
-def _comb_rows(die: _Die, lo: L.RegionLayout, peer: int, lin: np.ndarray) -> None:
+def _comb_rows(die: SynthDie, lo: L.RegionLayout, peer: int, lin: np.ndarray) -> None:
     """`push_combine` / `local_rows`: combine rows at lin of peer (or of the die itself)."""
     stride = lo.pull_comb_stride
     die.cap.rows(peer, len(lin), tokens_of(lin // lo.a2a_topk), stride)
     die.cap.put(peer, len(lin) * stride, "fused_comb")
 
 
-def _comb_words(die: _Die, lo: L.RegionLayout, peer: int, lin: np.ndarray, op: int) -> None:
+def _comb_words(die: SynthDie, lo: L.RegionLayout, peer: int, lin: np.ndarray, op: int) -> None:
     """`publish_slots`: the completion words of those rows, after every row."""
     die.cap.pub(peer, (lin + lo.fused_cflag_off // L.WORD).tolist(), [op] * len(lin))
 
 
-def _e2a_expert(die: _Die, r: _Routes, lo: L.RegionLayout, op: int) -> None:
+def _e2a_expert(die: SynthDie, r: _Routes, lo: L.RegionLayout, op: int) -> None:
     """`_e2a_expert`: `write_slots_by_src` to the trampolines, the a2e_seen words, then E2A'
     on a trampoline."""
     pt, cap, me = r.pt, die.cap, die.d
     n_att = pt.attention_dies
     to = {r.tramp[a]: r.lin(a, me) for a in range(n_att)}  # one partner per trampoline
     to = {t: lin for t, lin in to.items() if len(lin)}
-    runs = [t for t in _shifted(me, pt.dies) if t in to and t != me]
+    runs = [t for t in shifted_order(me, pt.dies) if t in to and t != me]
     for t in runs:  # every remote trampoline's rows, this die's own, then the words
         _comb_rows(die, lo, t, to[t])
     if me in to:
@@ -205,7 +205,7 @@ def _e2a_expert(die: _Die, r: _Routes, lo: L.RegionLayout, op: int) -> None:
         cap.pub(a, (_flag_word(lo, op) + G_SEQ,), (op,))  # done, after the rows
 
 
-def _e2a_attention(die: _Die, r: _Routes, lo: L.RegionLayout, op: int) -> None:
+def _e2a_attention(die: SynthDie, r: _Routes, lo: L.RegionLayout, op: int) -> None:
     """`e2a` on an attention die: the done flag, every routed slot, the weighted sum."""
     pt, cap, a = r.pt, die.cap, die.d
     t = r.tramp[a]
@@ -237,12 +237,12 @@ def synthesize_a2e(cfg: PodConfig, pt: Point, quant: str, directory: str | Path)
     (out / "meta.json").unlink(missing_ok=True)  # an old capture is incomplete from here on
     entries = []
     for d in range(pt.dies):
-        die = _Die(d, lo)
+        die = SynthDie(d, lo)
         att = d < pt.attention_dies
         for it in range(CAPTURE_WARMUP + CAPTURE_ITERS):
             op = it + 1  # one domain, one micro-batch: `Split.next_op` counts calls
             for name in ("a2e", "e2a"):
-                _barrier(die, pt.dies, lo)
+                barrier(die, pt.dies, lo)
                 die.cap.begin(name, it, die.a2a)
                 with die.cap.on(die.a2a):
                     if name == "a2e":
@@ -253,9 +253,9 @@ def synthesize_a2e(cfg: PodConfig, pt: Point, quant: str, directory: str | Path)
                     else:
                         _e2a_expert(die, r, lo, op)
                 die.cap.end(name, it)
-        entries.append(_write_die(die, out))
+        entries.append(write_die(die, out))
     config = _capture_config(cfg).to_dict()
-    return _write_meta(out, entries, config, pt, "a2e", quant, ["a2e", "e2a"])
+    return write_meta(out, entries, config, pt, "a2e", quant, ["a2e", "e2a"])
 
 
 __all__ = ["config_for", "synthesize_a2e", "uncapped"]

@@ -95,9 +95,9 @@ class Captures:
         name = f"a2e-{w['quant']}-{att}+{w['expert_dies']}-b{w['batch']}-synthesized"
 
         def make(path: Path) -> dict:
-            from bench.project.synth_a2e import synth_config, synthesize_a2e
+            from bench.project.synth_a2e import config_for, synthesize_a2e
 
-            synthesize_a2e(synth_config(pt, w["quant"]), pt, w["quant"], path)
+            synthesize_a2e(config_for(pt, w["quant"]), pt, w["quant"], path)
             return {}
 
         return self.get(name, w, make), "synthesized"
