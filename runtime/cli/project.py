@@ -84,6 +84,9 @@ def print_table(doc: dict, capture: str) -> None:
         figures = (f"{c['p50_us']:>10.2f} {c['p99_us']:>10.2f} {c['max_us']:>10.2f}"
                    f" {c['mean_p50_us']:>16.2f}")  # fmt: skip
         print(f"{name:<12} {c['count']:>6} {c['warmup']:>8} {figures}  {label}")
+        if "measured_p50_us" in c:  # the host profile: the self-replay check
+            print(f"{'':<12} {'':>6} {'':>8} {c['measured_p50_us']:>10.2f}  measured on the"
+                  f" capturing host (self-replay error {c['self_replay_error']:+.1%})")  # fmt: skip
     print(f"makespan {doc['projected']['makespan_us']:.2f} us  {label}")
     print(f"contention model: {doc['contention_model']}")
     print(f"profile {doc['profile']} sha256 {doc['profile_sha256']}")

@@ -92,10 +92,25 @@ class Result:
         named = self.capture.call_names()
         return named if named is not None else sorted({k[1] for k in self.durations})
 
-    def calls(self, name: str) -> CallStats:
-        """Figures of call `name`; ProjectError if the capture has none after warm-up."""
+    @cached_property
+    def measured_durations(self) -> dict[tuple[int, str, int], float]:
+        """Per call as the capturing host timed it (µs): the `end`'s t1 minus the `begin`'s
+        t0 on the die (a synthesized capture has no host times: all 0)."""
+        ev, idx = self.capture.events, self.graph.file_idx
+        return {(die, name, call): (ev[die][idx[e]][3] - ev[die][idx[b]][2]) / 1e3
+                for die, name, call, b, e, _own in self.graph.calls}  # fmt: skip
+
+    def measured_calls(self, name: str) -> CallStats:
+        """`calls(name)` from the host's own times (the self-replay check compares the two
+        under the `host` profile, docs/projection.md §2 item 7)."""
+        return self.calls(name, self.measured_durations)
+
+    def calls(self, name: str, durations: dict | None = None) -> CallStats:
+        """Figures of call `name` (from `durations`, default the projected ones); ProjectError
+        if the capture has none after warm-up."""
         by_id: dict[int, list[float]] = {}
-        for (_die, nm, call), dur in self.durations.items():  # (die, name, call) order: sorted
+        durations = self.durations if durations is None else durations
+        for (_die, nm, call), dur in durations.items():  # (die, name, call) order: sorted
             if nm == name:
                 by_id.setdefault(call, []).append(dur)
         warmup = self.capture.warmup()
@@ -141,6 +156,10 @@ class Result:
                 "per_call": [{"call": c, "max_us": _r(mx), "mean_us": _r(mn), "dies": k}
                              for c, mx, mn, k in st.per_call],
             }  # fmt: skip
+            if self.profile.is_host and not self.capture.meta.get("synthesized"):
+                m = self.measured_calls(name)  # the self-replay check: the host's own p50
+                calls[name]["measured_p50_us"] = _r(m.p50_us)
+                calls[name]["self_replay_error"] = _r(st.p50_us / m.p50_us - 1 if m.p50_us else 0)
         ports = self.ports
         meta = self.capture.meta
         return {
