@@ -14,6 +14,7 @@ import numpy as np
 
 from bench.alltoall.dies import a2e_run, ep_run
 from bench.alltoall.inputs import Point, counts_matrix
+from bench.project.memwatch import MemWatch, shm_used
 from comm import recv as comm_recv
 from comm import send as comm_send
 from runtime import Pod, PodConfig
@@ -32,10 +33,12 @@ def _want_rows(pt: Point) -> np.ndarray:
 
 
 def capture_alltoall(cfg: PodConfig, pt: Point, protocol: str, quant: str,
-                     directory: str | Path | None = None) -> tuple[Path, dict]:  # fmt: skip
+                     directory: str | Path | None = None,
+                     memory: bool = False) -> tuple[Path, dict]:  # fmt: skip
     """Capture `protocol` x `quant` of point `pt` on a fresh capture pod of `cfg`'s shape
     (every word starts at 0, so every guarded step's write is in the log); returns the
-    capture's directory and what it cost (seconds, peak resident MiB of the launcher)."""
+    capture's directory and what it cost (seconds, peak resident MiB of the launcher, the
+    capture's bytes on disk; `memory`: the dies' resident memory, `bench.project.memwatch`)."""
     cfg = dataclasses.replace(cfg, capture=True, trace=False, hosts=(), fabric="auto")
     if cfg.timeout_s < 60:
         cfg = dataclasses.replace(cfg, timeout_s=60.0)
@@ -43,7 +46,11 @@ def capture_alltoall(cfg: PodConfig, pt: Point, protocol: str, quant: str,
     fn = a2e_run if protocol == "a2e" else ep_run
     names = ["a2e", "e2a"] if protocol == "a2e" else ["dispatch", "combine"]
     t0 = time.monotonic()
+    watch, shm0 = None, shm_used()
     with Pod.launch(cfg) as pod:
+        launched = time.monotonic()
+        if memory:
+            watch = MemWatch([p.pid for p in pod.procs], shm_base=shm0).start()
         pod.run(fn, pt, protocol, quant, CAPTURE_WARMUP, CAPTURE_ITERS, _want_rows(pt),
                 timeout_s=CAPTURE_TIMEOUT_S)  # fmt: skip
         workload = {"bench": "alltoall", "protocol": protocol, "quant": quant,
@@ -52,9 +59,13 @@ def capture_alltoall(cfg: PodConfig, pt: Point, protocol: str, quant: str,
                     "dies": pt.dies, "attention_dies": pt.attention_dies,
                     "combine_dtype": pt.combine_dtype}  # fmt: skip
         write_capture(pod, out, workload, names, warmup=CAPTURE_WARMUP)
+        mem = watch.stop() if watch is not None else {}
     cost = {
         "capture_s": round(time.monotonic() - t0, 3),
+        "launch_s": round(launched - t0, 3),
         "launcher_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+        "capture_mib": round(sum(f.stat().st_size for f in out.iterdir()) / (1 << 20), 2),
+        **mem,
     }
     return out, cost
 

@@ -38,6 +38,7 @@ class Options:
     recapture: bool
     write: str | None
     prog: str
+    points: list[str] | None = None
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -56,6 +57,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         " synthesize larger ones (default 16; 128 fits this machine)")  # fmt: skip
     p.add_argument("--recapture", action="store_true",
                    help="--validate/--calibrate: make every capture again, reuse none")  # fmt: skip
+    p.add_argument("--points", default=None, metavar="GLOBS",
+                   help="--validate: only the points whose id matches one of these globs"
+                        " (e.g. 'table7.*.ep8,table1.*'; ids: docs/projection.md §4)")  # fmt: skip
     p.add_argument("--write", type=output_file, default=None, metavar="F",
                    help="--calibrate: write the fitted profile to F")  # fmt: skip
 
@@ -65,7 +69,8 @@ def parse_options(args: argparse.Namespace) -> Options:
     mode = "validate" if args.validate else "calibrate" if args.calibrate else "project"
     if mode == "project":
         given = {"--captures": args.captures, "--recapture": args.recapture,
-                 "--write": args.write, "--real-upto": args.real_upto != 16}  # fmt: skip
+                 "--write": args.write, "--real-upto": args.real_upto != 16,
+                 "--points": args.points}  # fmt: skip
         for flag, v in given.items():
             if v:
                 raise ValueError(f"{flag} goes with --validate or --calibrate")
@@ -77,8 +82,15 @@ def parse_options(args: argparse.Namespace) -> Options:
         raise ValueError(f"--trace goes with a CAPTURE_DIR, not --{mode}")
     if args.write and mode != "calibrate":
         raise ValueError("--write goes with --calibrate")
+    globs = None
+    if args.points is not None:
+        if mode != "validate":
+            raise ValueError("--points goes with --validate (calibration reads its plan's points)")
+        globs = [g.strip() for g in args.points.split(",") if g.strip()]
+        if not globs:
+            raise ValueError("--points: give a comma list of point id globs")
     return Options(None, mode, args.profile, args.json, args.captures, args.real_upto,
-                   args.recapture, args.write, args.cmd_prog)  # fmt: skip
+                   args.recapture, args.write, args.cmd_prog, globs)  # fmt: skip
 
 
 def run(opts: Options) -> int:
@@ -86,7 +98,7 @@ def run(opts: Options) -> int:
     if opts.mode == "project":
         return plain.run(opts.plain)
     from bench.project.calibrate import Calibration
-    from bench.project.points import PROFILES
+    from bench.project.points import PROFILES, points_of
     from bench.project.validate import Captures, print_report, scratch_root, validate
     from runtime.project import ProjectError, load_profile
 
@@ -104,7 +116,7 @@ def run(opts: Options) -> int:
     caps = Captures(root, opts.real_upto, opts.recapture)
     try:
         if opts.mode == "validate":
-            doc = validate(profile, caps)
+            doc = validate(profile, caps, select(points_of(profile.name), opts.points))
             print_report(doc)
         else:
             text = Path(profile.path).read_text(encoding="utf-8") if Path(
@@ -128,6 +140,21 @@ def run(opts: Options) -> int:
     if opts.json:
         _atomic(opts.json, json.dumps(doc, indent=1, sort_keys=True) + "\n")
     return 0
+
+
+def select(points: list, globs: list[str] | None) -> list:
+    """The points whose id matches a glob (all without globs); ProjectError if none does."""
+    from fnmatch import fnmatchcase
+
+    from runtime.project import ProjectError
+
+    if globs is None:
+        return points
+    out = [p for p in points if any(fnmatchcase(p.id, g) for g in globs)]
+    if not out:
+        ids = ", ".join(p.id for p in points)
+        raise ProjectError(f"--points {','.join(globs)}: matches none of {ids}")
+    return out
 
 
 def _shipped_text(name: str) -> str:

@@ -166,10 +166,10 @@ def project_point(p: PubPoint, caps: Captures, proj: Projector) -> tuple[float, 
     kind = w["kind"]
     if kind == "alltoall":
         path, how = caps.alltoall(w)
-        return proj(path).calls(p.op).p50_us, how, {"capture": path.name}
+        return proj(path).calls(p.op).p50_us, how, {"capture_dir": path.name}
     if kind == "a2e":
         path, how = caps.a2e(w)
-        return proj(path).calls(p.op).p50_us, how, {"capture": path.name}
+        return proj(path).calls(p.op).p50_us, how, {"capture_dir": path.name}
     if kind == "write":
         return proj(caps.write(w["bytes"])).calls("write").p50_us, "hand-built", {}
     if kind == "p2p_sizes":

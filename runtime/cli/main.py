@@ -60,6 +60,8 @@ BENCHES: dict[str, tuple[str, str]] = {
                " against `xpod decode`."),
     "serve": ("bench.serve", "`xpod bench serve`: a vLLM-style serving benchmark against xpod's"
               " OpenAI-compatible server."),
+    "capture": ("bench.capture", "`xpod bench capture`: what capturing and replaying an all-to-all"
+                " costs, per EP degree."),
     "chaos": ("bench.chaos", "`xpod bench chaos`: HTTP load while faults fire, against a"
               " fault-free baseline."),
 }  # fmt: skip
