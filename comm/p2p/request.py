@@ -83,7 +83,9 @@ class Request:
         self._queue.remove(self)
         self.ep.active.remove(self)
         cap = self.ep.cap
-        if cap is not None and self.begin >= 0:  # the call ends once every lane has
+        # the call ends once every lane has; a call that failed (aborted, a peer's error) has
+        # no end: its log shows a call that began and never ended, which no replay accepts
+        if cap is not None and self.begin >= 0 and error is None:
             joins = [(ln.sid, cap.last(ln.sid)) for ln in self._lanes or () if ln.sid >= 0]
             cap.end("send" if self.is_send else "recv", self.event_id, joins)
 

@@ -213,8 +213,9 @@ def test_a_projection_that_needs_a_missing_constant_is_refused_for_that_row_only
     # (projected figures null, the key named); the MTE rows, which do not need it, project
     prof = profile_file(tmp_path, drop="dma.startup_us")
     out = tmp_path / "p2p.jsonl"
-    assert cli.main(["bench", "p2p", "--sizes", "8", "--cores", "1", "--variants", "mte,dma",
-                     "--iters-scale", "0.01", "--project", prof, "--json", str(out)]) == 0  # fmt: skip
+    argv = ["bench", "p2p", "--sizes", "8", "--cores", "1", "--variants", "mte,dma",
+            "--iters-scale", "0.01", "--project", prof, "--json", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0
     printed = capsys.readouterr().out
     rows = {r["variant"]: r for r in rows_of(out) if r.get("transport", "").startswith("xpod")}
     assert rows["mte"]["projected_p50_us"] > 0 and "projection_refused" not in rows["mte"]

@@ -139,3 +139,40 @@ def test_a_projection_does_not_depend_on_the_host(tmp_path):
     for profile in ("cm384", "h800"):
         a, b = (json.loads(project(p, profile)) for p in (fast, slow))
         assert a["projected"] == b["projected"] and a["profile_sha256"] == b["profile_sha256"]
+
+
+def _recv_while_the_sender_fails(die, nbytes: int) -> int:
+    """Die 0 waits to receive a message from die 1; die 1 fails instead of sending it."""
+    import numpy as np
+
+    from comm import recv as comm_recv
+
+    buf = die.alloc(nbytes, np.uint8)
+    die.barrier()
+    if die.die_id == 1:
+        raise ValueError("die 1 fails before it sends")
+    if die.die_id == 0:
+        comm_recv(die, buf, 1, event_id=0)
+    return 0
+
+
+def lambda_ok(die) -> int:
+    return 1
+
+
+@pytest.mark.timeout(120)
+def test_a_capture_of_a_failed_run_is_refused(tmp_path):
+    # die 1 raises instead of sending: die 0's recv waits for words never written until the
+    # pod aborts it, so its log holds a recv that began and never ended (an aborted call
+    # records no end): writing the capture refuses, and no meta.json makes it loadable
+    from runtime import Pod
+    from runtime.pod.capture import write_capture
+
+    with Pod.launch(PodConfig(num_dies=2, capture=True, app_bytes=1 << 20)) as pod:
+        with pytest.raises(Exception, match="die 1 fails"):
+            pod.run(_recv_while_the_sender_fails, 4096, timeout_s=60)
+        with pytest.raises(Exception, match="unfinished calls"):
+            write_capture(pod, tmp_path / "cap", {"bench": "failed"}, ["recv"])
+        assert pod.run(lambda_ok) == [1, 1]  # the pod stays usable
+    with pytest.raises(ProjectError, match="meta.json"):
+        load_capture(tmp_path / "cap")
