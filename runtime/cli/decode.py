@@ -23,10 +23,12 @@ from runtime.cli.model_flags import (
     add_eplb_flags,
     add_model_flags,
     add_pin_flag,
+    add_spec_flags,
     add_split_flags,
     eplb_config,
     model_overrides,
     quant_of,
+    spec_of,
     split_dies,
 )
 from runtime.decode.options import EPLB_MODES, MAX_BATCH, DecodeOptions, progress
@@ -83,6 +85,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--wait", default="auto", choices=("auto", "spin", "yield"), help="PodConfig.wait"
     )
     add_split_flags(p)
+    add_spec_flags(p)
 
 
 # ModelConfig / PodConfig fields -> the flags that set them (for errors found after parsing)
@@ -142,6 +145,7 @@ def parse_options(args: argparse.Namespace) -> DecodeOptions:
         wait=args.wait,
         eplb=args.eplb,
         eplb_config=eplb_config(args, dies_per_node=args.dies_per_node),
+        spec=spec_of(args),
         **host_cfg,
     )
     _check_options(opts)
@@ -177,6 +181,14 @@ def _check_options(opts: DecodeOptions) -> None:
         raise ConfigError("argument --domains/--microbatches: need --attention-dies")
     if opts.repeat > 1 and opts.eplb == "compare":
         raise ConfigError("argument --repeat: --eplb compare runs its own pair of pods; drop one")
+    if opts.spec is not None:
+        from runtime.decode.spec_run import check_spec, spec_model
+
+        try:
+            check_spec(opts, spec_model(model, opts.spec), [range(opts.prompt_len)])
+        except ConfigError as e:
+            raise ConfigError(f"argument --num-speculative-tokens/--steps: {e}") from None
+        return
     if opts.prompt_len + opts.steps > model.max_seq_len:
         raise ConfigError(
             f"argument --prompt-len/--steps: prompt_len + steps = {opts.prompt_len + opts.steps}"
@@ -205,7 +217,11 @@ def _check_options(opts: DecodeOptions) -> None:
 
 def run(opts: DecodeOptions) -> int:
     s = run_decode(opts)
-    if s.get("layout") == "split":
+    if s.get("bench") == "decode-mtp":
+        from runtime.decode.spec_run import print_spec
+
+        print_spec(s)
+    elif s.get("layout") == "split":
         print_split(s)
     elif s.get("bench") == "decode-eplb":
         print_eplb(s)
@@ -223,6 +239,8 @@ def run(opts: DecodeOptions) -> int:
         and (s["mismatched_tokens"] or not s["logits_bit_equal"])
     ):
         return 1
+    if s.get("bench") == "decode-mtp":
+        return 1 if opts.check and not s["replay_bit_equal"] else 0
     if s.get("bench") == "decode-eplb" and (s["mismatched_tokens"] or not s["logits_bit_equal"]):
         return 1
     return 0

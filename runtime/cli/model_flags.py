@@ -47,6 +47,36 @@ def model_overrides(args: argparse.Namespace) -> dict:
     return out
 
 
+def add_spec_flags(p: argparse.ArgumentParser) -> None:
+    """--speculative-config, --num-speculative-tokens, --mtp-draft (vLLM's names): MTP."""
+    g = p.add_argument_group("multi-token prediction (001 §4.6; default: off)")
+    g.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='e.g. \'{"method":"mtp","num_speculative_tokens":2,"draft":"fit"}\'',
+    )
+    g.add_argument("--num-speculative-tokens", type=nonneg_int, default=None, metavar="K",
+                   help="K drafts per step from the model's MTP module (0-2; 0 = off)")  # fmt: skip
+    g.add_argument("--mtp-draft", default=None, metavar="MODE",
+                   help="real | fit (default: the MTP head fitted on the model's own text) |"
+                   " oracle | synthetic:P1[,P2] (transcript drafts; benchmarks)")  # fmt: skip
+
+
+def spec_of(args: argparse.Namespace):
+    """The SpecConfig of the --speculative-config / --num-speculative-tokens / --mtp-draft
+    flags, or None (off); ConfigError names the flag."""
+    from runtime.model.mtp import spec_config
+
+    try:
+        return spec_config(getattr(args, "speculative_config", None),
+                           getattr(args, "num_speculative_tokens", None),
+                           getattr(args, "mtp_draft", None))  # fmt: skip
+    except ConfigError as e:
+        raise ConfigError(f"argument --speculative-config/--num-speculative-tokens/--mtp-draft:"
+                          f" {e}") from None  # fmt: skip
+
+
 def add_split_flags(p: argparse.ArgumentParser, what: str = "decode") -> None:
     """--attention-dies, --expert-dies, --domains, --microbatches: MoE-attention disaggregation."""
     g = p.add_argument_group("MoE-attention disaggregation (001 §5.2; default: colocated)")

@@ -46,6 +46,7 @@ class DecodeOptions:
     fabric: str = "auto"
     host_names: tuple = ()
     net_if: str = ""
+    spec: object = None  # runtime.model.mtp.SpecConfig: MTP speculative decoding, or None
 
     @property
     def split(self) -> bool:

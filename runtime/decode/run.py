@@ -113,7 +113,7 @@ def decode_main(die, spec: DecodeSpec) -> dict:
     model, pool, bal = build_model(die, cfg, n_blocks, spec.block_size, spec.eplb, True)
     kv = KVManager(max(n_blocks, 1), spec.block_size, enable_prefix_cache=False)
     tables = [kv.alloc_blocks(r, len(p) + spec.steps) for r, p in zip(ids, prompts, strict=True)]
-    clock = Clock(die, cfg.n_layers)
+    clock = Clock(die, cfg.kv_layers)
     ctx = die.ctx
     tokens = [[] for _ in ids]
     history = []
@@ -270,9 +270,13 @@ def run_decode(opts: DecodeOptions) -> dict:
     eplb = None if opts.eplb == "off" else opts.eplb_config
     if eplb is not None:
         eplb.check(model, opts.dies)
-    if sp is not None:
+    if sp is not None and opts.spec is None:
         return _run_split(opts, model, prompts, sp)
     per_die, ids = spread(prompts, opts.dies)
+    if opts.spec is not None:
+        from runtime.decode.spec_run import run_spec_decode
+
+        return run_spec_decode(opts, model, per_die, ids)
     if opts.eplb == "compare":
         off = _run(opts, model, per_die, ids, None, keep_logits=True, trace=False)[0][0]
         on = _run(opts, model, per_die, ids, eplb, keep_logits=True, trace=bool(opts.trace))[0][0]

@@ -161,7 +161,7 @@ class _Loop:
                 die, self.model, spec.eplb, members=self.split.exp_dies, router=True)  # fmt: skip
             self.a2e_word, self.e2a_word = lo.serve_word(L.SV_A2E_NS), lo.serve_word(L.SV_E2A_NS)
         self.clock = (
-            Clock(die, spec.model.n_layers)
+            Clock(die, spec.model.kv_layers)
             if self.split is None
             else split_clock(die, spec.model.n_layers)
         )

@@ -10,6 +10,8 @@ from runtime.model.die_model import DieModel, Segment, batch_rows, last_rows
 from runtime.model.expert_balancer import EPLBConfig, ExpertBalancer, initial_map
 from runtime.model.forward import Clock, build_model, forward, prepared_for_fork
 from runtime.model.kv import DictKV, KVStore, PagedKV
+from runtime.model.mtp import SpecConfig, spec_config
+from runtime.model.mtp_fit import ensure_fit
 from runtime.model.ops import (
     absorbed_attention,
     apply_rope,
@@ -55,6 +57,7 @@ __all__ = [
     "PagedKV",
     "ReferencePod",
     "Segment",
+    "SpecConfig",
     "Weights",
     "absorbed_attention",
     "apply_rope",
@@ -63,6 +66,7 @@ __all__ = [
     "build_weights",
     "decode",
     "encode",
+    "ensure_fit",
     "expert_bias",
     "expert_ffn",
     "forward",
@@ -79,5 +83,6 @@ __all__ = [
     "sample_rows",
     "silu",
     "softmax",
+    "spec_config",
     "swiglu",
 ]

@@ -64,6 +64,14 @@ class ModelConfig:
         score_bias_scale: the skew offset of the hottest expert (default 1.0).
         rope_theta: RoPE base; max_seq_len: positions 0..max_seq_len-1 are valid.
         seed: root of every weight's seed (>= 0); norm_eps: RMSNorm epsilon.
+        mtp_layers: multi-token prediction modules after the main layers (DeepSeek-V3's
+            `num_nextn_predict_layers`; 0 = none, at most 1): each an `eh_proj` over the
+            normed embedding of the next token and the normed hidden row, one decoder block
+            (MLA with its own latent KV layer, an MoE through the same all-to-all) and its own
+            final norm before the shared LM head (`runtime.model.mtp`).
+        mtp_fit: the MTP module's `eh_proj` fitted by least squares on the model's own greedy
+            text (`runtime.model.mtp_fit`, the `fit` draft mode) instead of its seeded random
+            init; needs `mtp_layers`.
         batch_invariant: every row computed independently of its batch mates, prefill and
             decode alike (`runtime.model.ops.set_batch_invariant`): the compiled products
             (ascending inner dimension, float64 sums) for any row count and a per-row
@@ -99,6 +107,8 @@ class ModelConfig:
     max_seq_len: int = 512
     seed: int = 0
     norm_eps: float = 1e-6
+    mtp_layers: int = 0
+    mtp_fit: bool = False
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:
@@ -129,6 +139,18 @@ class ModelConfig:
 
     def is_moe(self, layer: int) -> bool:
         return layer >= self.n_dense_layers
+
+    @property
+    def kv_layers(self) -> int:
+        """Latent KV layers of a request: the main layers, then one per MTP module."""
+        return self.n_layers + self.mtp_layers
+
+    def mtp_layer(self, j: int) -> int:
+        """The model layer index of the MTP sub-forward j (0-based): the MTP module after the
+        main layers; a second draft reuses the one module (001 §4.6: the released layer)."""
+        if not self.mtp_layers:
+            raise ConfigError("mtp_layers: the model has no MTP module (mtp_layers = 0)")
+        return self.n_layers + j % self.mtp_layers
 
     def validate(self, num_dies: int, expert_dies: int | None = None) -> None:
         """Check the config for a pod of `num_dies` dies, `expert_dies` of which host experts.
@@ -177,6 +199,14 @@ class ModelConfig:
                 f"topk: {self.topk} is more than num_experts={self.num_experts} (1 <= topk <= "
                 f"num_experts)"
             )
+        _check_int("mtp_layers", self.mtp_layers, 0)
+        if self.mtp_layers > 1:
+            raise ConfigError(
+                f"mtp_layers: at most 1 MTP module (a second draft reuses it), got"
+                f" {self.mtp_layers}"
+            )
+        if not isinstance(self.mtp_fit, bool) or (self.mtp_fit and not self.mtp_layers):
+            raise ConfigError(f"mtp_fit: a bool, true only with mtp_layers, got {self.mtp_fit!r}")
         if not isinstance(self.batch_invariant, bool):
             raise ConfigError(f"batch_invariant: expected a bool, got {self.batch_invariant!r}")
         if self.gating not in _GATINGS:

@@ -115,7 +115,7 @@ class DieModel:
         self.weights = weights
         self.kv = kv
         self.cos, self.sin = rope_tables(cfg)
-        self._bias = {layer: expert_bias(cfg, layer) for layer in range(cfg.n_layers)}
+        self._bias = {layer: expert_bias(cfg, layer) for layer in range(cfg.kv_layers)}
         self._attn_ok: dict[int, bool] = {}
         set_batch_invariant(cfg.batch_invariant)
 
@@ -273,8 +273,35 @@ class DieModel:
 
     def logits(self, h_last_rows: np.ndarray) -> np.ndarray:
         """float32 `[m, hidden]` -> float32 `[m, vocab]`: final RMSNorm then LM head."""
-        x = rms_norm(h_last_rows, self.weights.final_norm, self.cfg.norm_eps)
+        return self.head(self.final_norm(h_last_rows))
+
+    def final_norm(self, h: np.ndarray) -> np.ndarray:
+        """The main model's final RMSNorm: the rows the LM head sees (and an MTP module's
+        hidden input)."""
+        return rms_norm(h, self.weights.final_norm, self.cfg.norm_eps)
+
+    def head(self, x: np.ndarray) -> np.ndarray:
+        """The shared LM head: normed float32 `[m, hidden]` -> float32 `[m, vocab]`."""
         return mm(x, self.weights.lm_head)
+
+    # -- multi-token prediction (runtime.model.mtp) ----------------------------------------------
+
+    def mtp_in(self, j: int, tokens: np.ndarray, hidden: np.ndarray) -> np.ndarray:
+        """MTP module j's input rows: `concat(enorm(embed(next tokens)), hnorm(hidden)) @
+        eh_proj` (DeepSeek-V3 report §2.2, the released code's order), float32 `[n, hidden]`.
+
+        Arguments: tokens int `[n]`, the token after each row's position; hidden float32
+        `[n, hidden]`, the normed row the previous head saw (`final_norm`, or the previous MTP
+        sub-forward's `mtp_norm`)."""
+        mw, eps = self.weights.mtp[j], self.cfg.norm_eps
+        e = rms_norm(self.embed(tokens), mw.enorm, eps)
+        x = np.concatenate([e, rms_norm(hidden, mw.hnorm, eps)], axis=1)
+        return mm(x, mw.eh_proj)
+
+    def mtp_norm(self, j: int, h: np.ndarray) -> np.ndarray:
+        """MTP module j's own norm before the shared head (the rows it sees, and the next
+        sub-forward's hidden input)."""
+        return rms_norm(h, self.weights.mtp[j].norm, self.cfg.norm_eps)
 
     def forward(self, segments: Sequence[Segment], moe_fn: MoEFn) -> np.ndarray:
         """The whole layer loop on this die alone.

@@ -2,7 +2,9 @@
 pod-wide MoE collectives in between, timed per phase (`Clock`). `xpod decode` and the serving
 engine's die loop both run it; `build_model` makes what a die needs for it.
 
-MoE event ids are `step * n_layers + layer`, so they agree on every die.
+MoE event ids are `step * slots + slot`, so they agree on every die: `slots` is `n_layers`
+(`slot` = the layer), or with multi-token prediction `n_layers + k` (the k MTP sub-forwards of a
+step take slots `n_layers .. n_layers + k - 1`, `forward_mtp`).
 """
 
 from __future__ import annotations
@@ -46,8 +48,10 @@ class Clock:
     """Per-phase wall-time accounting, every span also a trace record (op "model")."""
 
     def __init__(self, die, n_layers: int):
+        """`n_layers`: the layers timed per phase (a model's `kv_layers`: its MTP module too)."""
         self.trace = die.trace
         self.step = 0
+        self.slots = 0  # MoE event ids per step (0: the model's n_layers; MTP: n_layers + k)
         self.layer_ns = np.zeros((n_layers, len(PHASES)), np.int64)  # counted steps only
         self.other_ns = 0
         self.counting = False
@@ -79,37 +83,89 @@ class Clock:
 
 
 def forward(
-    die, model: DieModel, segments, protocol: str, quant, clock: Clock, bal: ExpertBalancer
-):
+    die, model: DieModel, segments, protocol: str, quant, clock: Clock, bal: ExpertBalancer,
+    logit_rows: np.ndarray | None = None, hidden: bool = False,
+):  # fmt: skip
     """One step of this die: DieModel's phases with pod-wide MoE collectives; float32 logits
-    [n_segments, vocab] at each segment's last row. Every die calls it at every step (an empty
-    `segments` is a dummy step); `clock.step` names the step (MoE event ids). `bal` maps logical
-    experts to physical slots before each dispatch, records each layer's per-slot rows and says
-    which expert each local slot holds (`runtime.model.expert_balancer`; without EPLB the
-    identity)."""
+    [n_segments, vocab] at each segment's last row (or at `logit_rows`, row indices in
+    `batch_rows` order). Every die calls it at every step (an empty `segments` is a dummy
+    step); `clock.step` names the step (MoE event ids). `bal` maps logical experts to
+    physical slots before each dispatch, records each layer's per-slot rows and says which
+    expert each local slot holds (`runtime.model.expert_balancer`; without EPLB the identity).
+    `hidden`: return `(logits, normed)` with `normed` float32 `[n, hidden]` the final-normed
+    rows (what the LM head sees: an MTP module's hidden input)."""
     cfg = model.cfg
     t = time.perf_counter_ns()
     batch = batch_rows(segments)  # once for every layer
     h = model.embed(batch[0])
     t = clock.span(5, -1, t)
-    for layer in range(cfg.n_layers):
+    h, t = _layers(die, model, h, segments, batch, range(cfg.n_layers), protocol, quant, clock,
+                   bal, t)  # fmt: skip
+    rows = last_rows(segments) if logit_rows is None else logit_rows
+    if not hidden:
+        logits = model.logits(h[rows])
+        clock.span(5, -1, t)
+        return logits
+    normed = model.final_norm(h)
+    logits = model.head(normed[rows])
+    clock.span(5, -1, t)
+    return logits, normed
+
+
+def forward_mtp(
+    die, model: DieModel, segments, hidden: np.ndarray, j: int, protocol: str, quant,
+    clock: Clock, bal: ExpertBalancer,
+):  # fmt: skip
+    """MTP sub-forward j (0-based) of this step on this die: `segments` are `(req, next tokens,
+    start)` (each row's token is the one after its position), `hidden` float32 `[n, hidden]`
+    the normed rows the previous head saw at those positions. Runs the MTP module
+    (`cfg.mtp_layer(j)`) with its MoE as pod-wide collectives at event slot `n_layers + j`
+    (every die calls it, empty or not). Returns (logits, normed) at each segment's last row:
+    float32 `[n_segments, vocab]` and `[n_segments, hidden]` (the next sub-forward's hidden)."""
+    cfg = model.cfg
+    layer = cfg.mtp_layer(j)
+    m = layer - cfg.n_layers
+    t = time.perf_counter_ns()
+    batch = batch_rows(segments)
+    h = model.mtp_in(m, batch[0], hidden)
+    t = clock.span(5, layer, t)
+    h, t = _layers(die, model, h, segments, batch, (layer,), protocol, quant, clock, bal, t,
+                   slot=cfg.n_layers + j)  # fmt: skip
+    normed = model.mtp_norm(m, h[last_rows(segments)])
+    logits = model.head(normed)
+    clock.span(5, layer, t)
+    return logits, normed
+
+
+def _layers(die, model: DieModel, h, segments, batch, layers, protocol: str, quant,
+            clock: Clock, bal: ExpertBalancer, t: int, slot: int | None = None):  # fmt: skip
+    """`layers` of the model over h (attention, then the dense FFN or the MoE with its
+    collectives); (h, the time after). An MTP module's layer keeps the default placement of
+    its experts (EPLB balances the main layers only) at event slot `slot`."""
+    cfg = model.cfg
+    slots = clock.slots or cfg.n_layers
+    for layer in layers:
         h = model.attention(layer, h, segments, batch)
         t = clock.span(0, layer, t)
         if not model.is_moe(layer):
             h = model.dense_ffn(layer, h)
             t = clock.span(3, layer, t)
             continue
+        main = layer < cfg.n_layers
         xn, idx, w = model.gate(layer, h)
-        idx = bal.route(layer, idx)
+        if main:
+            idx = bal.route(layer, idx)
         t = clock.span(1, layer, t)
-        ev = clock.step * cfg.n_layers + layer
+        ev = clock.step * slots + (layer if slot is None else slot)
         if clock.fault is not None:
             clock.fault(clock.step, layer, "dispatch")
         d = comm.dispatch(die, xn, idx, w, protocol=protocol, quant=quant, event_id=ev)
         rows = dequantize_int8(d.x, d.scales) if quant == "int8" else d.x
-        bal.record(layer, d.expert_counts)
+        if main:
+            bal.record(layer, d.expert_counts)
         t = clock.span(2, layer, t)
-        y = model.experts(layer, rows, d.expert_counts, bal.local_ids(layer))
+        ids = bal.local_ids(layer) if main else sorted(model.weights.experts[layer])
+        y = model.experts(layer, rows, d.expert_counts, ids)
         t = clock.span(3, layer, t)
         if clock.fault is not None:
             clock.fault(clock.step, layer, "combine")
@@ -117,9 +173,7 @@ def forward(
         t = clock.span(4, layer, t)
         h = model.finish_moe(layer, h, xn, routed)
         t = clock.span(3, layer, t)
-    logits = model.logits(h[last_rows(segments)])
-    clock.span(5, -1, t)
-    return logits
+    return h, t
 
 
 def build_model(
@@ -132,14 +186,12 @@ def build_model(
     bank in the app area holds them (the initial map's slots of this die). `ep`: the group
     view the die's all-to-all runs over (`comm.group_view`): its ranks place the experts."""
     ep = ep or die
-    if eplb is None:
-        placement = Placement.default(cfg.num_experts, tuple(range(ep.num_dies)))
-        experts = placement.experts_on(ep.die_id).tolist()
-    else:
-        experts = []
-    pool = die.alloc((cfg.n_layers, max(n_blocks, 1), block_size, cfg.kv_cache_dim), np.float32)
+    placement = Placement.default(cfg.num_experts, tuple(range(ep.num_dies)))
+    default = placement.experts_on(ep.die_id).tolist()
+    experts = default if eplb is None else []  # with EPLB: the bank's (MTP: the default ones)
+    pool = die.alloc((cfg.kv_layers, max(n_blocks, 1), block_size, cfg.kv_cache_dim), np.float32)
     pool.fill(0)  # resident now (HBM is): a page's first write is not paid by a step or a peer
-    model = DieModel(cfg, build_weights(cfg, experts), PagedKV(pool))
+    model = DieModel(cfg, build_weights(cfg, experts, default), PagedKV(pool))
     try:
         bal = ExpertBalancer(die if eplb is not None else ep, model, eplb, keep_history)
     except BaseException:
@@ -155,5 +207,6 @@ __all__ = [
     "Clock",
     "build_model",
     "forward",
+    "forward_mtp",
     "prepared_for_fork",
 ]

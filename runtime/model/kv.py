@@ -58,6 +58,13 @@ class DictKV:
         view.flags.writeable = False
         return view
 
+    def truncate(self, req: int, layer: int, n: int) -> None:
+        """Keep the first `n` rows of (req, layer): rejected speculative rows are dropped so
+        the next append lands at their position (a paged store overwrites them in place)."""
+        key = (int(req), int(layer))
+        if key in self._lens:
+            self._lens[key] = min(self._lens[key], int(n))
+
     def num_rows(self, req: int, layer: int = 0) -> int:
         """Rows cached for `req` at `layer` (its next position)."""
         return self._lens.get((int(req), int(layer)), 0)

@@ -117,10 +117,14 @@ class ReferencePod:
                 {int(e) for _, m in self.maps for e in m.phy2log[:, d * s : (d + 1) * s].ravel()}
                 for d in range(num_dies)
             ]
+        # an MTP module's MoE keeps the default placement (EPLB balances the main layers)
+        self.mtp_placement = Placement.default(cfg.num_experts, tuple(range(num_dies)))
         self.dies = [
             DieModel(
                 cfg,
-                build_weights(cfg, sorted(built[d])),
+                build_weights(
+                    cfg, sorted(built[d]), self.mtp_placement.experts_on(d).tolist()
+                ),  # fmt: skip
                 kv[d] if kv is not None else DictKV(cfg.kv_cache_dim),
             )
             for d in range(num_dies)
@@ -128,8 +132,9 @@ class ReferencePod:
         self.step_no = 0
 
     def step(
-        self, batches: Sequence[Sequence[Segment]], step: int | None = None
-    ) -> list[np.ndarray]:
+        self, batches: Sequence[Sequence[Segment]], step: int | None = None,
+        logit_rows: Sequence[np.ndarray] | None = None, hidden: bool = False,
+    ):  # fmt: skip
         """One forward over every die.
 
         Arguments:
@@ -137,16 +142,45 @@ class ReferencePod:
                 empty); a request's KV rows live on the die whose batch holds it.
             step: the step number that picks the expert map (`expert_maps`); default: the
                 previous step's + 1 (0 first).
+            logit_rows: `[die]` row indices (in `batch_rows` order) to take the logits at;
+                default each segment's last row.
+            hidden: also return every row's final-normed hidden rows `[die]` (an MTP
+                module's input).
 
         Returns:
-            logits: `[die]`, float32 `[n_segments_of_die, vocab]`, at each segment's last row.
+            logits: `[die]`, float32 `[n_segments_of_die, vocab]`, at each segment's last row
+                (or at `logit_rows`); with `hidden`, `(logits, normed)`.
         """
         if len(batches) != self.num_dies:
             raise ValueError(f"batches: expected {self.num_dies} (one per die), got {len(batches)}")
         self.step_no = self.step_no + 1 if step is None else int(step)
         rows = [batch_rows(b) for b in batches]  # once for every layer
         hs = [die.embed(r[0]) for die, r in zip(self.dies, rows, strict=True)]
-        for layer in range(self.cfg.n_layers):
+        hs = self.run_layers(range(self.cfg.n_layers), hs, batches, rows)
+        lrows = [last_rows(b) for b in batches] if logit_rows is None else list(logit_rows)
+        if not hidden:
+            return [die.logits(h[r]) for die, h, r in zip(self.dies, hs, lrows, strict=True)]
+        normed = [die.final_norm(h) for die, h in zip(self.dies, hs, strict=True)]
+        logits = [die.head(x[r]) for die, x, r in zip(self.dies, normed, lrows, strict=True)]
+        return logits, normed
+
+    def mtp(self, j: int, batches: Sequence[Sequence[Segment]],
+            hidden: Sequence[np.ndarray]) -> tuple[list, list]:  # fmt: skip
+        """MTP sub-forward j of every die (`runtime.model.forward.forward_mtp`): segments of
+        `(req, next tokens, start)`, `hidden` the normed rows at those positions; (logits,
+        normed) at each segment's last row, per die. The step number is the last `step`'s."""
+        layer = self.cfg.mtp_layer(j)
+        m = layer - self.cfg.n_layers
+        rows = [batch_rows(b) for b in batches]
+        hs = [die.mtp_in(m, r[0], x) for die, r, x in zip(self.dies, rows, hidden, strict=True)]
+        hs = self.run_layers((layer,), hs, batches, rows)
+        normed = [die.mtp_norm(m, h[last_rows(b)])
+                  for die, h, b in zip(self.dies, hs, batches, strict=True)]  # fmt: skip
+        return [die.head(x) for die, x in zip(self.dies, normed, strict=True)], normed
+
+    def run_layers(self, layers, hs, batches, rows) -> list[np.ndarray]:
+        """`layers` (attention, then the dense FFN or the MoE) over every die's rows."""
+        for layer in layers:
             hs = [
                 die.attention(layer, h, b, r)
                 for die, h, b, r in zip(self.dies, hs, batches, rows, strict=True)
@@ -155,13 +189,30 @@ class ReferencePod:
                 hs = self._moe(layer, hs)
             else:
                 hs = [die.dense_ffn(layer, h) for die, h in zip(self.dies, hs, strict=True)]
-        return [
-            die.logits(h[last_rows(b)]) for die, h, b in zip(self.dies, hs, batches, strict=True)
-        ]
+        return hs
+
+    def rewind(self, batches: Sequence[Sequence[Segment]], layers: Sequence[int]) -> None:
+        """Drop every row at or after each segment's start in `layers` of its die's store
+        (a `DictKV`: rejected speculative rows; a paged store overwrites them in place)."""
+        for die, batch in zip(self.dies, batches, strict=True):
+            cut = getattr(die.kv, "truncate", None)
+            if cut is None:
+                continue
+            for req, _, start in batch:
+                for layer in layers:
+                    cut(req, layer, start)
 
     def _moe(self, layer: int, hs: list[np.ndarray]) -> list[np.ndarray]:
         gates = [die.gate(layer, h) for die, h in zip(self.dies, hs, strict=True)]
         xns, idxs, ws = (list(g) for g in zip(*gates, strict=True))
+        if layer >= self.cfg.n_layers:  # an MTP module: the default placement, no EPLB map
+            out = dispatch_ref(xns, idxs, self.mtp_placement, quant=self.quant)
+            ex = {d: self.dies[d].experts(layer, dequantize_dispatch(o).x, o.expert_counts,
+                                          self.mtp_placement.experts_on(d))
+                  for d, o in out.items()}  # fmt: skip
+            routed = combine_ref(ex, out, idxs, ws, combine_dtype=self.combine_dtype)
+            return [die.finish_moe(layer, h, xn, r)
+                    for die, h, xn, r in zip(self.dies, hs, xns, routed, strict=True)]  # fmt: skip
         m = None
         if self.maps:
             m = [mp for start, mp in self.maps if start <= self.step_no][-1]

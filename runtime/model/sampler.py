@@ -41,6 +41,11 @@ def sample(
     return out
 
 
+def seed_key(seed) -> list[int]:
+    """A sampling seed as the leading ints of its generator's key (an int, or a tuple)."""
+    return [int(x) for x in seed] if isinstance(seed, tuple | list) else [int(seed)]
+
+
 def sample_rows(logits: np.ndarray, rows: list[dict]) -> list[int]:
     """One token per sampling row: greedy, or `rng([seed, token_index])` categorical.
 
@@ -48,10 +53,11 @@ def sample_rows(logits: np.ndarray, rows: list[dict]) -> list[int]:
     OpenAI's `seed`: the same seed, prompt and parameters give the same stream): not on the
     request id, the batch mates, the step, or whether it was streamed. A request recomputed
     after a restart continues at `token_index = len(delivered)` with the same seed, hence the
-    same draws."""
+    same draws. A `seed` may be a tuple of ints (`xpod decode` keys a request's draws by
+    `(seed, request)`): the draw is then `rng([*seed, token_index])`."""
     out = np.argmax(logits, axis=-1).tolist() if len(rows) else []
     for i, r in enumerate(rows):
         if r["temperature"] > 0:
-            rng = [np.random.default_rng([r["seed"], r["index"]])]
+            rng = [np.random.default_rng([*seed_key(r["seed"]), r["index"]])]
             out[i] = int(sample(logits[i : i + 1], r["temperature"], rng)[0])
     return out

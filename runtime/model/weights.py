@@ -31,7 +31,12 @@ _TAG = dict(
     shared=30,
     expert=40,
     score_bias=50,
+    eh_proj=60,  # the MTP modules' (2 hidden -> hidden) projection
 )
+# The fitted `eh_proj` of each model config with `mtp_fit` (runtime.model.mtp_fit puts it here
+# before any weights of that config are built: a launcher before it forks its dies).
+FITTED_EH_PROJ: dict[ModelConfig, np.ndarray] = {}
+FIT_PROVIDER = None  # runtime.model.mtp_fit.ensure_fit, set when that module loads
 
 
 def expert_bias(cfg: ModelConfig, layer: int) -> np.ndarray | None:
@@ -98,15 +103,33 @@ class LayerWeights:
 
 
 @dataclass(slots=True)
+class MTPWeights:
+    """An MTP module's own tensors (its decoder block is `Weights.layers[n_layers + j]`).
+
+    Fields: enorm, hnorm: `[hidden]` RMSNorms of the next token's embedding and of the hidden
+    row; eh_proj: `[2 hidden, hidden]` over `concat(enorm(embed), hnorm(hidden))` (the order of
+    the released checkpoint's code); norm: `[hidden]` the module's own norm before the shared
+    LM head.
+    """
+
+    enorm: np.ndarray
+    hnorm: np.ndarray
+    eh_proj: np.ndarray
+    norm: np.ndarray
+
+
+@dataclass(slots=True)
 class Weights:
     """Everything one die holds.
 
     Fields:
         embed: float32 `[vocab, hidden]`; lm_head: float32 `[hidden, vocab]` (not tied).
-        layers: one `LayerWeights` per decoder block.
+        layers: one `LayerWeights` per decoder block: the `n_layers` main blocks, then one per
+            MTP module.
         final_norm: float32 `[hidden]`.
-        experts: `{layer: {logical expert id: FFNWeights}}` for every MoE layer, holding only
-            the experts this die was built with.
+        experts: `{layer: {logical expert id: FFNWeights}}` for every MoE layer (MTP modules'
+            included), holding only the experts this die was built with.
+        mtp: one `MTPWeights` per MTP module (`cfg.mtp_layers`).
     """
 
     embed: np.ndarray
@@ -114,6 +137,7 @@ class Weights:
     final_norm: np.ndarray
     lm_head: np.ndarray
     experts: dict[int, dict[int, FFNWeights]] = field(default_factory=dict)
+    mtp: list[MTPWeights] = field(default_factory=list)
 
 
 def _randn(cfg: ModelConfig, tag: int, layer: int, index: int, shape, std: float) -> np.ndarray:
@@ -189,9 +213,10 @@ def replicated_weights(cfg: ModelConfig):
     h, vocab = cfg.hidden, cfg.vocab_size
     shared = (
         _randn(cfg, _TAG["embed"], 0, 0, (vocab, h), 1.0),
-        [_layer(cfg, layer) for layer in range(cfg.n_layers)],
+        [_layer(cfg, layer) for layer in range(cfg.kv_layers)],
         np.ones(h, F32),
         _randn(cfg, _TAG["lm_head"], 0, 0, (h, vocab), 1.0 / np.sqrt(h)),
+        mtp_weights(cfg),
     )
     for a in _arrays(shared):
         a.flags.writeable = False  # shared by every die: never written
@@ -209,13 +234,38 @@ def _arrays(obj):
     elif isinstance(obj, list | tuple):
         for o in obj:
             yield from _arrays(o)
-    elif isinstance(obj, LayerWeights | FFNWeights):
+    elif isinstance(obj, LayerWeights | FFNWeights | MTPWeights):
         for f in dataclasses.fields(obj):
             yield from _arrays(getattr(obj, f.name))
 
 
-def build_weights(cfg: ModelConfig, experts: Sequence[int]) -> Weights:
-    """Build a die's weights: every non-expert tensor, plus the routed experts `experts`.
+def mtp_weights(cfg: ModelConfig) -> list[MTPWeights]:
+    """The MTP modules' own tensors: norms of ones, `eh_proj` seeded (std 1/sqrt(2 hidden)) or,
+    with `cfg.mtp_fit`, the fitted one (`FITTED_EH_PROJ`, ConfigError if it was not fitted)."""
+    out = []
+    h = cfg.hidden
+    for j in range(cfg.mtp_layers):
+        layer = cfg.n_layers + j
+        if cfg.mtp_fit:
+            eh = FITTED_EH_PROJ.get(cfg)
+            if eh is None and FIT_PROVIDER is not None:
+                eh = FIT_PROVIDER(cfg)
+            if eh is None:
+                from memory.errors import ConfigError
+
+                raise ConfigError("mtp_fit: this config's MTP head is not fitted yet"
+                                  " (runtime.model.mtp_fit.ensure_fit(cfg) first)")  # fmt: skip
+        else:
+            eh = _randn(cfg, _TAG["eh_proj"], layer, 0, (2 * h, h), 1.0 / np.sqrt(2 * h))
+        out.append(MTPWeights(np.ones(h, F32), np.ones(h, F32), eh, np.ones(h, F32)))
+    return out
+
+
+def build_weights(cfg: ModelConfig, experts: Sequence[int],
+                  mtp_experts: Sequence[int] | None = None) -> Weights:  # fmt: skip
+    """Build a die's weights: every non-expert tensor, plus the routed experts `experts`
+    (of the MTP modules' MoE too, or `mtp_experts` there: a die whose main experts live in an
+    EPLB bank builds the MTP module's default ones).
 
     Each tensor comes from its own `np.random.default_rng([cfg.seed, tag, layer, index])`, so two
     processes building the same tensor get identical bytes, and an expert's tensors do not depend
@@ -232,7 +282,8 @@ def build_weights(cfg: ModelConfig, experts: Sequence[int]) -> Weights:
         weights: a `Weights` with `experts[layer][e]` for every MoE layer and every `e` given.
     """
     ids = [int(e) for e in experts]
-    bad = [e for e in ids if not 0 <= e < cfg.num_experts]
+    mtp_ids = None if mtp_experts is None else [int(e) for e in mtp_experts]
+    bad = [e for e in ids + (mtp_ids or []) if not 0 <= e < cfg.num_experts]
     if bad or len(set(ids)) != len(ids):
         raise ValueError(
             f"experts: expected distinct ids in [0, {cfg.num_experts}), got {sorted(ids)}"
@@ -240,21 +291,26 @@ def build_weights(cfg: ModelConfig, experts: Sequence[int]) -> Weights:
     h, vocab = cfg.hidden, cfg.vocab_size
     shared = _REPLICATED.get(cfg)
     if shared is not None:
-        embed, layers, final_norm, lm_head = shared
+        embed, layers, final_norm, lm_head, mtp = shared
         layers = [dataclasses.replace(lw) for lw in layers]  # own objects, shared arrays
     else:
         embed = _randn(cfg, _TAG["embed"], 0, 0, (vocab, h), 1.0)
-        layers = [_layer(cfg, layer) for layer in range(cfg.n_layers)]
+        layers = [_layer(cfg, layer) for layer in range(cfg.kv_layers)]
         final_norm = np.ones(h, F32)
         lm_head = _randn(cfg, _TAG["lm_head"], 0, 0, (h, vocab), 1.0 / np.sqrt(h))
+        mtp = mtp_weights(cfg)
     return Weights(
         embed=embed,
         layers=layers,
         final_norm=final_norm,
         lm_head=lm_head,
         experts={
-            layer: {e: expert_ffn(cfg, layer, e) for e in sorted(ids)}
-            for layer in range(cfg.n_layers)
+            layer: {
+                e: expert_ffn(cfg, layer, e)
+                for e in sorted(ids if mtp_ids is None or layer < cfg.n_layers else mtp_ids)
+            }
+            for layer in range(cfg.kv_layers)
             if cfg.is_moe(layer)
         },
+        mtp=mtp,
     )

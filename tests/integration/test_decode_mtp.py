@@ -1,0 +1,60 @@
+"""`xpod decode --num-speculative-tokens K`: the pod's speculative schedule equals the
+single-process reference's bit for bit (tokens, every verify row's logits, the accounting), its
+tokens are the run's without MTP (batch-invariant), and the issue's JSON keys are written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from runtime.cli.main import main
+
+KEYS = {"spec_tokens", "draft_mode", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
+        "acceptance_rate", "acceptance_per_pos", "mean_acceptance_length", "tokens_per_step",
+        "step_ms", "step_ms_no_mtp", "step_ratio", "mtp_ms_per_step", "tokens_per_s",
+        "tokens_per_s_no_mtp", "speedup", "predicted_speedup", "tokens_identical",
+        "replay_bit_equal"}  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("flags", "k"),
+    [
+        (["--num-speculative-tokens", "1"], 1),
+        (["--num-speculative-tokens", "2", "--mtp-draft", "synthetic:0.9,0.4"], 2),
+        (["--speculative-config", '{"num_speculative_tokens": 2, "draft": "oracle"}',
+          "--temperature", "0.8"], 2),
+    ],
+)  # fmt: skip
+def test_decode_with_mtp_equals_its_reference_and_the_run_without(tmp_path, capsys, flags, k):
+    out = tmp_path / "d.jsonl"
+    argv = ["decode", "--dies", "2", "--batch", "4", "--prompt-len", "12", "--steps", "8",
+            "--model", "tiny", "--batch-invariant", "--check", "--json", str(out)]  # fmt: skip
+    argv += flags
+    assert main(argv) == 0
+    s = json.loads(out.read_text().splitlines()[-1])
+    assert set(s) >= KEYS and s["spec_tokens"] == k
+    assert s["replay_bit_equal"] and s["mismatched_tokens"] == 0 and s["logits_bit_equal"]
+    assert s["tokens_identical"] is True
+    assert s["num_drafts"] == 4 * 8 and s["num_draft_tokens"] == 4 * 8 * k
+    if "oracle" in " ".join(flags):
+        assert s["acceptance_rate"] == 1.0 and s["mean_acceptance_length"] == 1 + k
+    assert "decode with MTP" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--num-speculative-tokens", "3"], "second MTP module"),
+        (["--num-speculative-tokens", "1", "--mtp-draft", "maybe"], "not one of"),
+        (["--num-speculative-tokens", "1", "--eplb", "on"], "without EPLB"),
+        (["--num-speculative-tokens", "1", "--attention-dies", "2", "--dies", "4"], "colocated"),
+        (["--num-speculative-tokens", "2", "--steps", "200"], "max_seq_len"),
+        (["--mtp-draft", "fit"], "needs --num-speculative-tokens"),
+    ],
+)  # fmt: skip
+def test_bad_speculative_decodes_are_refused_before_any_pod(flags, message, capsys):
+    assert main(["decode", "--model", "tiny", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
