@@ -150,10 +150,11 @@ from memory.errors import ConfigError
 from memory.progress import PROGRESS_STATES, progress_word, unpack_progress  # noqa: F401
 
 MAGIC = 0x314D4248444F5058  # b"XPODHBM1" little-endian
-LAYOUT_VERSION = 7  # 2: fused_refuse, fused_cevent; 3: serve heartbeat, phase times; 4: eplb;
+LAYOUT_VERSION = 8  # 2: fused_refuse, fused_cevent; 3: serve heartbeat, phase times; 4: eplb;
 # 5: split pods (A2E done flag in the attention die's a2e_flag, serve words a2e_ns .. parked);
 # 6: PD pods' KV link words (serve pd); 7: a barrier word per source die and the serving votes
-# of every die in every voter's region (multi-host: a die polls only its own region)
+# of every die in every voter's region (multi-host: a die polls only its own region); 8: the
+# serve word mtp_ns (speculative decoding)
 PAGE = 4096
 HEADER_BYTES = PAGE
 FIELD_BYTES = 32
@@ -195,7 +196,8 @@ SV_A2E_NS, SV_E2A_NS, SV_IDLE_NS, SV_EXPERT_NS, SV_A2E_CALLS = range(
 SV_PARKED = SV_A2E_CALLS + 1
 MAX_PARKED = 64  # attention dies of a split serving pod
 SV_KV_POOL = SV_PARKED + MAX_PARKED  # byte offset of this die's paged KV pool in its region
-SV_PD, MAX_PD_DIES, PD_SLOTS, PD_REC_WORDS = SV_KV_POOL + 1, 32, 4, 7  # KV links
+SV_MTP_NS = SV_KV_POOL + 1  # cumulative ns of this die's MTP sub-forwards (speculative decoding)
+SV_PD, MAX_PD_DIES, PD_SLOTS, PD_REC_WORDS = SV_MTP_NS + 1, 32, 4, 7  # KV links
 PD_STARTED, PD_DONE, PD_ECHO, PD_ACK, PD_PROBE, PD_REC = range(6)  # words of a peer block
 PD_PEER_WORDS = PD_REC + PD_SLOTS * PD_REC_WORDS
 # the serving vote of every die in every voter's region (rule R1: a die reads votes in its own

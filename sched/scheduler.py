@@ -18,6 +18,17 @@ When a running request needs a block and none is free: if a deferred free is pen
 back with an in-flight result) the request waits a step; else the most recently admitted request
 admitted after it and not yet in this plan is preempted (recompute), or the request itself if
 there is none (an older request is never preempted for a younger one).
+
+Multi-token prediction (`spec_tokens` k > 0, synchronous: `async_depth` 1, so every plan sees
+exact positions): a decode row is `1 + k_r` positions, the die feeding its last token and k_r
+drafts (k_r = min(k, tokens left - 1, room before max_seq_len)), counted against the budget;
+its result is the 1..1 + k_r tokens the row emitted, appended one by one (a stop condition
+drops the later ones). Positions past the accepted ones are not freed: the next row starts
+there and overwrites them; the table also covers the MTP module's chained draft rows
+(`want - 1` positions past the row). A non-final prefill chunk carries the prompt token after
+it (the MTP row of its last position needs it). With MTP, a prefix hit drops its last matched
+block: that block's last MTP row was computed with the token after it, which another request
+may not share (vLLM's EAGLE rule); the prefill recomputes it.
 """
 
 from __future__ import annotations
@@ -43,6 +54,9 @@ class Row:
     token_index: int  # output index of the sampled token (seeded rng); -1 if not sample
     temperature: float
     seed: int
+    drafts: int = 0  # MTP: drafts the die feeds after the last token (decode rows)
+    want: int = 0  # MTP: drafts the die makes for the next row (0: none)
+    next_token: int = -1  # MTP: a non-final prefill chunk's next prompt token
 
 
 @dataclass(slots=True)
@@ -77,12 +91,18 @@ class SchedulerConfig:
     max_seq_len: int  # prompt + max_tokens must fit
     long_prefill_threshold: int = 0  # 0 = no cap; else max tokens of one request's chunk
     async_depth: int = 2  # plans in flight (1 = synchronous)
+    spec_tokens: int = 0  # MTP drafts per decode row (module docstring); needs async_depth 1
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len", "async_depth"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        k = self.spec_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ValueError(f"spec_tokens must be an int >= 0, got {k!r}")
+        if k and self.async_depth != 1:
+            raise ValueError("spec_tokens: MTP plans synchronously (async_depth 1)")
         v = self.long_prefill_threshold
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"long_prefill_threshold must be an int >= 0, got {v!r}")
@@ -220,10 +240,10 @@ class Scheduler:
         for row, req in zip(plan.rows, reqs, strict=True):
             live = not req.is_finished and row.epoch == req.epoch
             if live:
-                req.num_computed += row.num_tokens
+                req.num_computed += self._valid(row, req, sampled.get(req.request_id))
                 done.append(req)
             if row.sample:
-                out.new_tokens[req.request_id] = [self._accept(req, sampled, out)] if live else []
+                out.new_tokens[req.request_id] = self._accept(req, sampled, out) if live else []
         for req in done:
             self.kv.cache_blocks(req.request_id, req.all_tokens, req.num_computed)
         for req in out.finished:
@@ -232,6 +252,19 @@ class Scheduler:
             del self._deferred[rid]
             self.kv.free(rid)
         return out
+
+    def _valid(self, row: Row, req: Request, got) -> int:
+        """Positions of `row` whose KV holds the right tokens: all of them, or of a decode row
+        with drafts the last token's and the accepted drafts' (one per token emitted); the
+        rest are overwritten by the next row (its num_scheduled goes back to them)."""
+        if not row.drafts:
+            return row.num_tokens
+        n = len(got) if isinstance(got, list | tuple) else 1
+        if not 1 <= n <= row.num_tokens:
+            raise ValueError(f"request {row.request_id}: {n} tokens from a row of"
+                             f" {row.num_tokens} positions")  # fmt: skip
+        req.num_scheduled -= row.num_tokens - n
+        return n
 
     def stats(self) -> dict:
         return {"running": len(self.running), "waiting": len(self.waiting),
@@ -252,6 +285,7 @@ class Scheduler:
 
     def _schedule_running(self, step: _Step, decode: bool) -> None:
         """Phase 1 (decode rows) or 2 (continued prefill chunks) over running, in order."""
+        k = self.config.spec_tokens
         for req in list(self.running):
             if step.budget == 0:
                 return
@@ -259,14 +293,28 @@ class Scheduler:
                 continue
             start, target = req.num_scheduled, self._target[req.request_id]
             if decode and start >= target:
-                more = len(req.output) + req.pending_samples < req.params.max_tokens
-                if more and self._grow(req, start + 1, step):
-                    self._add_row(step, req, None, 1, sample=True)
+                left = req.params.max_tokens - len(req.output) - req.pending_samples
+                if left <= 0:
+                    continue
+                drafts = max(0, min(k, left - 1, self.config.max_seq_len - start - 1 - k,
+                                    step.budget - 1))  # fmt: skip
+                want = self._want(start + drafts)
+                if self._grow(req, start + max(1 + drafts, drafts + want), step):
+                    self._add_row(step, req, None, 1 + drafts, sample=True, drafts=drafts,
+                                  want=want)  # fmt: skip
             elif not decode and start < target:
                 n = self._chunk(target - start, step.budget)
-                if self._grow(req, start + n, step):
+                final = start + n == target
+                want = self._want(target - 1) if final else 0
+                if self._grow(req, start + n + max(0, want - 1), step):
                     toks = req.all_tokens[start : start + n]
-                    self._add_row(step, req, toks, n, sample=start + n == target)
+                    nxt = req.all_tokens[start + n] if k and not final else -1
+                    self._add_row(step, req, toks, n, sample=final, want=want, next_token=nxt)
+
+    def _want(self, last: int) -> int:
+        """MTP drafts a row whose last verified position is `last` can make: the chain's rows
+        go past it, before max_seq_len."""
+        return max(0, min(self.config.spec_tokens, self.config.max_seq_len - 1 - last))
 
     def _admit(self, step: _Step) -> None:
         """Phase 3: waiting requests FCFS; stop at the first that cannot start now."""
@@ -277,9 +325,13 @@ class Scheduler:
                 return  # a preempted request's old blocks are not back yet
             tokens = req.all_tokens
             blocks, hit = self.kv.match_by_prefix(tokens)
+            if self.config.spec_tokens and blocks:  # MTP: its last MTP row may not be ours
+                blocks, hit = blocks[:-1], hit - self.kv.block_size
             n = self._chunk(len(tokens) - hit, step.budget)
+            final = hit + n == len(tokens)
+            want = self._want(len(tokens) - 1) if final else 0
             try:
-                self.kv.alloc_blocks(rid, hit + n, blocks)
+                self.kv.alloc_blocks(rid, hit + n + max(0, want - 1), blocks)
             except KVFull:
                 return
             self.waiting.popleft()
@@ -291,7 +343,9 @@ class Scheduler:
                 self._hit_tokens += hit
                 self._query_tokens += len(tokens)
             self._target[rid] = len(tokens)
-            self._add_row(step, req, tokens[hit : hit + n], n, sample=hit + n == len(tokens))
+            nxt = tokens[hit + n] if self.config.spec_tokens and not final else -1
+            self._add_row(step, req, tokens[hit : hit + n], n, sample=final, want=want,
+                          next_token=nxt)  # fmt: skip
 
     def _chunk(self, remaining: int, budget: int) -> int:
         cap = self.config.long_prefill_threshold or remaining
@@ -313,9 +367,9 @@ class Scheduler:
             if victim is req or victim.request_id in self._deferred:
                 return False
 
-    def _add_row(
-        self, step: _Step, req: Request, tokens: list[int] | None, n: int, sample: bool
-    ) -> None:
+    def _add_row(self, step: _Step, req: Request, tokens: list[int] | None, n: int,
+                 sample: bool, drafts: int = 0, want: int = 0,
+                 next_token: int = -1) -> None:  # fmt: skip
         assert n >= 1 and n <= step.budget and req.request_id not in step.planned
         index = req.index_base + len(req.output) + req.pending_samples if sample else -1
         assert index - req.index_base < req.params.max_tokens, (
@@ -323,7 +377,8 @@ class Scheduler:
         )
         row = Row(req.request_id, req.epoch, req.num_scheduled, tokens, n,
                   self.kv.block_table(req.request_id), sample, index,
-                  req.params.temperature, req.params.seed or 0)  # fmt: skip
+                  req.params.temperature, req.params.seed or 0, drafts, want,
+                  next_token)  # fmt: skip
         req.num_scheduled += n
         req.pending_samples += sample
         req.last_plan = step.plan_id
@@ -332,21 +387,29 @@ class Scheduler:
         step.reqs.append(req)
         step.planned.add(req.request_id)
 
-    def _accept(self, req: Request, sampled: dict[int, int], out: StepOutput) -> int:
-        """Append the row's sampled token to req.output; finish on a stop condition."""
+    def _accept(self, req: Request, sampled: dict, out: StepOutput) -> list[int]:
+        """Append the row's sampled token(s) (an int, or an MTP row's list) to req.output, one
+        by one; finish on a stop condition (the tokens after it are dropped). Returns the
+        tokens appended."""
         if req.request_id not in sampled:
             raise ValueError(f"sampled has no token for request {req.request_id}")
-        tok = sampled[req.request_id]
+        got = sampled[req.request_id]
+        toks = [int(t) for t in got] if isinstance(got, list | tuple) else [int(got)]
         req.pending_samples -= 1
-        req.output.append(tok)
         p = req.params
-        if (tok == req.eos_token_id and not p.ignore_eos) or tok in p.stop_token_ids:
-            self._finish(req, FinishReason.STOP)
-            out.finished.append(req)
-        elif len(req.output) >= p.max_tokens:
-            self._finish(req, FinishReason.LENGTH)
-            out.finished.append(req)
-        return tok
+        kept = []
+        for tok in toks:
+            req.output.append(tok)
+            kept.append(tok)
+            if (tok == req.eos_token_id and not p.ignore_eos) or tok in p.stop_token_ids:
+                self._finish(req, FinishReason.STOP)
+                out.finished.append(req)
+                break
+            if len(req.output) >= p.max_tokens:
+                self._finish(req, FinishReason.LENGTH)
+                out.finished.append(req)
+                break
+        return kept
 
     def _preempt(self, req: Request) -> None:
         """Recompute later: drop KV (deferred), keep output, back to the front of waiting."""

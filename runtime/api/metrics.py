@@ -250,12 +250,29 @@ class Metrics:
             "xpod_attention_seconds": ("Die attention time.", "attn_ns", 1e-9),
             "xpod_moe_wait_seconds": ("Die dispatch + combine time.", "moe_ns", 1e-9),
             "xpod_forward_seconds": ("Die forward time (every step).", "step_ns", 1e-9),
+            "xpod_spec_decode_num_drafts": ("MTP: verify rows that carried drafts.",
+                                            "spec_drafts", 1),
+            "xpod_spec_decode_num_draft_tokens": ("MTP: draft tokens verified.",
+                                                  "spec_draft_tokens", 1),
+            "xpod_spec_decode_num_accepted_tokens": ("MTP: draft tokens accepted.",
+                                                     "spec_accepted_tokens", 1),
+            "xpod_spec_decode_verify_rows": ("MTP: decode rows verified (with or without"
+                                             " drafts).", "spec_verify_rows", 1),
+            "xpod_mtp_seconds": ("MTP: die time in the MTP module's sub-forwards.", "mtp_ns",
+                                 1e-9),
         }  # fmt: skip
         for name, (doc, key, scale) in counters.items():
             m = CounterMetricFamily(name, doc, labels=["group"])
             for g, s in by.items():
                 m.add_metric([str(g)], (s or {}).get(key, 0) * scale)
             yield m
+        per_pos = CounterMetricFamily(
+            "xpod_spec_decode_num_accepted_tokens_per_pos", "MTP: drafts accepted at each"
+            " position (0-based) of a verify row.", labels=["group", "position"])  # fmt: skip
+        for g, s in by.items():
+            for j, n in enumerate((s or {}).get("spec_accepted_per_pos") or ()):
+                per_pos.add_metric([str(g), str(j)], n)
+        yield per_pos
         moe = sum((s or {}).get("moe_ns", 0) for s in by.values())
         fwd = sum((s or {}).get("step_ns", 0) for s in by.values())
         yield GaugeMetricFamily("xpod_moe_wait_share", "Pod-wide MoE wait share of forward time"

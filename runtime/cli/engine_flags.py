@@ -21,10 +21,12 @@ from runtime.cli.model_flags import (
     add_eplb_flags,
     add_model_flags,
     add_pin_flag,
+    add_spec_flags,
     add_split_flags,
     eplb_config,
     model_overrides,
     quant_of,
+    spec_of,
     split_dies,
 )
 from runtime.engine import EngineConfig
@@ -69,6 +71,7 @@ ENGINE_FLAGS = {
     "kv_policy": "--kv-policy",
     "kv_lease_s": "--kv-lease",
     "kv_timeout_s": "--kv-timeout",
+    "speculative": "--speculative-config/--num-speculative-tokens/--mtp-draft",
 }
 
 
@@ -125,6 +128,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     add_split_flags(p, "serve")
     add_pd_flags(p)
+    add_spec_flags(p)
     add_reliability_flags(p)
 
 
@@ -223,10 +227,17 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
             kv_lease_s=args.kv_lease,
             kv_timeout_s=args.kv_timeout,
             kv_checksum=not args.no_kv_checksum,
+            speculative=spec_of(args),
             **host_cfg,
             **extra,
         )  # fmt: skip
         cfg.pod_config()  # the pod it sizes must be valid too
+        if cfg.speculative is not None and cfg.speculative.transcript:
+            raise ConfigError(
+                f"speculative: the {cfg.speculative.draft} draft reads a transcript of the same"
+                " requests without MTP (future output): benchmarks only (xpod bench engine,"
+                " xpod decode); serve with real or fit"
+            )
     except ConfigError as e:
         raise flag_error(e, ENGINE_FLAGS) from None
     return cfg

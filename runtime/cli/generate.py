@@ -46,6 +46,7 @@ from runtime.cli.argtypes import (
 from runtime.cli.engine_flags import ENGINE_FLAGS, add_engine_flags, engine_config
 from runtime.engine import CompletionOutput, Engine, EngineConfig, EngineError, SamplingParams
 from runtime.engine.pd_shell import pd_summary
+from runtime.engine.spec_stats import spec_line, spec_summary
 from runtime.model import encode
 
 PROG = "xpod generate"
@@ -313,6 +314,8 @@ def run(opts: Options) -> int:
     pd = pd_summary(cfg, eng.stats, eng.tracker.pd)
     if pd is not None:
         summary["pd"] = pd
+    if cfg.speculative is not None:
+        summary["spec"] = spec_summary(eng.stats, cfg.speculative)
     faults = fault_summary(eng)
     if faults is not None:  # the engine warned on stderr of each fault that did not fire
         summary["faults"] = faults
@@ -532,6 +535,8 @@ def print_summary(s: dict) -> None:
         print(f"  faults planned {f['planned']}: fired {f['fired']} (verified {f['verified']}),"
               f" detected {f['detected']}, recovered {f['recovered']}, not fired"
               f" {len(f['not_fired'])}")  # fmt: skip
+    if s.get("spec"):
+        print(f"  {spec_line(s['spec'])}")
     if s.get("split"):
         print_split_stats(s["split"])
     if s.get("pd"):

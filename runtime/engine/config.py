@@ -12,6 +12,7 @@ from memory import layout as L
 from memory.errors import ConfigError
 from runtime.engine.pd import POLICIES, PDTopology
 from runtime.model import EPLBConfig, ModelConfig, pod_config_for
+from runtime.model.mtp import SpecConfig
 from runtime.pod import PodConfig
 
 
@@ -86,6 +87,9 @@ class EngineConfig:
             KV; no echo within it more = the link is dead (the request fails).
         kv_checksum: the prefill die sends the crc32 of every transfer's source and the decode
             master checks what landed (timed apart from the copy; False: no check).
+        speculative: MTP speculative decoding (`runtime.model.mtp.SpecConfig`: k drafts per
+            decode row from the model's MTP module, which it adds), or None. Plans
+            synchronously (`async_depth` becomes 1: every plan sees exact positions).
     """
 
     dies: int = 4
@@ -132,12 +136,14 @@ class EngineConfig:
     kv_lease_s: float = 30.0
     kv_timeout_s: float = 2.0
     kv_checksum: bool = True
+    speculative: SpecConfig | None = None
     hosts: tuple = ()  # pods over hosts (PodConfig.hosts / fabric / host_names / net_if)
     fabric: str = "auto"
     host_names: tuple = ()
     net_if: str = ""
 
     def __post_init__(self) -> None:
+        self._check_spec()
         m = self.model_config()
         if self.prefill_dies or self.decode_dies:
             self._check_pd(m)
@@ -207,6 +213,23 @@ class EngineConfig:
                 f" ({self.blocks_per_seq} blocks of {self.block_size} tokens)"
             )
 
+    def _check_spec(self) -> None:
+        spec = self.speculative
+        if spec is None:
+            return
+        if not isinstance(spec, SpecConfig):
+            raise ConfigError(f"speculative: a SpecConfig or None, got {spec!r}")
+        if spec.k == 0:
+            object.__setattr__(self, "speculative", None)
+            return
+        if self.expert_dies or self.prefill_dies or self.decode_dies:
+            raise ConfigError("speculative: MTP serves on colocated pods (split and PD pods:"
+                              " not yet)")  # fmt: skip
+        if self.eplb is not None:
+            raise ConfigError("speculative: MTP runs without EPLB (its layer keeps the default"
+                              " placement; not built together)")  # fmt: skip
+        object.__setattr__(self, "async_depth", 1)  # MTP plans synchronously
+
     def _check_pd(self, m: ModelConfig) -> None:
         topo = PDTopology.make(self.prefill_dies, self.decode_dies)
         object.__setattr__(self, "dies", topo.num_dies)
@@ -239,7 +262,10 @@ class EngineConfig:
         return PDTopology.make(self.prefill_dies, self.decode_dies)
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig.preset(self.model, **self.model_overrides)
+        over = dict(self.model_overrides)
+        if self.speculative is not None and self.speculative.k:  # the model's MTP module
+            over.update(mtp_layers=1, mtp_fit=self.speculative.draft == "fit")
+        return ModelConfig.preset(self.model, **over)
 
     @property
     def pod_dies(self) -> int:
@@ -300,7 +326,11 @@ class EngineConfig:
         """A step frame's upper bound: every row's block table and tokens; a result's: sampled
         tokens and, when kept, their logits."""
         rows = self.max_num_seqs
+        k = self.speculative.k if self.speculative is not None else 0
         step = rows * (self.blocks_per_seq * 5 + 96) + self.max_num_batched_tokens * 5
-        result = rows * 32 + (rows * m.vocab_size * 4 if self.keep_logits else 0)
+        if k and self.speculative.transcript:  # an oracle / synthetic transcript per prefill row
+            step += rows * m.max_seq_len * 5
+        result = rows * (32 + 40 * k) + (rows * (1 + k) * m.vocab_size * 4
+                                         if self.keep_logits else 0)  # fmt: skip
         need = max(step, result) + 4096
         return max(64 << 10, -(-need // 4096) * 4096)

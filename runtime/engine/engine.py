@@ -225,7 +225,7 @@ class Engine(EngineRecovery):
                           cfg.op_timeout_s if rollback else 0.0,
                           plan.unfired_die_side(self.gen) if plan is not None else (),
                           cfg.split, cfg.pd, cfg.decode_blocks, cfg.timeout_s,
-                          cfg.kv_checksum)  # fmt: skip
+                          cfg.kv_checksum, cfg.speculative)  # fmt: skip
         self._thread(self._pod_loop, serve, self.gen, name="xpod-pod-run")
         if not any(t.name == "xpod-engine-receive" for t in self._threads) and not (
             self.rx_handover
@@ -250,6 +250,7 @@ class Engine(EngineRecovery):
             prefix_cache=cfg.prefix_cache, log_steps=cfg.log_steps, gc_every=cfg.gc_every,
             pin_cpu=cpu, trace=bool(cfg.trace), output_proc=cfg.output_procs,
             stream_interval=cfg.stream_interval, pd=pd_master_spec(cfg, g),
+            spec_tokens=cfg.speculative.k if cfg.speculative is not None else 0,
         )  # fmt: skip
 
     def _thread(self, fn, *args, name: str) -> None:
@@ -378,14 +379,30 @@ class Engine(EngineRecovery):
         prompt: str | list[int],
         params: SamplingParams | None = None,
         group: int | None = None,
+        transcript: list[int] | None = None,
     ) -> int:
         """Queue one request; returns its id. ValueError / TypeError for a bad prompt or params
         (the engine keeps serving), EngineError if the engine is down. `group` sends it to that
-        DP group, bypassing the balancer (experiments, tests)."""
+        DP group, bypassing the balancer (experiments, tests). `transcript`: with MTP's oracle
+        / synthetic drafts, the request's own tokens by output index (a run without MTP)."""
         t = self.tracker.track(prompt, params, group)
+        t.transcript = self._transcript(transcript)
         t.keep = True
         self.tracker.enqueue([t])
         return t.id
+
+    def _transcript(self, tr) -> list[int] | None:
+        """A checked transcript (only where the drafts read one)."""
+        if tr is None:
+            return None
+        spec = self.config.speculative
+        if spec is None or not spec.transcript:
+            raise ValueError("transcript: only with MTP's oracle or synthetic drafts")
+        if not isinstance(tr, list | tuple) or not all(
+            isinstance(t, int) and 0 <= t < self.model.vocab_size for t in tr
+        ):
+            raise ValueError("transcript: a list of token ids")
+        return [int(t) for t in tr]
 
     def abort(self, request_id: int) -> None:
         """Abort a request (no-op if unknown or finished): it ends with finish reason "abort"."""
@@ -397,10 +414,12 @@ class Engine(EngineRecovery):
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  timeout_s: float | None = None, group: int | None = None,
+                 transcripts: list[list[int]] | None = None,
                  ) -> list[CompletionOutput]:  # fmt: skip
         """Run every prompt (a str, or a list of token ids; or a list of them) to completion;
         outputs in prompt order. One SamplingParams for all, or one per prompt; `group` as for
-        `submit`. TimeoutError after `timeout_s` (the requests go on)."""
+        `submit`; `transcripts` one per prompt as for `submit`. TimeoutError after `timeout_s`
+        (the requests go on)."""
         single = isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         )
@@ -409,6 +428,11 @@ class Engine(EngineRecovery):
         if len(plist) != len(prompts):
             raise ValueError(f"params: {len(plist)} for {len(prompts)} prompts")
         tracked = [self.tracker.track(p, sp, group) for p, sp in zip(prompts, plist, strict=True)]
+        if transcripts is not None:
+            if len(transcripts) != len(tracked):
+                raise ValueError(f"transcripts: {len(transcripts)} for {len(tracked)} prompts")
+            for t, tr in zip(tracked, transcripts, strict=True):
+                t.transcript = self._transcript(tr)
         self.tracker.enqueue(tracked)
         self.tracker.wait_all(tracked, timeout_s)
         return [t.output() for t in tracked]

@@ -54,12 +54,14 @@ from memory.errors import LinkError, PeerTimeout, PodAborted, ProtocolError
 from runtime.engine import wire
 from runtime.engine.fault_hook import fault_hook
 from runtime.engine.pd import KVThread, PDTopology
+from runtime.engine.spec_step import spec_step_die
 from runtime.engine.split_loop import end_of_run, expert_serve, notify_parked
 from runtime.engine.step_ring import Bell, Ring, bell_path
 from runtime.engine.votes import Votes
 from runtime.model.config import ModelConfig
 from runtime.model.expert_balancer import EPLBConfig, ExpertBalancer
 from runtime.model.forward import PHASES, Clock, build_model, forward
+from runtime.model.mtp import SpecConfig
 from runtime.model.sampler import sample_rows
 from runtime.model.split import attention_step, build_split_model, split_clock
 
@@ -117,6 +119,7 @@ class ServeSpec:
     decode_blocks: int = 0
     kv_timeout_s: float = 60.0
     kv_checksum: bool = True
+    spec: SpecConfig | None = None  # MTP speculative decoding (runtime.model.mtp), or None
 
 
 class _Loop:
@@ -144,6 +147,7 @@ class _Loop:
         self.ping, self.pong = lo.serve_word(L.SV_PING), lo.serve_word(L.SV_PONG)
         self.attn_word, self.moe_word = lo.serve_word(L.SV_ATTN_NS), lo.serve_word(L.SV_MOE_NS)
         self.step_word = lo.serve_word(L.SV_STEP_NS)
+        self.mtp_word = lo.serve_word(L.SV_MTP_NS)
         self.cmds = Ring(die.region, "cmd", writer=False)
         self.results = Ring(die.region, "res", writer=True)
         self.bell = Bell(bell_path(spec.run_dir, f"d{self.me}"))
@@ -176,6 +180,11 @@ class _Loop:
         # Early votes need a pod-wide collective in every busy step (an MoE layer).
         self.early = spec.model.n_dense_layers < spec.model.n_layers
         self.last: dict[int, int] = {}  # request -> its last sampled token (fed to decode rows)
+        self.mtp = spec.spec if spec.spec is not None and spec.spec.k else None
+        self.drafts: dict[int, list[int]] = {}  # MTP: request -> drafts for its next row
+        self.transcripts: dict[int, list[int]] = {}  # MTP oracle / synthetic: their source
+        if self.mtp is not None:
+            self.clock.slots = spec.model.n_layers + self.mtp.k
         self.exiting = False
         self.stats = {"steps": 0, "dummy_steps": 0, "idle_votes": 0, "parks": 0, "rows": 0,
                       "bubble_ns": 0, "gc_collections": 0}  # fmt: skip
@@ -205,8 +214,9 @@ class _Loop:
         again = [h for h in self.history if h[0] >= step]
         self.replay = deque(again)
         if again:
-            _, _, last, steps = again[0]
+            _, _, last, steps, drafts = again[0]
             self.last = dict(last)
+            self.drafts = {r: list(d) for r, d in drafts.items()}
             self.stats["steps"] = steps
         self.s = step - 1
         self.exiting = False
@@ -344,7 +354,8 @@ class _Loop:
     def run_step(self, s: int, cmd: dict | None) -> None:
         if self.clock.fault is not None:  # a kill / stop planned at this step fires first
             self.clock.fault(s, -1, "step")
-        self.history.append((s, cmd, dict(self.last), self.stats["steps"]))
+        self.history.append((s, cmd, dict(self.last), self.stats["steps"],
+                             {r: list(d) for r, d in self.drafts.items()}))  # fmt: skip
         rows = cmd["rows"] if cmd else []
         dropped = []
         if self.bad or self.words[self.me][self.kvf_word]:
@@ -353,6 +364,10 @@ class _Loop:
             rows = kept
         for r in cmd["released"] if cmd else ():
             self.last.pop(r, None)
+            self.drafts.pop(r, None)
+            self.transcripts.pop(r, None)
+        if self.mtp is not None:
+            return spec_step_die(self, s, cmd, rows, dropped)
         segments, kv_rows, fed = [], [], []
         for r in rows:
             rid = r["id"]
@@ -392,19 +407,7 @@ class _Loop:
         for i, tok in zip(samp, tokens, strict=True):
             self.last[rows[i]["id"]] = tok
         t1 = time.perf_counter_ns()
-        self.stats["steps"] += 1
-        self.stats["rows"] += sum(len(seg[1]) for seg in segments)
-        w = self.words[self.me]
-        w[self.attn_word] += cur[0]
-        w[self.moe_word] += cur[2] + cur[4]
-        w[self.step_word] += t1 - t0
-        if self.split is not None:
-            w[self.a2e_word] += cur[2]
-            w[self.e2a_word] += cur[4]
-        if not rows:
-            self.stats["dummy_steps"] += 1
-            w[self.dummy_word] = self.stats["dummy_steps"]
-        self.die.trace.rec(t0, t1 - t0, SERVE_OP, 3, -1, SERVE_LANE, s, len(rows))
+        self.account(s, rows, t0, t1, cur, sum(len(seg[1]) for seg in segments))
         if cmd is not None:
             body = {"plan": cmd["plan"], "seq": cmd["seq"], "step": s, "t0": t0, "t1": t1,
                     "sampled": [[rows[i]["id"], tok] for i, tok in zip(samp, tokens, strict=True)],
@@ -417,6 +420,22 @@ class _Loop:
             if self.bad_new:
                 body["kv_fault"], self.bad_new = self.bad_new, []
             self.publish(body)
+
+    def account(self, s: int, rows: list, t0: int, t1: int, cur: list, n_rows: int) -> None:
+        """A step's counters and its serving-loop span (every step, speculative or not)."""
+        self.stats["steps"] += 1
+        self.stats["rows"] += n_rows
+        w = self.words[self.me]
+        w[self.attn_word] += cur[0]
+        w[self.moe_word] += cur[2] + cur[4]
+        w[self.step_word] += t1 - t0
+        if self.split is not None:
+            w[self.a2e_word] += cur[2]
+            w[self.e2a_word] += cur[4]
+        if not rows:
+            self.stats["dummy_steps"] += 1
+            w[self.dummy_word] = self.stats["dummy_steps"]
+        self.die.trace.rec(t0, t1 - t0, SERVE_OP, 3, -1, SERVE_LANE, s, len(rows))
 
     def publish(self, body: dict) -> None:
         w, lo = self.words[self.me], self.die.layout

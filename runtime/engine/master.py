@@ -85,6 +85,7 @@ class MasterSpec:
     stream_interval: int = 1
     gen: int = 0  # the engine's incarnation (restarts): on every message, stale ones dropped
     pd: dict | None = None  # a PD pod's group: role, prefill / decode dies, KV row, lease, timeout
+    spec_tokens: int = 0  # MTP drafts per decode row (sched.SchedulerConfig.spec_tokens)
 
 
 class Master:
@@ -127,6 +128,7 @@ class Master:
                 max_seq_len=spec.max_seq_len,
                 long_prefill_threshold=spec.long_prefill_threshold,
                 async_depth=spec.async_depth,
+                spec_tokens=spec.spec_tokens,
             ),
             self.kv,
         )
@@ -144,8 +146,12 @@ class Master:
         self.done: list[list] = []
         self.sent_n: dict[int, int] = {}  # request -> output index of its next delta's token
         self.steps: list[dict] = []  # the replay log
+        self.transcripts: dict[int, list[int]] = {}  # MTP oracle / synthetic drafts' source
         self.counters = {"results": 0, "busy_steps": 0, "empty_plans": 0, "bubble_ns": 0,
-                         "dummy_steps": 0,
+                         "dummy_steps": 0, "spec_drafts": 0, "spec_draft_tokens": 0,
+                         "spec_accepted_tokens": 0, "spec_model_agree": 0, "spec_verify_rows": 0,
+                         "spec_accepted_per_pos": [0] * max(spec.spec_tokens, 1),
+                         "mtp_ns": 0,
                          "tokens": 0, "rows": 0, "bad_requests": 0, "kv_masked": 0,
                          "kv_recomputed": 0, "replayed_results": 0}  # fmt: skip
         self.masked: list[int] = []  # KV blocks masked (memory faults)
@@ -220,6 +226,14 @@ class Master:
             pd = body.get("pd")
             if pd is not None and self.pd is None:
                 raise ValueError("pd: this group is not part of a PD pod")
+            tr = body.get("transcript")
+            if tr is not None:
+                vocab = self.spec.vocab_size
+                ok = isinstance(tr, list) and all(isinstance(t, int) and 0 <= t < vocab
+                                                  for t in tr)  # fmt: skip
+                if not self.spec.spec_tokens or not ok:
+                    raise ValueError("transcript: a list of token ids, with MTP only")
+                self.transcripts[rid] = tr
             if isinstance(self.pd, DecodeSide) and pd is not None:
                 self.pd.add(rid, body, params, prompt, base)  # joins the batch once its KV is in
             else:
@@ -259,6 +273,7 @@ class Master:
             self.deltas.setdefault(rid, []).extend(held)
         self.streamed.discard(rid)
         self.started.discard(rid)
+        self.transcripts.pop(rid, None)
         first = self.first.pop(rid, 0.0)
         self.done.append([rid, reason, len(req.prompt), req.num_cached, "", first,
                           self.sched_at.pop(rid, 0.0)])  # fmt: skip
@@ -294,6 +309,8 @@ class Master:
                 continue
             for block in body.get("kv_fault", ()):  # before the samples: its holders' rows of
                 self.mask(block)  # this result are then of an old epoch, and dropped
+            if "spec" in body:
+                self.spec_counts(body)
             out = self.sched.on_result(plan_id, {i: t for i, t in body["sampled"]})
             now = time.monotonic()
             for rid, toks in out.new_tokens.items():
@@ -307,6 +324,20 @@ class Master:
             for req in out.finished:
                 self.finish(req)
             self._gc()
+
+    def spec_counts(self, body: dict) -> None:
+        """A speculative result's drafts and accepted tokens (vLLM's spec_decode counters)."""
+        c = self.counters
+        c["mtp_ns"] += body.get("mtp_ns", 0)
+        for _rid, drafts, accepted, agree in body["spec"]:
+            c["spec_verify_rows"] += 1
+            if drafts:
+                c["spec_drafts"] += 1
+                c["spec_draft_tokens"] += drafts
+                c["spec_accepted_tokens"] += accepted
+                c["spec_model_agree"] += agree
+                for j in range(accepted):
+                    c["spec_accepted_per_pos"][j] += 1
 
     def mask(self, block: int) -> None:
         """A KV block the die reported faulty: masked for good, its holders recompute."""
@@ -325,13 +356,25 @@ class Master:
         fed = {i: t for i, t in body["fed"]}
         dropped = set(body.get("dropped", ()))
         rows = [r for r in rows if r["id"] not in dropped]  # the die did not run them
-        self.steps.append({
+
+        def fed_of(r):
+            if r["tokens"] is not None:
+                return r["tokens"]
+            f = fed[r["id"]]
+            return list(f) if isinstance(f, list) else [f]
+
+        rec = {
             "step": body["step"], "group": self.spec.group,
-            "rows": [[r["id"], r["tokens"] if r["tokens"] is not None else [fed[r["id"]]],
-                      r["start"], r["table"], r["sample"], r["index"], r["temperature"],
-                      r["seed"]] for r in rows],
+            "rows": [[r["id"], fed_of(r), r["start"], r["table"], r["sample"], r["index"],
+                      r["temperature"], r["seed"]] for r in rows],
             "sampled": body["sampled"], "logits": body.get("logits"),
-        })  # fmt: skip
+        }  # fmt: skip
+        if "spec" in body:  # MTP: each row's drafts fed, drafts wanted, next token, transcript
+            for row, r in zip(rec["rows"], rows, strict=True):
+                row += [len(row[1]) - 1 if r["tokens"] is None else 0, r.get("want", 0),
+                        r.get("next", -1), r.get("transcript")]  # fmt: skip
+            rec["drafted"] = body["drafted"]
+        self.steps.append(rec)
 
     def plan(self) -> None:
         """Publish plans while the scheduler may; promise one more if it has work but may not
@@ -344,6 +387,11 @@ class Master:
             rows = [{"id": r.request_id, "tokens": r.tokens, "start": r.start,
                      "table": r.block_table, "sample": r.sample, "index": r.token_index,
                      "temperature": r.temperature, "seed": r.seed} for r in plan.rows]  # fmt: skip
+            if self.spec.spec_tokens:  # MTP: drafts to feed and to make, a chunk's next token
+                for row, r in zip(rows, plan.rows, strict=True):
+                    row.update(k=r.drafts, want=r.want, next=r.next_token)
+                    if r.tokens is not None and r.request_id in self.transcripts:
+                        row["transcript"] = self.transcripts[r.request_id]
             self.publish({"plan": plan.plan_id, "rows": rows, "released": plan.released}, rows)
             self.counters["rows"] += plan.num_tokens
             now = time.monotonic()

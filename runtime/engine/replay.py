@@ -43,10 +43,13 @@ class ReplayReport:
     logits_compared: int = 0
     token_mismatches: list = field(default_factory=list)
     logit_mismatches: list = field(default_factory=list)
+    drafts_compared: int = 0  # MTP: the drafts each die made for the next row
+    draft_mismatches: list = field(default_factory=list)  # (step, group, request, served, replayed)
 
     @property
     def bit_equal(self) -> bool:
-        return not self.token_mismatches and not self.logit_mismatches and self.sampled > 0
+        return (not self.token_mismatches and not self.logit_mismatches
+                and not self.draft_mismatches and self.sampled > 0)  # fmt: skip
 
 
 def replay(
@@ -59,20 +62,24 @@ def replay(
     combine_dtype: str = "bfloat16",
     expert_maps: list | None = None,
     split: Split | None = None,
+    spec=None,
 ) -> ReplayReport:
     """Replay every logged step (logs: group -> the master's step records); combine_dtype:
     the served pod's (`EngineConfig.combine_dtype`); expert_maps: an EPLB pod's
     `(switch step, phy2log)` list (the dies' `eplb.maps`), whose steps count the steps with
     rows (busy steps), as the dies' balancer does; split: a split pod's topology
-    (`EngineConfig.split`: the groups are its attention dies), replayed by `SplitReference`."""
-    kv = [PagedKV.zeros(cfg.n_layers, num_blocks, block_size, cfg.kv_cache_dim)
+    (`EngineConfig.split`: the groups are its attention dies), replayed by `SplitReference`;
+    spec: MTP (`runtime.model.mtp.SpecConfig`): each step's verify rows, MTP sub-forwards and
+    drafts replayed with `spec_step` and compared (tokens, every verify row's logits, the
+    drafts each die made)."""
+    kv = [PagedKV.zeros(cfg.kv_layers, num_blocks, block_size, cfg.kv_cache_dim)
           for _ in range(num_dies)]  # fmt: skip
     if split is not None:
         pod = SplitReference(cfg, split, quant, kv, combine_dtype, expert_maps)
     else:
         pod = ReferencePod(cfg, num_dies, quant, kv, combine_dtype, expert_maps=expert_maps)
     report = ReplayReport()
-    _replay_steps(pod, kv, logs, report)
+    _replay_steps(pod, kv, logs, report, spec=spec)
     return report
 
 
@@ -128,14 +135,17 @@ def replay_pd(
 
 
 def _replay_steps(pod, kv: list[PagedKV], logs: dict[int, list[dict]], report: ReplayReport,
-                  before=None, after=None, offset: int = 0) -> None:  # fmt: skip
+                  before=None, after=None, offset: int = 0, spec=None) -> None:  # fmt: skip
     """Replay every logged step of one lockstep group (logs keyed by rank 0..len(kv)-1), with
     one BLAS thread as on the dies: a multithreaded matmul sums in another order (measured:
     logits 1e-6 apart at 64-row steps)."""
     had = blas_threads()
     limit_blas_threads(1)
     try:
-        _run_steps(pod, kv, logs, report, before, after, offset)
+        if spec is not None:
+            _run_spec_steps(pod, kv, logs, report, spec)
+        else:
+            _run_steps(pod, kv, logs, report, before, after, offset)
     finally:
         if had:
             limit_blas_threads(had)
@@ -168,6 +178,83 @@ def _run_steps(pod, kv, logs, report, before, after, offset) -> None:
             after(kv, recs)
 
 
+def _run_spec_steps(pod, kv, logs, report: ReplayReport, spec) -> None:
+    """MTP steps: every die's logged rows as `SpecRow`s (fed tokens with their drafts, drafts
+    wanted, a chunk's next token, transcripts), `spec_step` over the reference with the paged
+    stores placed by the logged tables, and each row's tokens, verify logits and drafts
+    compared with the served ones."""
+    from runtime.model.mtp import SpecRow, spec_step
+
+    cfg = pod.cfg
+    by_step: dict[int, dict[int, dict]] = {}
+    for group, records in logs.items():
+        for rec in records:
+            by_step.setdefault(rec["step"], {})[int(group)] = rec
+    transcripts: dict[int, list] = {}
+    for step in sorted(by_step):
+        recs = by_step[step]
+        if not any(rec["rows"] for rec in recs.values()):
+            continue
+        rows, tables = [], []
+        for d in range(len(kv)):
+            die_rows, tab = [], {}
+            for r in recs[d]["rows"] if d in recs else []:
+                rid, toks, start, table, sample, index, temp, seed, drafts, want, nxt, tr = r
+                if tr is not None:
+                    transcripts[rid] = tr
+                tab[rid] = table
+                die_rows.append(SpecRow(rid, list(toks), start, drafts, sample, index, temp,
+                                        seed, nxt if nxt >= 0 else None, want,
+                                        transcripts.get(rid)))  # fmt: skip
+                report.rows += len(toks)
+            rows.append(die_rows)
+            tables.append(tab)
+
+        def place(segs, tables=tables):
+            for d, seg in enumerate(segs):
+                kv[d].begin_step([(rid, st, len(t), tables[d][rid]) for rid, t, st in seg])
+
+        def run_main(segs, lrows, step=step, place=place):
+            place(segs)
+            return pod.step(segs, step, lrows, hidden=True)
+
+        def run_mtp(j, segs, hidden, place=place):
+            place(segs)
+            return pod.mtp(j, segs, hidden)
+
+        outs = spec_step(spec, rows, run_main, run_mtp, cfg.vocab_size)
+        report.steps += 1
+        for d, rec in recs.items():
+            _compare_spec(report, step, d, rec, rows[d], outs[d])
+
+
+def _compare_spec(report: ReplayReport, step: int, group: int, rec: dict, rows, outs) -> None:
+    served = {int(rid): [int(t) for t in toks] for rid, toks in rec["sampled"]}
+    drafted = {int(rid): [int(t) for t in ds] for rid, ds in rec.get("drafted", [])}
+    mine = []
+    for r, o in zip(rows, outs, strict=True):
+        if not r.sample:
+            continue
+        report.sampled += 1
+        if served.get(r.rid) != o.emitted:
+            report.token_mismatches.append((step, group, r.rid, served.get(r.rid), o.emitted))
+        report.drafts_compared += 1
+        if drafted.get(r.rid) != o.drafts:
+            report.draft_mismatches.append((step, group, r.rid, drafted.get(r.rid), o.drafts))
+        mine.append((r.rid, o.logits))
+    if rec.get("logits") is not None and mine:
+        got = wire.unpack_array(rec["logits"])
+        at = 0
+        for rid, lg in mine:
+            report.logits_compared += lg.shape[0]
+            part = got[at : at + lg.shape[0]]
+            at += lg.shape[0]
+            if part.shape != lg.shape or not np.array_equal(part, lg):
+                diff = float(np.max(np.abs(part.astype(np.float64) - lg))) if (
+                    part.shape == lg.shape) else float("inf")  # fmt: skip
+                report.logit_mismatches.append((step, group, rid, diff))
+
+
 def _compare(report: ReplayReport, step: int, group: int, rec: dict, logits: np.ndarray) -> None:
     rows = rec["rows"]
     samp = [i for i, r in enumerate(rows) if r[4]]
@@ -198,4 +285,4 @@ def replay_engine(cfg, logs: dict[int, list[dict]]) -> ReplayReport:
         return replay_pd(m, cfg.pd, cfg.quant, cfg.blocks, cfg.decode_blocks, cfg.block_size,
                          logs, cfg.combine_dtype)  # fmt: skip
     return replay(m, cfg.dies, cfg.quant, cfg.blocks, cfg.block_size, logs, cfg.combine_dtype,
-                  split=cfg.split)  # fmt: skip
+                  split=cfg.split, spec=cfg.speculative)  # fmt: skip

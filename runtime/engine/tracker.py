@@ -107,6 +107,7 @@ class TrackedRequest:
         self.t_resumed = 0.0  # its first token after the latest re-admission
         self.aborted = False  # the caller aborted it (a restart must not resume it)
         self.prefill_group = -1  # a PD pod: its prefill die (`group` is its decode die)
+        self.transcript: list[int] | None = None  # MTP oracle / synthetic drafts' source
         self.pd: dict = {}  # a PD request's times and transfer: sched, prefilled, landed, ...
 
     @property
@@ -251,6 +252,8 @@ class RequestTracker:
                     "params": {"max_tokens": p.max_tokens - base, "temperature": p.temperature,
                                "seed": p.seed, "stop_token_ids": list(p.stop_token_ids),
                                "ignore_eos": p.ignore_eos}}  # fmt: skip
+            if t.transcript is not None:
+                body["transcript"] = t.transcript
             if t.render is not None:
                 if self.output_procs:
                     body["render"] = t.render
