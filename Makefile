@@ -27,6 +27,8 @@ run: $(STAMP)
 		--prompt "A decode step" --prompt "Each die owns" --prompt "Tokens travel"
 	$(XPOD) generate --prefill-dies 2 --decode-dies 2 --max-tokens 24 --prompt "The KV moves" \
 		--prompt "Prefill dies compute" --prompt "Decode dies stream"
+	$(XPOD) generate --dies 4 --max-tokens 24 --num-speculative-tokens 1 --prompt "The pod is" \
+		--prompt "Experts run" --prompt "MTP drafts"
 	$(XPOD) bench serve --launch --dies 4 --max-concurrency 8 --ignore-eos --num-prompts 32 --quick
 
 test: $(STAMP)

@@ -76,13 +76,15 @@ def spec_step_die(loop, s: int, cmd: dict | None, rows: list[dict], dropped: lis
         loop.die.policy = loop.ep.policy = loop.policy
     loop.bal.end_step(busy)
     sampled, spec, drafted, logits = [], [], [], []
+    decode = {rid for rid, _ in fed}  # verify rows: decode rows (a prefill's sample is not one)
     for r, o in zip(srows, outs, strict=True):
         if not r.sample:
             continue
         loop.last[r.rid] = o.emitted[-1]
         loop.drafts[r.rid] = o.drafts
         sampled.append([r.rid, o.emitted])
-        spec.append([r.rid, r.drafts, o.accepted,
+        if r.rid in decode:
+            spec.append([r.rid, r.drafts, o.accepted,
                      sum(int(a == b) for a, b in zip(o.model_drafts, o.drafts,
                                                      strict=False))])  # fmt: skip
         drafted.append([r.rid, o.drafts])

@@ -58,3 +58,22 @@ def test_bad_speculative_decodes_are_refused_before_any_pod(flags, message, caps
     assert main(["decode", "--model", "tiny", *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("draft", "k", "batch", "want", "tol", "per_pos"),
+                         [("synthetic:0.9", 1, 64, 1.90, 0.02, (0.90,)),
+                          ("synthetic:0.9,0.4", 2, 128, 2.26, 0.03, (0.90, 0.36))])  # fmt: skip
+def test_synthetic_drafts_are_accepted_at_their_rates(tmp_path, draft, k, batch, want, tol,
+                                                      per_pos):  # fmt: skip
+    # >= 2,000 (k = 1) and >= 4,000 (k = 2) drafts; batch-invariant so the transcript holds
+    out = tmp_path / "d.jsonl"
+    argv = ["decode", "--dies", "4", "--batch", str(batch), "--prompt-len", "8", "--steps",
+            "32", "--model", "tiny", "--batch-invariant", "--num-speculative-tokens", str(k),
+            "--mtp-draft", draft, "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    s = json.loads(out.read_text().splitlines()[-1])
+    assert s["num_drafts"] == batch * 32 and s["tokens_identical"]
+    assert abs(s["mean_acceptance_length"] - want) <= tol, s["mean_acceptance_length"]
+    for got, p in zip(s["acceptance_per_pos"], per_pos, strict=True):
+        assert abs(got - p) <= 0.02, s["acceptance_per_pos"]
