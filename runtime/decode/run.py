@@ -60,20 +60,12 @@ from runtime.decode.report import (
 from runtime.decode.split import split_check, split_decode_main, split_summary
 from runtime.model import EPLBConfig, ModelConfig, encode, pod_config_for, sample
 from runtime.model.forward import Clock, build_model, forward, prepared_for_fork
+from runtime.model.tokenizer import CORPUS
 from runtime.pod import Pod
 from runtime.pod.config import PodConfig
 from sched import KVManager
 
 __all__ = ["DecodeSpec", "decode_main", "make_prompts", "pod_config", "run_decode", "spread"]
-
-CORPUS = (
-    "The pod is a set of dies that share one memory fabric. Each die owns a region of high"
-    " bandwidth memory and reads its peers' regions directly, so tokens travel to experts without"
-    " a network stack in the way. Attention runs data parallel: every die keeps its own requests"
-    " and their compressed latent cache. Experts run expert parallel: each die hosts a slice of"
-    " the routed experts and serves every token that picks one of them. A decode step therefore"
-    " alternates local work and pod-wide exchanges, and its latency is set by the slowest die."
-)
 
 
 # -- what the dies run ----------------------------------------------------------------------------
@@ -272,11 +264,11 @@ def run_decode(opts: DecodeOptions) -> dict:
         eplb.check(model, opts.dies)
     if sp is not None and opts.spec is None:
         return _run_split(opts, model, prompts, sp)
-    per_die, ids = spread(prompts, opts.dies)
+    per_die, ids = spread(prompts, opts.dies if sp is None else len(sp.att_dies))
     if opts.spec is not None:
         from runtime.decode.spec_run import run_spec_decode
 
-        return run_spec_decode(opts, model, per_die, ids)
+        return run_spec_decode(opts, model, per_die, ids, sp)
     if opts.eplb == "compare":
         off = _run(opts, model, per_die, ids, None, keep_logits=True, trace=False)[0][0]
         on = _run(opts, model, per_die, ids, eplb, keep_logits=True, trace=bool(opts.trace))[0][0]
