@@ -71,6 +71,8 @@ class Options:
     domains: tuple = (1,)
     microbatches: tuple = (1,)
     overrides: dict | None = None
+    spec_tokens: tuple = ()  # MTP: the engine with k drafts against without (bench.spec)
+    mtp_draft: str = "fit"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -106,6 +108,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="micro-batches to run (default 1)")  # fmt: skip
     g.add_argument("--experts", type=positive_int, default=None, metavar="N",
                    help="routed experts (default: the preset's; a multiple of E)")  # fmt: skip
+    g = p.add_argument_group("multi-token prediction (bench.spec; default: the engine's figures)")
+    g.add_argument(
+        "--num-speculative-tokens",
+        type=int_list(1, 2),
+        default=None,
+        metavar="K,...",
+        help="the engine with K MTP drafts against without, per K (e.g. 1,2)",
+    )
+    g.add_argument("--mtp-draft", default="fit", metavar="MODE",
+                   help="real | fit | oracle | synthetic:P1[,P2] (default fit)")  # fmt: skip
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="every row computed alone (MTP: the tokens of the run without)",
+    )
     p.add_argument("--quick", action="store_true", help="short run (CI smoke test)")
     p.add_argument("--json", type=output_file, default=None, help="write the figures to FILE")
 
@@ -122,9 +139,26 @@ def parse_options(args: argparse.Namespace) -> Options:
     elif e:
         raise ConfigError("argument --expert-dies: needs --attention-dies")
     overrides = {"num_experts": args.experts} if args.experts else {}
+    if args.batch_invariant:
+        overrides["batch_invariant"] = True
+    spec = tuple(args.num_speculative_tokens or ())
+    if spec and a:
+        raise ConfigError("argument --num-speculative-tokens: the colocated engine's MTP figures"
+                          " (not with --attention-dies)")  # fmt: skip
     opts = Options(a + e if a else args.dies, args.batch, args.prompt_len, steps, waves,
                    args.model, idle, args.json, repeat, args.gc_every, args.pin, 0, a, e,
-                   tuple(args.domains), tuple(args.microbatches), overrides)  # fmt: skip
+                   tuple(args.domains), tuple(args.microbatches), overrides, spec,
+                   args.mtp_draft)  # fmt: skip
+    if spec:
+        from runtime.model.mtp import SpecConfig, parse_draft
+
+        name, rates = parse_draft(args.mtp_draft)
+        for k in spec:
+            try:
+                engine_config(opts, async_depth=1, speculative=SpecConfig(k, name, rates))
+            except ConfigError as err:
+                raise ConfigError(f"argument --num-speculative-tokens/--mtp-draft: {err}") from None
+        return opts
     if a:
         try:
             check_options(opts)
@@ -138,6 +172,7 @@ def parse_options(args: argparse.Namespace) -> Options:
 def engine_config(opts: Options, **changes) -> EngineConfig:
     per_group = -(-opts.batch // opts.dies)
     base = dict(dies=opts.dies, model=opts.model, max_num_seqs=per_group,
+                model_overrides=dict(opts.overrides or {}),
                 max_num_batched_tokens=max(64, 2 * opts.prompt_len), timeout_s=120.0,
                 gc_every=opts.gc_every, pin=opts.pin)  # fmt: skip
     return EngineConfig(**{**base, **changes})
@@ -290,6 +325,17 @@ def replay_check(opts: Options) -> dict:
 
 
 def run(opts: Options) -> int:
+    if opts.spec_tokens:
+        from bench.spec import print_spec, run_spec
+
+        res = {**run_spec(opts, engine_config, list(opts.spec_tokens), opts.mtp_draft),
+               **run_info()}  # fmt: skip
+        print_spec(res)
+        if opts.json:
+            with open(opts.json, "w") as f:
+                json.dump(res, f, indent=1)
+            progress(f"  wrote {opts.json}")
+        return 0 if all(r["replay_bit_equal"] for r in res["rows"]) else 1
     if opts.attention_dies:
         res = {**run_split(opts), **run_info()}
         print_split(res)

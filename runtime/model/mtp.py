@@ -73,9 +73,9 @@ class SpecConfig:
                               " (synthetic as synthetic:p1[,p2])")  # fmt: skip
         if self.draft == "synthetic":
             p = self.acceptance
-            if not p or len(p) > max(self.k, 1) or any(not 0 <= x <= 1 for x in p):
-                raise ConfigError(f"synthetic: 1..{max(self.k, 1)} acceptance rates in [0, 1],"
-                                  f" got {list(p)}")  # fmt: skip
+            if not p or len(p) > MAX_K or any(not 0 <= x <= 1 for x in p):
+                raise ConfigError(f"synthetic: 1..{MAX_K} acceptance rates in [0, 1] (draft j"
+                                  f" takes rate j, or the last), got {list(p)}")  # fmt: skip
         elif self.acceptance:
             raise ConfigError(f"acceptance: only for the synthetic draft, not {self.draft}")
 

@@ -85,7 +85,7 @@ def test_a_verify_row_emits_the_sample_whatever_the_draft(temperature):
         ((None, -1, None), "an int >= 0"),
         ((None, 1, "nosuch"), "not one of"),
         ((None, 1, "synthetic:1.5"), "acceptance rates in"),
-        ((None, 1, "synthetic:0.9,0.4"), "acceptance rates in"),
+        ((None, 1, "synthetic:0.9,0.4,0.2"), "acceptance rates in"),
         ((None, None, "fit"), "needs --num-speculative-tokens"),
         (('{"num_speculative_tokens": 1, "x": 2}', None, None), "unknown keys"),
         (('{"num_speculative_tokens": 1, "method": "eagle"}', None, None), "xpod speculates"),
