@@ -111,7 +111,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("multi-token prediction (bench.spec; default: the engine's figures)")
     g.add_argument(
         "--num-speculative-tokens",
-        type=int_list(1, 2),
+        type=int_list(1),
         default=None,
         metavar="K,...",
         help="the engine with K MTP drafts against without, per K (e.g. 1,2)",

@@ -31,10 +31,13 @@ def _median(values) -> float:
     return float(np.median(values)) if len(values) else 0.0
 
 
-def _run(cfg: EngineConfig, prompts, params, transcripts=None) -> dict:
-    """One engine: warm-up, then the requests; tokens, tokens/s, the step times, spec stats."""
+def _run(cfg: EngineConfig, prompts, params, transcripts=None, warm=None) -> dict:
+    """One engine: warm-up, then the requests; tokens, tokens/s, the step times, spec stats.
+    `warm`: the warm-up requests' transcripts (oracle / synthetic drafts read them too)."""
     with Engine.launch(cfg) as eng:
-        eng.generate(prompts[: max(1, cfg.dies)], SamplingParams(max_tokens=4, ignore_eos=True))
+        warmed = eng.generate(prompts[: max(1, cfg.dies)],
+                              SamplingParams(max_tokens=4, ignore_eos=True),
+                              transcripts=warm)  # fmt: skip
         t0 = time.monotonic()
         outs = eng.generate(prompts, params, transcripts=transcripts, timeout_s=600)
         wall = time.monotonic() - t0
@@ -43,7 +46,8 @@ def _run(cfg: EngineConfig, prompts, params, transcripts=None) -> dict:
     busy = sum(s.get("busy_steps", 0) for s in eng.stats.values())
     tokens = [o.token_ids for o in outs]
     return {"tokens": tokens, "tokens_per_s": sum(map(len, tokens)) / wall, "wall_s": wall,
-            "step_ms": _median(steps), "busy_steps": busy, "spec": spec}  # fmt: skip
+            "step_ms": _median(steps), "busy_steps": busy, "spec": spec,
+            "warm": [o.token_ids for o in warmed]}  # fmt: skip
 
 
 def run_spec(opts, engine_config, spec_tokens: list[int], draft: str) -> dict:
@@ -64,7 +68,9 @@ def run_spec(opts, engine_config, spec_tokens: list[int], draft: str) -> dict:
                      " without MTP ...")  # fmt: skip
             b = _run(base_cfg, prompts, params)
             progress("  with MTP ...")
-            m = _run(mtp_cfg, prompts, params, b["tokens"] if spec.transcript else None)
+            tr = spec.transcript
+            m = _run(mtp_cfg, prompts, params, b["tokens"] if tr else None,
+                     b["warm"] if tr else None)  # fmt: skip
             pairs.append((b, m))
         rows.append(_figures(spec, pairs, opts))
         progress(f"  MTP k={k}: speedup {rows[-1]['speedup']:.2f}x (predicted"
