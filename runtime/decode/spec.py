@@ -12,6 +12,11 @@ last bits, which is reported, not hidden).
 In the same pod, first the batch without MTP for `steps x (1 + k)` steps (the baseline: its
 step time, its tokens/s, and the transcript the oracle / synthetic drafts read and the MTP run's
 tokens are compared with), then with MTP for `steps` steps; `--repeat R` alternates them.
+
+On a split pod (`--attention-dies`, `runtime.decode.split`) the attention dies hold the batch and
+run the main forward and the MTP sub-forwards through `runtime.model.split` (attention_step,
+attention_mtp); the expert dies loop (`expert_loop`) over `n_layers + k` MoE slots a step until
+each run's end marker.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import comm
+from comm.alltoall import Split
 from runtime.model import ModelConfig
 from runtime.model.forward import Clock, build_model, forward, forward_mtp
 from runtime.model.mtp import (
@@ -31,6 +37,14 @@ from runtime.model.mtp import (
     positions_needed,
     spec_step,
     stats,
+)
+from runtime.model.split import (
+    attention_mtp,
+    attention_step,
+    build_split_model,
+    end_experts,
+    expert_loop,
+    split_clock,
 )
 from sched import KVManager
 
@@ -54,44 +68,101 @@ class SpecDecodeSpec:
     keep_logits: bool = False
     positions: int = 0  # KV positions each request may reach (the larger of both runs)
     transcripts: dict = field(default_factory=dict)  # request -> tokens (oracle / synthetic)
+    split: Split | None = None  # a split pod: prompts and ids per attention die
+
+
+class _Forwards:
+    """A die's main forward and MTP sub-forward over its pod's layout: colocated
+    (`runtime.model.forward`) or a split pod's attention die (`runtime.model.split`)."""
+
+    def __init__(self, die, ds: SpecDecodeSpec, n_blocks: int):
+        cfg, sp = ds.model, ds.split
+        self.die, self.ds, self.bal = die, ds, None
+        if sp is None:
+            self.model, self.pool, self.bal = build_model(die, cfg, n_blocks, ds.block_size)
+            self.clock = Clock(die, cfg.kv_layers)
+        else:
+            self.model, self.pool = build_split_model(die, cfg, sp, n_blocks, ds.block_size)
+            self.clock = split_clock(die, cfg.kv_layers)
+        self.clock.slots = cfg.n_layers + ds.spec.k
+
+    def main(self, seg, lrows, hidden: bool):
+        """Logits at `lrows` (and with `hidden`, the normed rows) of this die's segments."""
+        ds, sp = self.ds, self.ds.split
+        if sp is not None:
+            return attention_step(self.die, self.model, seg, sp, ds.quant, self.clock,
+                                  logit_rows=lrows, hidden=hidden)  # fmt: skip
+        self.bal.begin_step(self.clock.step)
+        out = forward(self.die, self.model, seg, ds.protocol, ds.quant, self.clock, self.bal,
+                      logit_rows=lrows, hidden=hidden)  # fmt: skip
+        self.bal.end_step(self.clock.step)
+        return out
+
+    def mtp(self, j: int, seg, hidden: np.ndarray):
+        ds, sp = self.ds, self.ds.split
+        if sp is not None:
+            return attention_mtp(self.die, self.model, seg, hidden, j, sp, ds.quant, self.clock)
+        return forward_mtp(self.die, self.model, seg, hidden, j, ds.protocol, ds.quant,
+                           self.clock, self.bal)  # fmt: skip
+
+    def end(self) -> None:
+        """After the last step: a split pod's end marker to its expert dies (this run's)."""
+        if self.ds.split is not None:
+            end_experts(self.die, self.ds.split, self.ds.quant)
+
+    def close(self) -> None:
+        if self.bal is not None:
+            self.bal.close()
+        self.die.free(self.pool)
+
+
+def _expert_main(die, ds: SpecDecodeSpec) -> dict:
+    """A split pod's expert die: its experts (the MTP module's too) served over `n_layers + k`
+    MoE slots a step until the attention dies' end marker."""
+    cfg, sp = ds.model, ds.split
+    model, _ = build_split_model(die, cfg, sp, 0, ds.block_size)
+    clock = split_clock(die, cfg.kv_layers)
+    comm.barrier(die)
+    st = expert_loop(die, model, sp, ds.quant, clock, slots=cfg.n_layers + ds.spec.k)
+    return {"role": "expert", "die": die.die_id, "stats": st.to_dict()}
 
 
 def spec_decode_main(die, ds: SpecDecodeSpec) -> dict:
-    """Run on every die: prefill, `ds.steps` speculative steps; this die's streams and times."""
+    """Run on every die: prefill, `ds.steps` speculative steps; this die's streams and times (a
+    split pod's expert die: its loop's counters)."""
+    sp = ds.split
+    if sp is not None and die.die_id not in sp.att_dies:
+        return _expert_main(die, ds)
     cfg, spec, me = ds.model, ds.spec, die.die_id
-    prompts, ids = ds.prompts[me], ds.request_ids[me]
+    rank = me if sp is None else sp.att_dies.index(me)
+    prompts, ids = ds.prompts[rank], ds.request_ids[rank]
     bs = ds.block_size
     n_blocks = sum(-(-ds.positions // bs) for _ in ids)
-    model, pool, bal = build_model(die, cfg, n_blocks, bs)
+    fw = _Forwards(die, ds, n_blocks)
     kv = KVManager(max(n_blocks, 1), bs, enable_prefix_cache=False)
     tables = {r: kv.alloc_blocks(r, ds.positions) for r in ids}
-    clock = Clock(die, cfg.kv_layers)
-    clock.slots = cfg.n_layers + spec.k
+    clock = fw.clock
     streams = [[SpecStream(r, list(p), (ds.seed, r), ds.transcripts.get(r))
                 for r, p in zip(ids, prompts, strict=True)]]  # fmt: skip
     dec = SpecDecoder(spec, streams, ds.temperature, cfg.max_seq_len, ds.keep_logits)
     mtp_ns = [0]
 
     def place(seg) -> None:
-        model.kv.begin_step([(r, start, len(t), tables[r]) for r, t, start in seg])
+        fw.model.kv.begin_step([(r, start, len(t), tables[r]) for r, t, start in seg])
 
     def run_main(segs, lrows):
         place(segs[0])
-        bal.begin_step(clock.step)
         if spec.k:
-            logits, normed = forward(die, model, segs[0], ds.protocol, ds.quant, clock, bal,
-                                     logit_rows=lrows[0], hidden=True)  # fmt: skip
+            logits, normed = fw.main(segs[0], lrows[0], True)
         else:
-            logits = forward(die, model, segs[0], ds.protocol, ds.quant, clock, bal,
-                             logit_rows=lrows[0])  # fmt: skip
+            logits = fw.main(segs[0], lrows[0], False)
             normed = np.zeros((sum(len(t) for _, t, _ in segs[0]), 0), np.float32)
-        bal.end_step(clock.step)
         return [logits], [normed]
 
     def run_mtp(j, segs, hidden):
         t0 = time.perf_counter_ns()
         place(segs[0])
-        out = forward_mtp(die, model, segs[0], hidden[0], j, ds.protocol, ds.quant, clock, bal)
+        out = fw.mtp(j, segs[0], hidden[0])
         mtp_ns[0] += time.perf_counter_ns() - t0
         return [out[0]], [out[1]]
 
@@ -107,7 +178,8 @@ def spec_decode_main(die, ds: SpecDecodeSpec) -> dict:
         cpu0, t0 = time.process_time(), time.perf_counter_ns()
         step(0)
         prefill_ns = time.perf_counter_ns() - t0
-        comm.barrier(die)
+        if sp is None:  # a split pod's expert dies are in their loop: no pod-wide barrier
+            comm.barrier(die)
         clock.counting = True
         cpu1, wait0, t0 = time.process_time(), ctx.waited_ns, time.perf_counter_ns()
         for s in range(1, ds.steps + 1):
@@ -118,9 +190,9 @@ def spec_decode_main(die, ds: SpecDecodeSpec) -> dict:
         decode_ns = time.perf_counter_ns() - t0
         cpu_decode = time.process_time() - cpu1
         wait_ns = ctx.waited_ns - wait0
+        fw.end()
     finally:
-        bal.close()
-        die.free(pool)
+        fw.close()
     mine = streams[0]
     return {
         "die": me, "request_ids": ids,

@@ -1,7 +1,8 @@
 """The launcher side of `xpod decode --num-speculative-tokens K` (`runtime.decode.spec`): the
 pod sized for both runs, the baseline then the MTP run (alternating with `--repeat`), the
 figures of issue 31's JSON keys, and `--check` against the single-process reference running
-the same speculative schedule (`runtime.model.mtp.reference_decode`)."""
+the same speculative schedule (`runtime.model.mtp.reference_decode`); on a split pod
+(`--attention-dies`) the batch is the attention dies' and the reference `SplitReference`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 
 import numpy as np
 
+from comm.alltoall import Split
 from memory.errors import ConfigError
 from runtime.decode.options import DecodeOptions, progress
 from runtime.decode.spec import NO_MTP, SpecDecodeSpec, merged_stats, spec_decode_main
@@ -34,10 +36,10 @@ def spec_positions(prompts, steps: int, spec: SpecConfig) -> int:
 def check_spec(opts: DecodeOptions, model: ModelConfig, prompts) -> None:
     """Refuse what the speculative decode cannot run (before any process starts)."""
     spec = opts.spec
-    if opts.split or opts.eplb != "off" or opts.hosts:
+    if opts.eplb != "off" or opts.hosts:
         raise ConfigError(
-            "num-speculative-tokens: xpod decode speculates on a colocated,"
-            " single-host pod without EPLB (the serving engine has the rest)"
+            "num-speculative-tokens: xpod decode speculates on a single-host pod (colocated or"
+            " split) without EPLB"
         )
     need = spec_positions(prompts, opts.steps, spec)
     if need > model.max_seq_len:
@@ -48,8 +50,10 @@ def check_spec(opts: DecodeOptions, model: ModelConfig, prompts) -> None:
         )
 
 
-def run_spec_decode(opts: DecodeOptions, model: ModelConfig, per_die, ids) -> dict:
-    """Launch one pod; baseline and MTP runs; the summary (module docstring)."""
+def run_spec_decode(opts: DecodeOptions, model: ModelConfig, per_die, ids,
+                    split: Split | None = None) -> dict:  # fmt: skip
+    """Launch one pod; baseline and MTP runs; the summary (module docstring). `split`: a split
+    pod, `per_die` / `ids` then per attention die."""
     spec = opts.spec
     model = spec_model(model, spec)
     prompts = [p for ps in per_die for p in ps]
@@ -62,7 +66,8 @@ def run_spec_decode(opts: DecodeOptions, model: ModelConfig, per_die, ids) -> di
         max_rows=max(max(sum(len(p) for p in ps) for ps in per_die), per * (1 + spec.k)),
         num_blocks=per * -(-positions // bs), block_size=bs, quant=opts.quant,
         combine_dtype=opts.combine_dtype, trace=bool(opts.trace), timeout_s=opts.timeout_s,
-        pin=opts.pin, wait=opts.wait, **({"cores": opts.cores} if opts.cores else {}),
+        pin=opts.pin, wait=opts.wait, expert_dies=opts.expert_dies or None,
+        **({"cores": opts.cores} if opts.cores else {}),
     )  # fmt: skip
     base = SpecDecodeSpec(
         model,
@@ -76,6 +81,7 @@ def run_spec_decode(opts: DecodeOptions, model: ModelConfig, per_die, ids) -> di
         opts.seed,
         bs,
         positions=positions,
+        split=split,
     )
     progress(
         f"xpod decode: model {opts.model} + 1 MTP module ({model.n_layers} layers), {opts.dies}"
@@ -91,13 +97,13 @@ def run_spec_decode(opts: DecodeOptions, model: ModelConfig, per_die, ids) -> di
         progress(f"  pod {pod.pod_id} up in {time.monotonic() - t0:.1f} s")
         for i in range(opts.repeat):
             progress(f"  run {i + 1} of {opts.repeat}: without MTP ...")
-            b = pod.run(spec_decode_main, base)
+            b = _attention(pod.run(spec_decode_main, base))
             tr = {r: toks for res in b for r, toks in zip(res["request_ids"], res["tokens"],
                                                           strict=True)}  # fmt: skip
             run = dataclasses.replace(base, steps=opts.steps, spec=spec, keep_logits=opts.check,
                                       transcripts=tr if spec.transcript else {})  # fmt: skip
             progress(f"  run {i + 1} of {opts.repeat}: with MTP ...")
-            runs.append((b, pod.run(spec_decode_main, run), tr))
+            runs.append((b, _attention(pod.run(spec_decode_main, run)), tr))
         if opts.trace:
             n = pod.write_trace(opts.trace)
             progress(f"  wrote {n} trace events to {opts.trace}")
@@ -106,9 +112,18 @@ def run_spec_decode(opts: DecodeOptions, model: ModelConfig, per_die, ids) -> di
     out = summary(b, m, tr, opts, spec)
     if opts.repeat > 1:
         out["speedup_runs"] = [round(_tps(mm) / _tps(bb), 4) for bb, mm, _ in runs]
+    if split is not None:
+        out.update(layout="split", attention_dies=len(split.att_dies),
+                   expert_dies=len(split.exp_dies), domains=split.num_domains,
+                   microbatches=split.microbatches)  # fmt: skip
     if opts.check:
-        out.update(check_reference(m, per_die, ids, opts, model, spec, tr))
+        out.update(check_reference(m, per_die, ids, opts, model, spec, tr, split))
     return out
+
+
+def _attention(res: list[dict]) -> list[dict]:
+    """The results of the dies that decode (a split pod's attention dies; every die else)."""
+    return [r for r in res if r.get("role") != "expert"]
 
 
 def _decode_s(res: list[dict]) -> float:
@@ -159,13 +174,20 @@ def summary(b: list[dict], m: list[dict], tr: dict, opts: DecodeOptions,
 
 
 def check_reference(m: list[dict], per_die, ids, opts: DecodeOptions, model: ModelConfig,
-                    spec: SpecConfig, tr: dict) -> dict:  # fmt: skip
-    """The single-process reference of the same speculative schedule: tokens and every verify
-    row's logits must be equal bit for bit (float32 dispatch), the accounting the same."""
+                    spec: SpecConfig, tr: dict, split: Split | None = None) -> dict:  # fmt: skip
+    """The single-process reference of the same speculative schedule (a split pod's:
+    `SplitReference`): tokens and every verify row's logits must be equal bit for bit (float32
+    dispatch), the accounting the same."""
     from runtime.model.reference import ReferencePod
+    from runtime.model.split_reference import SplitReference
+    from runtime.pod.proc import limit_blas_threads
 
+    limit_blas_threads(1)  # as on the dies: a multithreaded matmul sums in another order
     progress("  --check: single-process reference of the speculative schedule ...")
-    ref = ReferencePod(model, opts.dies, quant=opts.quant, combine_dtype=opts.combine_dtype)
+    if split is not None:
+        ref = SplitReference(model, split, quant=opts.quant, combine_dtype=opts.combine_dtype)
+    else:
+        ref = ReferencePod(model, opts.dies, quant=opts.quant, combine_dtype=opts.combine_dtype)
     streams = reference_decode(
         ref,
         per_die,

@@ -486,9 +486,9 @@ class Engine(EngineRecovery):
     def split_stats(self) -> dict | None:
         """A split pod's per-role time shares, expert idle share and A2E / E2A ms per step,
         read now (None when colocated or closed; `runtime.engine.split_stats`)."""
-        m = self.model
+        m, k = self.model, getattr(self.config.speculative, "k", 0)  # MTP: k sub-forwards more
         return split_summary(role_counters(self.pod, self.config.split),
-                             m.n_layers - m.n_dense_layers, self.config.split)  # fmt: skip
+                             m.n_layers - m.n_dense_layers + k, self.config.split)  # fmt: skip
 
     def eplb_counters(self) -> dict[int, dict[str, int]]:
         """Per die that hosts experts (a split pod's expert dies, else every die), its EPLB

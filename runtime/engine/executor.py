@@ -167,7 +167,7 @@ class _Loop:
         self.clock = (
             Clock(die, spec.model.kv_layers)
             if self.split is None
-            else split_clock(die, spec.model.n_layers)
+            else split_clock(die, spec.model.kv_layers)
         )
         # Where this die is, for the shell's hang detector (runtime.engine.supervisor): the
         # clock stores (step, layer, phase ended) at every phase, the loop its vote / park.

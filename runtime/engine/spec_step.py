@@ -4,7 +4,8 @@ at the row before, every sampled position is verified with the non-speculative d
 module's sub-forwards run on every die (a dummy step too: their MoE is pod-wide), and the
 result carries each row's emitted tokens (`sampled`: `[id, [tokens]]`), its drafts and accepted
 count (`spec`: `[id, drafts, accepted, agreement]`) and the next drafts (`drafted`, for the
-schedule replay)."""
+schedule replay). On a split pod (`loop.split`) an attention die runs the main forward and the
+MTP sub-forwards through `runtime.model.split` (attention here, experts on the expert dies)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from memory.errors import ProtocolError
 from runtime.engine import wire
 from runtime.model.forward import PHASES, forward, forward_mtp
 from runtime.model.mtp import SpecRow, spec_step
+from runtime.model.split import attention_mtp, attention_step
 
 
 def spec_step_die(loop, s: int, cmd: dict | None, rows: list[dict], dropped: list) -> None:
@@ -29,6 +31,8 @@ def spec_step_die(loop, s: int, cmd: dict | None, rows: list[dict], dropped: lis
         if r.get("transcript") is not None:
             loop.transcripts[rid] = r["transcript"]
         if r["tokens"] is None:
+            if "feed" in r:  # a PD decode's first row: its first token, its prefill's drafts
+                loop.last[rid], loop.drafts[rid] = r["feed"][0], r["feed"][1:]
             if rid not in loop.last:
                 raise ProtocolError(f"die {loop.me}: decode row of request {rid}, which has"
                                     " no sampled token on this die")  # fmt: skip
@@ -56,15 +60,25 @@ def spec_step_die(loop, s: int, cmd: dict | None, rows: list[dict], dropped: lis
 
     def run_main(segs, lrows):
         place(segs[0])
-        out = forward(loop.ep, loop.model, segs[0], loop.spec.protocol, loop.spec.quant,
-                      loop.clock, loop.bal, logit_rows=lrows[0], hidden=True)  # fmt: skip
+        if loop.split is not None:
+            bal = None if loop.spec.eplb is None else loop.bal
+            out = attention_step(loop.die, loop.model, segs[0], loop.split, loop.spec.quant,
+                                 loop.clock, bal=bal, logit_rows=lrows[0],
+                                 hidden=True)  # fmt: skip
+        else:
+            out = forward(loop.ep, loop.model, segs[0], loop.spec.protocol, loop.spec.quant,
+                          loop.clock, loop.bal, logit_rows=lrows[0], hidden=True)  # fmt: skip
         return [out[0]], [out[1]]
 
     def run_mtp(j, segs, hidden):
         t = time.perf_counter_ns()
         place(segs[0])
-        out = forward_mtp(loop.ep, loop.model, segs[0], hidden[0], j, loop.spec.protocol,
-                          loop.spec.quant, loop.clock, loop.bal)  # fmt: skip
+        if loop.split is not None:
+            out = attention_mtp(loop.die, loop.model, segs[0], hidden[0], j, loop.split,
+                                loop.spec.quant, loop.clock)  # fmt: skip
+        else:
+            out = forward_mtp(loop.ep, loop.model, segs[0], hidden[0], j, loop.spec.protocol,
+                              loop.spec.quant, loop.clock, loop.bal)  # fmt: skip
         mtp_ns[0] += time.perf_counter_ns() - t
         return [out[0]], [out[1]]
 

@@ -70,7 +70,11 @@ class ExpertServer:
         else:  # the balancer's bank holds the experts (runtime.model.expert_balancer)
             self.model = DieModel(cfg, build_weights(cfg, []), PagedKV.zeros(cfg.n_layers, 1, 1, 1))
             self.bal = ExpertBalancer(die, self.model, spec.eplb, members=self.split.exp_dies)
-        self.per_step = (cfg.n_layers - cfg.n_dense_layers) * self.split.cycle  # calls a step
+        # MoE event slots a step: the main layers, then MTP's k sub-forwards (every busy step
+        # runs all k on every attention die, so the cycle stays in lockstep)
+        k = spec.spec.k if spec.spec is not None else 0
+        self.slots = cfg.n_layers + k
+        self.per_step = (cfg.n_layers - cfg.n_dense_layers + k) * self.split.cycle  # calls a step
         lo = die.layout
         self.w = die.words[die.die_id]
         self.parked0 = lo.serve_word(L.SV_PARKED)
@@ -81,7 +85,7 @@ class ExpertServer:
             ("a2e", L.SV_A2E_NS), ("e2a", L.SV_E2A_NS), ("idle", L.SV_IDLE_NS),
             ("expert", L.SV_EXPERT_NS), ("calls", L.SV_A2E_CALLS))}  # fmt: skip
         self.bell = Bell(bell_path(spec.run_dir, f"d{die.die_id}"))
-        self.clock = split_clock(die, cfg.n_layers)
+        self.clock = split_clock(die, cfg.kv_layers)
         self.clock.progress = (self.w, lo.serve_word(L.SV_PROGRESS))
         self.stats = {"die": die.die_id, "role": "expert", "calls": 0, "rows": 0, "parks": 0}
         # a kill / stop planned at a step: fired at its first call of that step (or later)
@@ -146,7 +150,7 @@ class ExpertServer:
             if op_policy is not None:  # the rest of the call: the serving op deadline
                 die.policy = op_policy
             try:
-                got = receive_call(die, self.model, sp, quant)
+                got = receive_call(die, self.model, sp, quant, self.slots)
                 if got is None:
                     break
                 res, h, step, layer = got

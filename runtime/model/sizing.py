@@ -12,8 +12,9 @@ from runtime.pod.config import PodConfig
 
 
 def kv_pool_bytes(model: ModelConfig, num_blocks: int, block_size: int) -> int:
-    """Bytes of a die's paged latent KV pool (`runtime.model.forward.build_model`)."""
-    return model.n_layers * max(num_blocks, 1) * block_size * model.kv_cache_dim * 4
+    """Bytes of a die's paged latent KV pool (`runtime.model.forward.build_model`): every
+    main layer's and every MTP module's (`kv_layers`)."""
+    return model.kv_layers * max(num_blocks, 1) * block_size * model.kv_cache_dim * 4
 
 
 def pod_config_for(

@@ -17,6 +17,13 @@ An idle expert die waits inside the comm wait policy (spin, yield, then park). E
 (step, layer, domain, micro-batch) (`split_event`); `END_EVENT` tells the expert dies the run is
 over (one empty a2e per attention die, no e2a).
 
+Multi-token prediction (`runtime.model.mtp`): an attention die runs the MTP module's k
+sub-forwards of a step (`attention_mtp`: its attention and gate here, its experts on the expert
+dies through A2E / E2A, micro-batched like a main MoE layer) after the main layers, every step,
+empty or not; event ids then count `n_layers + k` slots a step (`clock.slots`), slot
+`n_layers + j` being sub-forward j, and the expert dies parse them with the same count (`slots`
+of `receive_call` / `expert_loop`) and run the MTP layer's experts (`ModelConfig.mtp_layer`).
+
 Bit-exactness: the same DieModel phases on the same micro-batches as
 `runtime.model.split_reference.SplitReference`, with A2E / E2A delivering `a2e_ref` / `e2a_ref`
 per (layer, domain, micro-batch), so tokens and logits are equal bit for bit.
@@ -62,17 +69,25 @@ _D = 16  # domains in an event id (Split's MAX_DOMAINS)
 _M = 2  # micro-batches in an event id
 
 
-def split_event(step: int, layer: int, domain: int, microbatch: int, n_layers: int) -> int:
-    """The event id of (step, layer, domain, micro-batch): >= 1, so never END_EVENT."""
-    return ((step * n_layers + layer) * _D + domain) * _M + microbatch + 1
+def split_event(step: int, slot: int, domain: int, microbatch: int, slots: int) -> int:
+    """The event id of (step, slot, domain, micro-batch): >= 1, so never END_EVENT. `slots`
+    MoE slots a step: the model's n_layers (a slot is the layer), or with MTP `n_layers + k`
+    (slot `n_layers + j`: sub-forward j)."""
+    return ((step * slots + slot) * _D + domain) * _M + microbatch + 1
 
 
-def parse_event(ev: int, n_layers: int) -> tuple[int, int, int, int]:
-    """(step, layer, domain, micro-batch) of `split_event`."""
+def parse_event(ev: int, slots: int) -> tuple[int, int, int, int]:
+    """(step, slot, domain, micro-batch) of `split_event`."""
     rest, mb = divmod(ev - 1, _M)
     sl, d = divmod(rest, _D)
-    step, layer = divmod(sl, n_layers)
-    return step, layer, d, mb
+    step, slot = divmod(sl, slots)
+    return step, slot, d, mb
+
+
+def slot_layer(cfg: ModelConfig, slot: int) -> int:
+    """The weights layer of an event slot: the layer itself, or MTP sub-forward j's module
+    (`cfg.mtp_layer(j)`) for slot `n_layers + j`."""
+    return slot if slot < cfg.n_layers else cfg.mtp_layer(slot - cfg.n_layers)
 
 
 def microbatches(segments: list, m: int) -> list[list]:
@@ -95,9 +110,10 @@ def microbatches(segments: list, m: int) -> list[list]:
 
 def build_split_model(die, cfg: ModelConfig, split: Split, n_blocks: int, block_size: int):
     """(DieModel, KV pool or None): an attention die builds no routed expert and a KV pool; an
-    expert die builds its experts (`Placement.default` over the expert dies) and no KV."""
-    if die.die_id in split.att_dies:
-        pool = die.alloc((cfg.n_layers, max(n_blocks, 1), block_size, cfg.kv_cache_dim),
+    expert die builds its experts (`Placement.default` over the expert dies; an MTP module's
+    MoE the same ones) and no KV."""
+    if die.die_id in split.att_dies:  # the MTP modules' latent KV layers too
+        pool = die.alloc((cfg.kv_layers, max(n_blocks, 1), block_size, cfg.kv_cache_dim),
                          np.float32)  # fmt: skip
         return DieModel(cfg, build_weights(cfg, []), PagedKV(pool)), pool
     placement = Placement.default(cfg.num_experts, split.exp_dies)
@@ -106,22 +122,77 @@ def build_split_model(die, cfg: ModelConfig, split: Split, n_blocks: int, block_
 
 
 def attention_step(die, model: DieModel, segments, split: Split, quant, clock: Clock,
-                   counters: dict | None = None, bal=None):  # fmt: skip
+                   counters: dict | None = None, bal=None, logit_rows: np.ndarray | None = None,
+                   hidden: bool = False):  # fmt: skip
     """One step of an attention die: float32 logits [n_segments, vocab] in segment order.
     `clock.step` names the step (event ids); every attention die calls it every step (an empty
     `segments` is a dummy step: its micro-batches are empty a2e calls). `counters`, if given,
     adds "a2e_calls" and "a2e_writes" (metadata words this die wrote in other dies). `bal`: an
     EPLB router (`ExpertBalancer(router=True)`) mapping each micro-batch's logical experts to
-    physical slots, or None."""
+    physical slots, or None. `logit_rows` (row indices in `batch_rows` order of `segments`) /
+    `hidden`: as `runtime.model.forward.forward` (the micro-batches' rows joined, then the
+    final norm and the head): logits at those rows, and with `hidden` `(logits, normed)`."""
     cfg, m = model.cfg, split.microbatches
-    d = split.domain_of(die.die_id)
     t = time.perf_counter_ns()
     mbs = microbatches(list(segments), m)
     rows = [batch_rows(s) for s in mbs]
-    bases = np.concatenate([[0], np.cumsum([len(r[0]) for r in rows])]).tolist()
     hs = [model.embed(r[0]) for r in rows]
     t = clock.span(5, -1, t)
-    for layer in range(cfg.n_layers):
+    hs, t = _layers(die, model, hs, mbs, rows, range(cfg.n_layers), split, quant, clock,
+                    counters, bal, t)  # fmt: skip
+    if logit_rows is None and not hidden:
+        logits = [model.logits(hs[i][last_rows(mbs[i])]) for i in range(m) if mbs[i]]
+        out = np.concatenate(logits) if logits else np.zeros((0, cfg.vocab_size), np.float32)
+        clock.span(5, -1, t)
+        return out
+    h = np.concatenate(hs)  # batch_rows order: the micro-batches are contiguous runs
+    lr = last_rows(segments) if logit_rows is None else logit_rows
+    if not hidden:
+        logits = model.logits(h[lr])
+        clock.span(5, -1, t)
+        return logits
+    normed = model.final_norm(h)
+    logits = model.head(normed[lr])
+    clock.span(5, -1, t)
+    return logits, normed
+
+
+def attention_mtp(die, model: DieModel, segments, hidden: np.ndarray, j: int, split: Split,
+                  quant, clock: Clock, counters: dict | None = None):  # fmt: skip
+    """MTP sub-forward j (0-based) of this step on an attention die, as
+    `runtime.model.forward.forward_mtp`: `segments` `(req, next tokens, start)`, `hidden`
+    float32 `[n, hidden]` the normed rows at those positions. The MTP module
+    (`cfg.mtp_layer(j)`) runs per micro-batch like a main MoE layer, its experts on the expert
+    dies at event slot `n_layers + j` (`clock.slots` = n_layers + k); every attention die calls
+    it every busy step, empty or not. Returns (logits, normed) at each segment's last row:
+    float32 `[n_segments, vocab]` and `[n_segments, hidden]`."""
+    cfg, m = model.cfg, split.microbatches
+    layer = cfg.mtp_layer(j)
+    k = layer - cfg.n_layers
+    t = time.perf_counter_ns()
+    mbs = microbatches(list(segments), m)
+    rows = [batch_rows(s) for s in mbs]
+    at = np.concatenate([[0], np.cumsum([len(r[0]) for r in rows])]).tolist()
+    hs = [model.mtp_in(k, r[0], hidden[at[i] : at[i + 1]]) for i, r in enumerate(rows)]
+    t = clock.span(5, layer, t)
+    hs, t = _layers(die, model, hs, mbs, rows, (layer,), split, quant, clock, counters, None, t,
+                    slot=cfg.n_layers + j)  # fmt: skip
+    normed = model.mtp_norm(k, np.concatenate(hs)[last_rows(segments)])
+    logits = model.head(normed)
+    clock.span(5, layer, t)
+    return logits, normed
+
+
+def _layers(die, model: DieModel, hs: list, mbs: list, rows: list, layers, split: Split, quant,
+            clock: Clock, counters, bal, t: int, slot: int | None = None):  # fmt: skip
+    """`layers` over an attention die's micro-batches `hs` (dense: attention + FFN; MoE: per
+    micro-batch attention, gate, a2e, then per micro-batch e2a and the shared expert); (hs,
+    the time after). An MTP module's layer takes event slot `slot` and is not routed by EPLB."""
+    cfg, m = model.cfg, split.microbatches
+    d = split.domain_of(die.die_id)
+    slots = clock.slots or cfg.n_layers
+    bases = np.concatenate([[0], np.cumsum([len(r[0]) for r in rows])]).tolist()
+    for layer in layers:
         if not model.is_moe(layer):
             for i in range(m):
                 hs[i] = model.attention(layer, hs[i], mbs[i], rows[i])
@@ -134,10 +205,10 @@ def attention_step(die, model: DieModel, segments, split: Split, quant, clock: C
             hs[i] = model.attention(layer, hs[i], mbs[i], rows[i])
             t = clock.span(0, layer, t)
             xn, idx, w = model.gate(layer, hs[i])
-            if bal is not None:
+            if bal is not None and layer < cfg.n_layers:
                 idx = bal.route(layer, idx)
             t = clock.span(1, layer, t)
-            ev = split_event(clock.step, layer, d, i, cfg.n_layers)
+            ev = split_event(clock.step, layer if slot is None else slot, d, i, slots)
             if clock.fault is not None:
                 clock.fault(clock.step, layer, "dispatch")
             _, h = comm.a2e(die, xn, idx, w, split, quant=quant, event_id=ev, microbatch=i,
@@ -154,10 +225,7 @@ def attention_step(die, model: DieModel, segments, split: Split, quant, clock: C
             t = clock.span(4, layer, t)
             hs[i] = model.finish_moe(layer, hs[i], xn, routed)
             t = clock.span(3, layer, t)
-    logits = [model.logits(hs[i][last_rows(mbs[i])]) for i in range(m) if mbs[i]]
-    out = np.concatenate(logits) if logits else np.zeros((0, cfg.vocab_size), np.float32)
-    clock.span(5, -1, t)
-    return out
+    return hs, t
 
 
 def end_experts(die, split: Split, quant=None) -> None:
@@ -195,17 +263,21 @@ class ExpertStats:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-def receive_call(die, model: DieModel, split: Split, quant):
-    """An expert die's next A2E call: (result, handle, step, layer), or None at the end marker.
+def receive_call(die, model: DieModel, split: Split, quant, slots: int = 0):
+    """An expert die's next A2E call: (result, handle, step, layer), or None at the end marker;
+    `layer` is the weights layer (an MTP slot's module, `slot_layer`). `slots`: MoE event slots
+    a step (0: the model's n_layers; with MTP n_layers + k, as the attention dies' clock).
     ProtocolError if its event id names another (domain, micro-batch) than the call's position,
     or a dense layer."""
     res, h = comm.a2e(die, None, None, None, split, quant=quant, event_id=None)
     if h.event_id == END_EVENT:
         return None
-    step, layer, d, mb = parse_event(h.event_id, model.cfg.n_layers)
-    if (d, mb) != (h.domain, h.microbatch) or not model.is_moe(layer):
+    cfg = model.cfg
+    step, slot, d, mb = parse_event(h.event_id, slots or cfg.n_layers)
+    layer = slot_layer(cfg, slot) if slot < cfg.n_layers or cfg.mtp_layers else slot
+    if (d, mb) != (h.domain, h.microbatch) or layer >= cfg.kv_layers or not model.is_moe(layer):
         raise ProtocolError(
-            f"die {die.die_id}: a2e event {h.event_id} names (step {step}, layer {layer},"
+            f"die {die.die_id}: a2e event {h.event_id} names (step {step}, slot {slot},"
             f" domain {d}, micro-batch {mb}), the call is at domain {h.domain} micro-batch"
             f" {h.microbatch}"
         )
@@ -219,9 +291,11 @@ def run_experts(model: DieModel, layer: int, res, quant, local: list[int]) -> np
     return model.experts(layer, x, res.expert_counts, local)
 
 
-def expert_loop(die, model: DieModel, split: Split, quant, clock: Clock) -> ExpertStats:
+def expert_loop(die, model: DieModel, split: Split, quant, clock: Clock,
+                slots: int = 0) -> ExpertStats:  # fmt: skip
     """An expert die's persistent loop: a2e -> experts -> e2a, learning (step, layer, domain,
-    micro-batch) from each call's event id, until the attention dies' end marker."""
+    micro-batch) from each call's event id (`slots` a step: `receive_call`), until the
+    attention dies' end marker."""
     cfg = model.cfg
     placement = Placement.default(cfg.num_experts, split.exp_dies)
     local = placement.experts_on(die.die_id).tolist()
@@ -233,7 +307,7 @@ def expert_loop(die, model: DieModel, split: Split, quant, clock: Clock) -> Expe
     while True:
         t0, w0 = time.perf_counter_ns(), ctx.waited_ns
         clock.mark(-1, 2, 1)
-        got = receive_call(die, model, split, quant)
+        got = receive_call(die, model, split, quant, slots)
         if got is None:
             break
         res, h, step, layer = got
@@ -263,6 +337,7 @@ def expert_loop(die, model: DieModel, split: Split, quant, clock: Clock) -> Expe
 __all__ = [
     "END_EVENT",
     "ExpertStats",
+    "attention_mtp",
     "attention_step",
     "build_split_model",
     "end_experts",
@@ -271,6 +346,7 @@ __all__ = [
     "parse_event",
     "receive_call",
     "run_experts",
+    "slot_layer",
     "split_clock",
     "split_event",
 ]

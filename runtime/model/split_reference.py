@@ -12,7 +12,9 @@ the split pod groups its work:
 
 A split pod calling the same phases on the same micro-batches, with A2E / E2A delivering
 `a2e_ref` / `e2a_ref`, reproduces these logits bit for bit. `generate` is `ReferencePod`'s, the
-"dies" being the attention dies in `split.att_dies` order.
+"dies" being the attention dies in `split.att_dies` order; so are `step(logit_rows, hidden)`,
+`mtp` (an MTP sub-forward, micro-batched as `runtime.model.split.attention_mtp` runs it) and
+`rewind`, on which `runtime.model.mtp.spec_step` runs a split pod's speculative schedule.
 """
 
 from __future__ import annotations
@@ -89,25 +91,71 @@ class SplitReference(ReferencePod):
             built = {x: sorted({int(e) for _, m in self.maps
                                 for e in m.phy2log[:, q * s : (q + 1) * s].ravel()})
                      for q, x in enumerate(split.exp_dies)}  # fmt: skip
-        self.experts = {x: DieModel(cfg, build_weights(cfg, built[x]), DictKV(cfg.kv_cache_dim))
+        # an MTP module's MoE keeps the default placement (EPLB balances the main layers)
+        self.mtp_placement = Placement.default(cfg.num_experts, split.exp_dies)
+        self.experts = {x: DieModel(cfg, build_weights(cfg, built[x],
+                                                       self.mtp_placement.experts_on(x).tolist()),
+                                    DictKV(cfg.kv_cache_dim))
                         for x in split.exp_dies}  # fmt: skip
         self.step_no = 0
 
     def step(
-        self, batches: Sequence[Sequence[Segment]], step: int | None = None
-    ) -> list[np.ndarray]:
+        self, batches: Sequence[Sequence[Segment]], step: int | None = None,
+        logit_rows: Sequence[np.ndarray] | None = None, hidden: bool = False,
+    ):  # fmt: skip
         """One forward: `batches[i]` is attention die `split.att_dies[i]`'s segments; returns
-        its float32 logits [n_segments, vocab] at each segment's last row."""
+        its float32 logits [n_segments, vocab] at each segment's last row. `logit_rows` /
+        `hidden` as `ReferencePod.step` (the micro-batches' rows joined before the final norm,
+        as `runtime.model.split.attention_step` does then)."""
         sp, cfg = self.split, self.cfg
         if len(batches) != len(sp.att_dies):
             raise ValueError(f"batches: expected {len(sp.att_dies)}, got {len(batches)}")
         self.step_no = self.step_no + 1 if step is None else int(step)
         m = sp.microbatches
-        pos = {a: i for i, a in enumerate(sp.att_dies)}
         mbs = [microbatches(list(b), m) for b in batches]
         rows = [[batch_rows(s) for s in mb] for mb in mbs]
         hs = [[die.embed(r[0]) for r in rs] for die, rs in zip(self.dies, rows, strict=True)]
-        for layer in range(cfg.n_layers):
+        hs = self._layers(range(cfg.n_layers), hs, mbs, rows)
+        if logit_rows is None and not hidden:
+            out = []
+            for i, die in enumerate(self.dies):
+                lg = [die.logits(hs[i][j][last_rows(mbs[i][j])]) for j in range(m) if mbs[i][j]]
+                out.append(np.concatenate(lg) if lg else np.zeros((0, cfg.vocab_size),
+                                                                  np.float32))  # fmt: skip
+            return out
+        hs = [np.concatenate(h) for h in hs]
+        lrows = [last_rows(b) for b in batches] if logit_rows is None else list(logit_rows)
+        if not hidden:
+            return [die.logits(h[r]) for die, h, r in zip(self.dies, hs, lrows, strict=True)]
+        normed = [die.final_norm(h) for die, h in zip(self.dies, hs, strict=True)]
+        logits = [die.head(x[r]) for die, x, r in zip(self.dies, normed, lrows, strict=True)]
+        return logits, normed
+
+    def mtp(self, j: int, batches: Sequence[Sequence[Segment]],
+            hidden: Sequence[np.ndarray]) -> tuple[list, list]:  # fmt: skip
+        """MTP sub-forward j of every attention die (`runtime.model.split.attention_mtp`):
+        segments of `(req, next tokens, start)`, `hidden` the normed rows at those positions;
+        (logits, normed) at each segment's last row, per attention die."""
+        cfg, m = self.cfg, self.split.microbatches
+        layer = cfg.mtp_layer(j)
+        k = layer - cfg.n_layers
+        mbs = [microbatches(list(b), m) for b in batches]
+        rows = [[batch_rows(s) for s in mb] for mb in mbs]
+        hs = []
+        for die, rs, x in zip(self.dies, rows, hidden, strict=True):
+            at = np.concatenate([[0], np.cumsum([len(r[0]) for r in rs])]).tolist()
+            hs.append([die.mtp_in(k, r[0], x[at[i] : at[i + 1]]) for i, r in enumerate(rs)])
+        hs = self._layers((layer,), hs, mbs, rows)
+        normed = [die.mtp_norm(k, np.concatenate(h)[last_rows(b)])
+                  for die, h, b in zip(self.dies, hs, batches, strict=True)]  # fmt: skip
+        return [die.head(x) for die, x in zip(self.dies, normed, strict=True)], normed
+
+    def _layers(self, layers, hs: list, mbs: list, rows: list) -> list:
+        """`layers` over every attention die's micro-batches `hs[i][j]` (the split pod's
+        grouping: module docstring)."""
+        sp, cfg, m = self.split, self.cfg, self.split.microbatches
+        pos = {a: i for i, a in enumerate(sp.att_dies)}
+        for layer in layers:
             for i, die in enumerate(self.dies):
                 for j in range(m):
                     hs[i][j] = die.attention(layer, hs[i][j], mbs[i][j], rows[i][j])
@@ -116,40 +164,39 @@ class SplitReference(ReferencePod):
             if not cfg.is_moe(layer):
                 continue
             gates = [[die.gate(layer, h) for h in hs[i]] for i, die in enumerate(self.dies)]
+            main = layer < cfg.n_layers  # an MTP module: the default placement, no EPLB map
             m_now = [mp for start, mp in self.maps if start <= self.step_no][-1] if (
-                self.maps) else None  # fmt: skip
+                self.maps and main) else None  # fmt: skip
             if m_now is not None:  # EPLB: each micro-batch's logical experts -> physical slots
                 j0 = layer - cfg.n_dense_layers
                 gates = [[(xn, self._route(m_now, j0, idx, a), w) for xn, idx, w in g]
                          for a, g in zip(sp.att_dies, gates, strict=True)]  # fmt: skip
+            place = self.placement if main else self.mtp_placement
             for dom in sp.domains:
                 for j in range(m):
                     at = [pos[a] for a in dom]
                     xns = [gates[i][j][0] for i in at]
                     idxs = [gates[i][j][1] for i in at]
                     ws = [gates[i][j][2] for i in at]
-                    outs = a2e_ref(xns, idxs, self.placement, list(dom), self.quant)
+                    outs = a2e_ref(xns, idxs, place, list(dom), self.quant)
                     eouts = {
                         x: self.experts[x].experts(layer, dequantize_dispatch(o).x,
-                                                   o.expert_counts, self._ids(x, layer, m_now))
+                                                   o.expert_counts,
+                                                   self._ids(x, layer, m_now, place))
                         for x, o in outs.items()
                     }  # fmt: skip
                     routed = e2a_ref(eouts, outs, idxs, ws, list(dom), self.combine_dtype)
                     for k, i in enumerate(at):
                         hs[i][j] = self.dies[i].finish_moe(layer, hs[i][j], xns[k], routed[k])
-        out = []
-        for i, die in enumerate(self.dies):
-            lg = [die.logits(hs[i][j][last_rows(mbs[i][j])]) for j in range(m) if mbs[i][j]]
-            out.append(np.concatenate(lg) if lg else np.zeros((0, cfg.vocab_size), np.float32))
-        return out
+        return hs
 
     def _route(self, m, j: int, idx: np.ndarray, die: int) -> np.ndarray:
         return replica_for(m, j, idx, row_positions(idx.shape[0], die, self.step_no))
 
-    def _ids(self, x: int, layer: int, m) -> list[int]:
+    def _ids(self, x: int, layer: int, m, place: Placement) -> list[int]:
         """The logical expert of each local slot of expert die x (the map in force)."""
         if m is None:
-            return self.placement.experts_on(x).tolist()
+            return place.experts_on(x).tolist()
         s = m.slots_per_die
         q = self.split.exp_dies.index(x)
         return m.phy2log[layer - self.cfg.n_dense_layers, q * s : (q + 1) * s].tolist()
