@@ -13,7 +13,8 @@ allocated for it, with no staging copy (zero-copy, a scatter list):
                                    <-- started ---  started = k + 1
                                    <-- KV bytes --  every segment straight into the decode
                                                     die's pool (crc32 of the source as it goes)
-                                   <-- record ----  request, first token, bytes, crc, ns, status
+                                   <-- record ----  request, first token, bytes, crc, ns, status,
+                                                    the MTP drafts (-1: none)
                                    <-- done -----   done = k + 1 LAST
    poll its own region's done, read the record,
    check the crc of what landed, ack = k + 1 ----->  (the record slot is free again)
@@ -73,7 +74,9 @@ def record_word(lo: L.RegionLayout, peer: int, k: int, field: int) -> int:
     return peer_word(lo, peer, L.PD_REC + (k % L.PD_SLOTS) * L.PD_REC_WORDS + field)
 
 
-REC_REQ, REC_FIRST, REC_BYTES, REC_CRC, REC_NS, REC_STATUS, REC_CRC_NS = range(L.PD_REC_WORDS)
+REC_REQ, REC_FIRST, REC_BYTES, REC_CRC, REC_NS, REC_STATUS, REC_CRC_NS = range(7)
+REC_DRAFT = 7  # then L.PD_REC_WORDS - 7 words: the MTP drafts made with the first token, -1: none
+MAX_DRAFTS = L.PD_REC_WORDS - REC_DRAFT
 
 
 @dataclass(frozen=True)
@@ -171,12 +174,15 @@ class KVLinkTx:
         self.bytes_sent = [0] * ep.num_dies
         self.ns_sent = [0] * ep.num_dies
 
-    def push(self, dst: int, spans: np.ndarray, req: int, first: int,
-             status: int = OK, hook=None) -> tuple[int, int, int]:  # fmt: skip
+    def push(self, dst: int, spans: np.ndarray, req: int, first: int, status: int = OK,
+             hook=None, drafts=()) -> tuple[int, int, int]:  # fmt: skip
         """Copy `spans` (`segments`) into die `dst`'s region, then the record and the count.
         Returns (bytes, ns, crc32 of the source). Waits for a free record slot first. `hook`:
-        called once the transfer is marked started (fault injection)."""
+        called once the transfer is marked started (fault injection). `drafts`: the MTP
+        drafts the prefill die made after the first token (at most MAX_DRAFTS)."""
         self.ep.check_peer(dst, "KV link decode die")
+        if len(drafts) > MAX_DRAFTS:
+            raise ProtocolError(f"KV record of request {req}: {len(drafts)} drafts > {MAX_DRAFTS}")
         k = self.sent[dst]
         own = self.ep.words[self.me]
         tr = self.ep.trace if self.ep.trace.enabled else None
@@ -221,6 +227,8 @@ class KVLinkTx:
         for field, v in ((REC_FIRST, first), (REC_BYTES, nbytes), (REC_CRC, crc),
                          (REC_STATUS, status), (REC_CRC_NS, t2 - t1)):  # fmt: skip
             w[record_word(self.lo, self.me, k, field)] = v
+        for j, t in enumerate([*drafts, *[-1] * (MAX_DRAFTS - len(drafts))]):
+            w[record_word(self.lo, self.me, k, REC_DRAFT + j)] = int(t)
         ns = t1 - t0 + time.perf_counter_ns() - t2  # the copy and the record's words
         w[record_word(self.lo, self.me, k, REC_NS)] = ns
         done = peer_word(self.lo, self.me, L.PD_DONE)
@@ -264,6 +272,7 @@ class Record:
     ns: int
     status: int
     crc_ns: int
+    drafts: tuple[int, ...] = ()  # the MTP drafts made with the first token
 
 
 class KVLinkRx:
@@ -285,7 +294,7 @@ class KVLinkRx:
         out = []
         for k in range(self.taken[src], done):
             f = [self.own[record_word(self.lo, src, k, i)] for i in range(L.PD_REC_WORDS)]
-            out.append(Record(src, k, *f))
+            out.append(Record(src, k, *f[:REC_DRAFT], tuple(t for t in f[REC_DRAFT:] if t >= 0)))
         return out
 
     def ack(self, src: int, k: int) -> None:
@@ -318,5 +327,6 @@ class KVLinkRx:
 
 
 __all__ = [
-    "KVGeometry", "KVLinkRx", "KVLinkTx", "Record", "checksum", "scatter_spans", "segments",
+    "MAX_DRAFTS", "KVGeometry", "KVLinkRx", "KVLinkTx", "Record", "checksum", "scatter_spans",
+    "segments",
 ]  # fmt: skip

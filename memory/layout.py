@@ -88,8 +88,9 @@ Serving fields (only in a pod launched with `serve_slot_bytes`), after the all-t
    kv_pool                           writer: this die   where its paged KV pool starts (bytes)
    pd[32][PD_PEER_WORDS]             a PD pod's KV links, per peer die p (comm/kvlink.py): in a
                                      decode die, written by prefill die p: started, done,
-                                     echo, records[PD_SLOTS]; in a prefill die, written by
-                                     decode die p: ack, probe
+                                     echo, records[PD_SLOTS] (request, first token, bytes,
+                                     crc, ns, status, crc ns, MTP drafts[2] or -1); in a
+                                     prefill die, written by decode die p: ack, probe
    votes[256][3]                     writer: die p      (word 3p) p's lockstep vote, in every
                                      (words 3p..3p+2)   voter's region: rows[s % 2] first, then
                                                         s LAST (each die reads votes at home)
@@ -150,11 +151,11 @@ from memory.errors import ConfigError
 from memory.progress import PROGRESS_STATES, progress_word, unpack_progress  # noqa: F401
 
 MAGIC = 0x314D4248444F5058  # b"XPODHBM1" little-endian
-LAYOUT_VERSION = 8  # 2: fused_refuse, fused_cevent; 3: serve heartbeat, phase times; 4: eplb;
+LAYOUT_VERSION = 9  # 2: fused_refuse, fused_cevent; 3: serve heartbeat, phase times; 4: eplb;
 # 5: split pods (A2E done flag in the attention die's a2e_flag, serve words a2e_ns .. parked);
 # 6: PD pods' KV link words (serve pd); 7: a barrier word per source die and the serving votes
 # of every die in every voter's region (multi-host: a die polls only its own region); 8: the
-# serve word mtp_ns (speculative decoding)
+# serve word mtp_ns (speculative decoding); 9: a KV record carries the MTP drafts (PD_REC_WORDS 9)
 PAGE = 4096
 HEADER_BYTES = PAGE
 FIELD_BYTES = 32
@@ -197,7 +198,7 @@ SV_PARKED = SV_A2E_CALLS + 1
 MAX_PARKED = 64  # attention dies of a split serving pod
 SV_KV_POOL = SV_PARKED + MAX_PARKED  # byte offset of this die's paged KV pool in its region
 SV_MTP_NS = SV_KV_POOL + 1  # cumulative ns of this die's MTP sub-forwards (speculative decoding)
-SV_PD, MAX_PD_DIES, PD_SLOTS, PD_REC_WORDS = SV_MTP_NS + 1, 32, 4, 7  # KV links
+SV_PD, MAX_PD_DIES, PD_SLOTS, PD_REC_WORDS = SV_MTP_NS + 1, 32, 4, 9  # KV links
 PD_STARTED, PD_DONE, PD_ECHO, PD_ACK, PD_PROBE, PD_REC = range(6)  # words of a peer block
 PD_PEER_WORDS = PD_REC + PD_SLOTS * PD_REC_WORDS
 # the serving vote of every die in every voter's region (rule R1: a die reads votes in its own

@@ -28,7 +28,9 @@ there and overwrites them; the table also covers the MTP module's chained draft 
 (`want - 1` positions past the row). A non-final prefill chunk carries the prompt token after
 it (the MTP row of its last position needs it). With MTP, a prefix hit drops its last matched
 block: that block's last MTP row was computed with the token after it, which another request
-may not share (vLLM's EAGLE rule); the prefill recomputes it.
+may not share (vLLM's EAGLE rule); the prefill recomputes it. A PD decode die's request
+(`add_prefilled`) with drafts from its prefill die starts with a verify row, a decode row
+whose `feed` is its first token and those drafts (capped as a decode row's).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class Row:
     drafts: int = 0  # MTP: drafts the die feeds after the last token (decode rows)
     want: int = 0  # MTP: drafts the die makes for the next row (0: none)
     next_token: int = -1  # MTP: a non-final prefill chunk's next prompt token
+    feed: list[int] | None = None  # MTP: a PD decode's first row: [first] + drafts to feed
 
 
 @dataclass(slots=True)
@@ -140,6 +143,7 @@ class Scheduler:
         # PD prefill (runtime.engine.pd): requests whose blocks outlive them, under a lease
         # key, when they finish normally (their KV goes to a decode die); request -> key
         self.lease: dict[int, object] = {}
+        self._seeded: dict[int, list[int]] = {}  # PD decode + MTP: drafts of its first row
 
     def add(self, req: Request) -> None:
         """Validate and enqueue (WAITING). ValueError / TypeError name the bad field."""
@@ -162,11 +166,13 @@ class Scheduler:
         self._live[rid] = req
         self.waiting.append(req)
 
-    def add_prefilled(self, req: Request, num_computed: int) -> None:
+    def add_prefilled(self, req: Request, num_computed: int, drafts=()) -> None:
         """Add a request whose positions [0, num_computed) already have their KV in the blocks
         of its table (made by the caller with `kv.alloc_blocks`): a PD decode die's request,
         written there by its prefill die. It runs at once (RUNNING, no admission: the caller
-        counted it against max_num_seqs); its next row starts at num_computed."""
+        counted it against max_num_seqs); its next row starts at num_computed. `drafts` (MTP,
+        made by the prefill die after the prompt's last token, `req.prompt[num_computed]`):
+        that row is a verify row feeding them after it."""
         self.kv.block_table(req.request_id)  # ValueError without a table
         self.add(req)
         if not 0 < num_computed < len(req.prompt):
@@ -179,6 +185,8 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         req.num_computed = req.num_scheduled = num_computed
         self._target[req.request_id] = len(req.prompt)
+        if drafts and self.config.spec_tokens and num_computed == len(req.prompt) - 1:
+            self._seeded[req.request_id] = [int(t) for t in drafts]
 
     def abort(self, request_id: int) -> Request | None:
         """Finish with ABORT; None for an unknown or finished id. Blocks freed after its last
@@ -302,6 +310,8 @@ class Scheduler:
                 if self._grow(req, start + max(1 + drafts, drafts + want), step):
                     self._add_row(step, req, None, 1 + drafts, sample=True, drafts=drafts,
                                   want=want)  # fmt: skip
+            elif not decode and req.request_id in self._seeded:
+                self._verify_first(step, req)
             elif not decode and start < target:
                 n = self._chunk(target - start, step.budget)
                 final = start + n == target
@@ -310,6 +320,20 @@ class Scheduler:
                     toks = req.all_tokens[start : start + n]
                     nxt = req.all_tokens[start + n] if k and not final else -1
                     self._add_row(step, req, toks, n, sample=final, want=want, next_token=nxt)
+
+    def _verify_first(self, step: _Step, req: Request) -> None:
+        """A PD request's first row on its decode die (`add_prefilled` with drafts): its last
+        prompt token and the prefill die's drafts, k_r capped as a decode row's."""
+        start, seeded, k = req.num_scheduled, self._seeded[req.request_id], self.config.spec_tokens
+        left = req.params.max_tokens - len(req.output) - req.pending_samples
+        drafts = max(0, min(len(seeded), k, left - 1, step.budget - 1,
+                            self.config.max_seq_len - start - 1 - k))  # fmt: skip
+        want = self._want(start + drafts)
+        if self._grow(req, start + max(1 + drafts, drafts + want), step):
+            del self._seeded[req.request_id]
+            feed = [req.all_tokens[start], *seeded[:drafts]]  # the die has no last token yet
+            self._add_row(step, req, None, 1 + drafts, sample=True, drafts=drafts, want=want,
+                          feed=feed)  # fmt: skip
 
     def _want(self, last: int) -> int:
         """MTP drafts a row whose last verified position is `last` can make: the chain's rows
@@ -368,8 +392,8 @@ class Scheduler:
                 return False
 
     def _add_row(self, step: _Step, req: Request, tokens: list[int] | None, n: int,
-                 sample: bool, drafts: int = 0, want: int = 0,
-                 next_token: int = -1) -> None:  # fmt: skip
+                 sample: bool, drafts: int = 0, want: int = 0, next_token: int = -1,
+                 feed: list[int] | None = None) -> None:  # fmt: skip
         assert n >= 1 and n <= step.budget and req.request_id not in step.planned
         index = req.index_base + len(req.output) + req.pending_samples if sample else -1
         assert index - req.index_base < req.params.max_tokens, (
@@ -378,7 +402,7 @@ class Scheduler:
         row = Row(req.request_id, req.epoch, req.num_scheduled, tokens, n,
                   self.kv.block_table(req.request_id), sample, index,
                   req.params.temperature, req.params.seed or 0, drafts, want,
-                  next_token)  # fmt: skip
+                  next_token, feed)  # fmt: skip
         req.num_scheduled += n
         req.pending_samples += sample
         req.last_plan = step.plan_id
@@ -413,6 +437,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         """Recompute later: drop KV (deferred), keep output, back to the front of waiting."""
+        self._seeded.pop(req.request_id, None)
         self.running.remove(req)
         del self._target[req.request_id]
         req.status = RequestStatus.WAITING
@@ -427,6 +452,7 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         assert not req.is_finished, f"request {req.request_id} finished twice"
+        self._seeded.pop(req.request_id, None)
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
             del self._target[req.request_id]

@@ -222,9 +222,6 @@ class EngineConfig:
         if spec.k == 0:
             object.__setattr__(self, "speculative", None)
             return
-        if self.prefill_dies or self.decode_dies:
-            raise ConfigError("speculative: MTP serves on colocated and split pods (PD pods:"
-                              " not yet)")  # fmt: skip
         if self.eplb is not None:
             raise ConfigError("speculative: MTP runs without EPLB (its layer keeps the default"
                               " placement; not built together)")  # fmt: skip

@@ -264,7 +264,7 @@ class Master:
         that is not streamed go with it, in this flush's deltas."""
         rid = req.request_id
         if isinstance(self.pd, PrefillSide) and self.pd.finished(req):
-            for d in (self.held, self.deltas, self.first, self.sched_at):
+            for d in (self.held, self.deltas, self.first, self.sched_at, self.transcripts):
                 d.pop(rid, None)
             return
         reason = req.finish_reason.value if req.finish_reason else "abort"
@@ -311,6 +311,8 @@ class Master:
                 self.mask(block)  # this result are then of an old epoch, and dropped
             if "spec" in body:
                 self.spec_counts(body)
+                if isinstance(self.pd, PrefillSide):  # MTP: the drafts go with the first token
+                    self.pd.on_drafted(body["drafted"])
             out = self.sched.on_result(plan_id, {i: t for i, t in body["sampled"]})
             now = time.monotonic()
             for rid, toks in out.new_tokens.items():
@@ -390,7 +392,9 @@ class Master:
             if self.spec.spec_tokens:  # MTP: drafts to feed and to make, a chunk's next token
                 for row, r in zip(rows, plan.rows, strict=True):
                     row.update(k=r.drafts, want=r.want, next=r.next_token)
-                    if r.tokens is not None and r.request_id in self.transcripts:
+                    if r.feed is not None:  # a PD decode's first row: [first] + drafts
+                        row["feed"] = r.feed
+                    if (r.tokens or r.feed) and r.request_id in self.transcripts:
                         row["transcript"] = self.transcripts[r.request_id]
             self.publish({"plan": plan.plan_id, "rows": rows, "released": plan.released}, rows)
             self.counters["rows"] += plan.num_tokens

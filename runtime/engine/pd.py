@@ -9,9 +9,11 @@ blocks its decode die allocated (`comm.kvlink`).
    ├─ decode master d: Bootstrapping (no room: the RECV is deferred = backpressure)
    │     -> allocate the blocks -> kv_dst (the scatter list) to prefill master p
    │     -> WaitingForInput -> Transferring (started word) -> record: crc check -> Success:
-   │     the request joins d's batch at position len(prompt), fed its first token
+   │     the request joins d's batch at position len(prompt), fed its first token (MTP:
+   │     a verify row, its first token and the drafts of the record)
    ├─ prefill master p: prefill (max_tokens 1), blocks kept under a lease at the finish;
-   │     first token + kv_dst known -> `xfer` order to its die's KV thread; kv_done frees
+   │     first token (MTP: and drafts) + kv_dst known -> `xfer` order to its die's KV
+   │     thread; kv_done frees
    └─ prefill die p's KV thread (`KVThread`, off the step loop): copies the segments
          straight into decode die d's pool, the record, done LAST; echoes probes
 ```
@@ -94,16 +96,18 @@ def kv_source_rank(prefill_tp: int, decode_tp: int, decode_dp: int, decode_dp_ra
 
 
 def geometry(region, pool: np.ndarray) -> KVGeometry:
-    """The KV geometry of a die's pool (float32 [layers, blocks, block_size, row])."""
+    """The KV geometry of a die's pool (float32 [layers, blocks, block_size, row]; with MTP
+    the MTP module's latent layer is its last layer and travels with the others)."""
     n_layers, n_blocks, bs, row = pool.shape
     return KVGeometry(region.offset_of(pool), n_layers, n_blocks, bs, row)
 
 
 class KVThread:
     """A prefill die's KV transfers, off its step loop: orders from its master (`xfer`: a
-    request's source blocks, the decode die's scatter list, the first token) over a zmq PULL
-    socket; each is copied straight into the decode die's pool (`comm.kvlink.KVLinkTx`), then
-    the decode master's bell rings. Probes from decode masters are echoed at every wake-up."""
+    request's source blocks, the decode die's scatter list, the first token and its MTP
+    drafts) over a zmq PULL socket; each is copied straight into the decode die's pool
+    (`comm.kvlink.KVLinkTx`), then the decode master's bell rings. Probes from decode masters
+    are echoed at every wake-up."""
 
     def __init__(self, die, pool: np.ndarray, topo: PDTopology, run_dir: str, timeout_s: float,
                  fault=None, verify: bool = True):  # fmt: skip
@@ -175,7 +179,8 @@ class KVThread:
             def hook() -> None:
                 fault(n, -1, "kv")
 
-        nbytes, ns, _ = self.tx.push(dst, spans, body["id"], body.get("first", 0), status, hook)
+        nbytes, ns, _ = self.tx.push(dst, spans, body["id"], body.get("first", 0), status, hook,
+                                     body.get("drafts", ()))  # fmt: skip
         self.counters["transfers"] += status == OK
         self.counters["failed_at_source"] += status != OK
         self.counters["bytes"] += nbytes

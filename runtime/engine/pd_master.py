@@ -47,6 +47,7 @@ class PrefillSide:
         self.peer: dict[int, int] = {}  # request -> its decode die
         self.dst: dict[int, dict] = {}  # request -> its kv_dst (scatter list)
         self.ready: dict[int, dict] = {}  # request -> first token, source blocks, tokens
+        self.drafted: dict[int, list[int]] = {}  # MTP: request -> drafts made with its first
         self.leased: dict[int, float] = {}  # request -> when its lease began
         self.gone: set[int] = set()  # finished without KV to send (abort, error)
         # for the shell: [id, "prefilled", t_sched, t_done], [id, "ordered", t] (the KV order
@@ -75,7 +76,8 @@ class PrefillSide:
         now = time.monotonic()
         if req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and req.output:
             self.ready[rid] = {"first": req.output[0], "n_tokens": len(req.prompt),
-                               "src_blocks": self.m.kv.block_table(key)}  # fmt: skip
+                               "src_blocks": self.m.kv.block_table(key),
+                               "drafts": self.drafted.pop(rid, [])}  # fmt: skip
             self.leased[rid] = now
             self.counters["pd_prefilled"] += 1
             self.events.append([rid, "prefilled", self.m.sched_at.get(rid, now), now])
@@ -83,9 +85,17 @@ class PrefillSide:
         else:
             self.gone.add(rid)
             self.peer.pop(rid, None)
+            self.drafted.pop(rid, None)
             if rid in self.dst:
                 self._send_failed(self.dst.pop(rid))
         return True
+
+    def on_drafted(self, drafted: list) -> None:
+        """A speculative result's drafts (`[id, drafts]`): those of a PD request's final
+        prefill row go to its decode die with its first token (the record's draft words)."""
+        for rid, drafts in drafted:
+            if rid in self.peer:
+                self.drafted[rid] = list(drafts)
 
     def on_dst(self, body: dict) -> None:
         """A decode die's scatter list. It may come before the shell's `add` (two senders):
@@ -149,7 +159,8 @@ class PrefillSide:
         self.events.append([rid, "ordered", time.monotonic()])
         self.kv_out.send(wire.pack("xfer", {
             "id": rid, "dst": d["die"], "dst_offs": d["offs"], "n_tokens": r["n_tokens"],
-            "src_blocks": r["src_blocks"], "first": r["first"], "ok": True}))  # fmt: skip
+            "src_blocks": r["src_blocks"], "first": r["first"], "drafts": r["drafts"],
+            "ok": True}))  # fmt: skip
         self.counters["pd_orders"] += 1
 
     def _send_failed(self, d: dict) -> None:
@@ -335,11 +346,12 @@ class DecodeSide:
         self.to_master[p].send(wire.pack("kv_done", {"id": r.rid}))
         self.counters["pd_success"] += 1
         self.events.append([r.rid, "landed", now, rec.nbytes, rec.ns])
-        self._start(r, rec.first)
+        self._start(r, rec.first, list(rec.drafts))
 
-    def _start(self, r: _PDReq, first: int) -> None:
+    def _start(self, r: _PDReq, first: int, drafts: list[int]) -> None:
         """Success: the request joins the batch at position len(prompt), fed its first token
-        (the row that samples output index base + 1); the first token goes out with the next."""
+        (the row that samples output index base + 1); the first token goes out with the next.
+        MTP: that row is a verify row, `[first] + drafts` (the prefill die's drafts)."""
         m, rid, p = self.m, r.rid, r.params
         m.sent_n[rid] = r.base
         if r.stream:
@@ -358,7 +370,7 @@ class DecodeSide:
                                 p.ignore_eos)  # fmt: skip
         req = Request(rid, r.prompt + [first], params, m.spec.eos_token_id, time.monotonic(),
                       index_base=r.base + 1)  # fmt: skip
-        m.sched.add_prefilled(req, len(r.prompt))
+        m.sched.add_prefilled(req, len(r.prompt), drafts if m.spec.spec_tokens else ())
         self.first[rid] = first
         m.counters["tokens"] += 1
 

@@ -127,7 +127,7 @@ def pd_master_spec(cfg: EngineConfig, g: int) -> dict | None:
         return None
     m = cfg.model_config()
     return {"role": topo.role(g), "prefill": list(topo.prefill), "decode": list(topo.decode),
-            "n_layers": m.n_layers, "row_floats": m.kv_cache_dim, "lease_s": cfg.kv_lease_s,
+            "n_layers": m.kv_layers, "row_floats": m.kv_cache_dim, "lease_s": cfg.kv_lease_s,
             "timeout_s": cfg.kv_timeout_s, "checksum": cfg.kv_checksum}  # fmt: skip
 
 

@@ -92,13 +92,15 @@ def replay_pd(
     block_size: int,
     logs: dict[int, list[dict]],
     combine_dtype: str = "bfloat16",
+    spec=None,
 ) -> ReplayReport:
     """A PD pod's replay: the prefill part (its dies' logged steps, a P-die reference), then
     the decode part (a D-die reference). The KV a request's prefill left in its blocks, right
     after the step that sampled its first token, is what its decode die must have received:
     the replay writes it into the decode die's blocks (the table of the request's first row
     there) before the step of that row, so a transfer that moved anything else shows as a
-    logit or token mismatch."""
+    logit or token mismatch. spec: MTP (as `replay`'s); the KV moved includes the MTP
+    module's layer, and the drafts of each prefill die and decode die are compared."""
     p_dies, d_dies = list(topo.prefill), list(topo.decode)
     report = ReplayReport()
     snaps: dict[int, np.ndarray] = {}
@@ -127,10 +129,10 @@ def replay_pd(
     d_blocks = decode_blocks or num_blocks
     parts = ((p_dies, num_blocks, None, snapshot), (d_dies, d_blocks, land, None))
     for dies, blocks, before, after in parts:
-        kv = [PagedKV.zeros(cfg.n_layers, blocks, block_size, cfg.kv_cache_dim) for _ in dies]
+        kv = [PagedKV.zeros(cfg.kv_layers, blocks, block_size, cfg.kv_cache_dim) for _ in dies]
         pod = ReferencePod(cfg, len(dies), quant, kv, combine_dtype)
         part = {dies.index(g): recs for g, recs in logs.items() if g in dies}
-        _replay_steps(pod, kv, part, report, before, after, offset=dies[0])
+        _replay_steps(pod, kv, part, report, before, after, offset=dies[0], spec=spec)
     return report
 
 
@@ -143,7 +145,7 @@ def _replay_steps(pod, kv: list[PagedKV], logs: dict[int, list[dict]], report: R
     limit_blas_threads(1)
     try:
         if spec is not None:
-            _run_spec_steps(pod, kv, logs, report, spec)
+            _run_spec_steps(pod, kv, logs, report, spec, before, after, offset)
         else:
             _run_steps(pod, kv, logs, report, before, after, offset)
     finally:
@@ -178,7 +180,8 @@ def _run_steps(pod, kv, logs, report, before, after, offset) -> None:
             after(kv, recs)
 
 
-def _run_spec_steps(pod, kv, logs, report: ReplayReport, spec) -> None:
+def _run_spec_steps(pod, kv, logs, report: ReplayReport, spec, before=None, after=None,
+                    offset: int = 0) -> None:  # fmt: skip
     """MTP steps: every die's logged rows as `SpecRow`s (fed tokens with their drafts, drafts
     wanted, a chunk's next token, transcripts), `spec_step` over the reference with the paged
     stores placed by the logged tables, and each row's tokens, verify logits and drafts
@@ -195,6 +198,8 @@ def _run_spec_steps(pod, kv, logs, report: ReplayReport, spec) -> None:
         recs = by_step[step]
         if not any(rec["rows"] for rec in recs.values()):
             continue
+        if before is not None:
+            before(kv, recs)
         rows, tables = [], []
         for d in range(len(kv)):
             die_rows, tab = [], {}
@@ -225,7 +230,9 @@ def _run_spec_steps(pod, kv, logs, report: ReplayReport, spec) -> None:
         outs = spec_step(spec, rows, run_main, run_mtp, cfg.vocab_size)
         report.steps += 1
         for d, rec in recs.items():
-            _compare_spec(report, step, d, rec, rows[d], outs[d])
+            _compare_spec(report, step, d + offset, rec, rows[d], outs[d])
+        if after is not None:
+            after(kv, recs)
 
 
 def _compare_spec(report: ReplayReport, step: int, group: int, rec: dict, rows, outs) -> None:
@@ -283,6 +290,6 @@ def replay_engine(cfg, logs: dict[int, list[dict]]) -> ReplayReport:
     m = cfg.model_config()
     if cfg.pd is not None:
         return replay_pd(m, cfg.pd, cfg.quant, cfg.blocks, cfg.decode_blocks, cfg.block_size,
-                         logs, cfg.combine_dtype)  # fmt: skip
+                         logs, cfg.combine_dtype, spec=cfg.speculative)  # fmt: skip
     return replay(m, cfg.dies, cfg.quant, cfg.blocks, cfg.block_size, logs, cfg.combine_dtype,
                   split=cfg.split, spec=cfg.speculative)  # fmt: skip

@@ -72,7 +72,9 @@ def link_main(die) -> dict:
                 offs = np.zeros(LAYERS * -(-n // BS), np.int64)
                 comm.recv(die, offs, dst, event_id=i)  # the decode side's scatter list
                 spans = segments(geo, src_blocks, offs.tolist(), n)
-                sent.append((len(spans), *tx.push(dst, spans, req=100 + i, first=7 + i)))
+                drafts = [3 + i, 4 + i][: i % 3]  # MTP drafts with the first token: 0..2
+                sent.append((len(spans), *tx.push(dst, spans, req=100 + i, first=7 + i,
+                                                  drafts=drafts)))  # fmt: skip
             comm.recv(die, np.zeros(1, np.int64), 1, event_id=99)  # a failed transfer next
             tx.push(1, np.zeros((0, 3), np.int64), req=500, first=0, status=SOURCE_FAILED)
             comm.recv(die, np.zeros(1, np.int64), 1, event_id=98)  # the probe is written
@@ -133,6 +135,7 @@ def test_value_coded_blocks_land_where_the_scatter_list_says():
                 rec, pool = c["rec"], c["pool"]
                 assert rec.status == OK and rec.req == 100 + c["case"] and c["crc_ok"]
                 assert rec.first == 7 + c["case"]
+                assert list(rec.drafts) == [3 + c["case"], 4 + c["case"]][: c["case"] % 3]
                 assert rec.nbytes == LAYERS * n * W * 4
                 for i, (s, d) in enumerate(zip(sb, db, strict=False)):
                     rows = min(BS, n - i * BS)
@@ -145,6 +148,7 @@ def test_value_coded_blocks_land_where_the_scatter_list_says():
             assert (last[~written] == SENTINEL).all(), "a block outside every list was written"
         failed = r[1]["failed"]
         assert failed.status == SOURCE_FAILED and failed.req == 500 and failed.nbytes == 0
+        assert failed.drafts == ()  # a slot's old drafts never read as this record's
         seq, echo = r[1]["echo"]
         assert seq >= 1 and echo == seq
         spans = [s for s, *_ in r[0]["sent"]]

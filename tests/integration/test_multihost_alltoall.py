@@ -379,6 +379,7 @@ def test_kv_link_to_decode_dies_on_another_host():
                 rec = c["rec"]
                 assert rec.status == kv.OK and rec.req == 100 + c["case"] and c["crc_ok"], c
                 assert rec.first == 7 + c["case"]
+                assert list(rec.drafts) == [3 + c["case"], 4 + c["case"]][: c["case"] % 3]
         failed = res[1]["failed"]
         assert failed.status == kv.SOURCE_FAILED and failed.req == 500
         seq, echo = res[1]["echo"]

@@ -122,6 +122,30 @@ def test_add_prefilled_joins_the_batch_at_its_prompt_end():
     assert 7 not in s._live
 
 
+def test_add_prefilled_with_mtp_drafts_starts_with_a_verify_row():
+    kv = KVManager(16, 4)
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_seq_len=32,
+                          async_depth=1, spec_tokens=2)  # fmt: skip
+    s = Scheduler(cfg, kv)
+    for rid, max_tokens in ((5, 6), (6, 1), (7, 6)):
+        kv.alloc_blocks(rid, 10)
+        s.add_prefilled(Request(rid, list(range(10)) + [42], SamplingParams(max_tokens),
+                                index_base=1), 10, [7, 8])  # fmt: skip
+    s._preempt(s._live[7])  # preempted before its first row: it recomputes, no drafts fed
+    plan = s.schedule()
+    rows = {r.request_id: r for r in plan.rows}
+    r5, r6, r7 = rows[5], rows[6], rows[7]
+    assert (r5.start, r5.tokens, r5.feed, r5.num_tokens, r5.drafts) == (10, None, [42, 7, 8], 3, 2)
+    assert (r5.token_index, r5.sample, r5.want) == (1, True, 2)
+    assert (r6.feed, r6.drafts) == ([42], 0)  # 1 token left: no room for a draft
+    assert (r7.start, r7.drafts, r7.tokens[:2]) == (0, 0, [0, 1])
+    assert kv.block_table(5) == r5.block_table and len(r5.block_table) * 4 >= 10 + 3 + 1
+    out = s.on_result(plan.plan_id, {5: [7, 99], 6: [3], 7: [1]})
+    assert out.new_tokens[5] == [7, 99] and s._live[5].num_computed == 12
+    (row,) = [r for r in s.schedule().rows if r.request_id == 5]
+    assert (row.start, row.tokens, row.feed, row.drafts) == (12, None, None, 2)  # the die feeds
+
+
 def test_fault_plan_kv_phase():
     (f,) = parse_faults("delay:die=0,step=2,phase=kv,for=0.5s", 3)
     assert f.phase == "kv" and f.in_die and f.step == 2
