@@ -66,6 +66,7 @@ class SpecDecodeSpec:
     seed: int = 0
     block_size: int = 16
     keep_logits: bool = False
+    keep_kv: bool = False  # return every request's KV rows (every layer) at its last position
     positions: int = 0  # KV positions each request may reach (the larger of both runs)
     transcripts: dict = field(default_factory=dict)  # request -> tokens (oracle / synthetic)
     split: Split | None = None  # a split pod: prompts and ids per attention die
@@ -191,6 +192,7 @@ def spec_decode_main(die, ds: SpecDecodeSpec) -> dict:
         cpu_decode = time.process_time() - cpu1
         wait_ns = ctx.waited_ns - wait0
         fw.end()
+        kv_rows = _kv_rows(fw.pool, tables, streams[0], bs) if ds.keep_kv else {}
     finally:
         fw.close()
     mine = streams[0]
@@ -203,7 +205,18 @@ def spec_decode_main(die, ds: SpecDecodeSpec) -> dict:
         "prefill_ns": prefill_ns, "decode_ns": decode_ns, "step_ns": step_ns,
         "mtp_ns": step_mtp_ns, "layer_ns": clock.layer_ns, "other_ns": clock.other_ns,
         "wait_ns": wait_ns, "cpu_prefill_s": cpu1 - cpu0, "cpu_decode_s": cpu_decode,
+        "kv_rows": kv_rows,
     }  # fmt: skip
+
+
+def _kv_rows(pool: np.ndarray, tables: dict, streams, bs: int) -> dict:
+    """Request -> float32 `[kv_layers, pos, kv_dim]`: its rows of every layer at positions
+    [0, pos), pos its next row's start (the rows its accepted tokens wrote)."""
+    out = {}
+    for s in streams:
+        t = np.asarray(tables[s.rid][: -(-s.pos // bs)], np.int64)
+        out[s.rid] = pool[:, t].reshape(pool.shape[0], -1, pool.shape[3])[:, : s.pos].copy()
+    return out
 
 
 def merged_stats(res: list[dict], spec: SpecConfig) -> dict:

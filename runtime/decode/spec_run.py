@@ -97,10 +97,12 @@ def run_spec_decode(opts: DecodeOptions, model: ModelConfig, per_die, ids,
         progress(f"  pod {pod.pod_id} up in {time.monotonic() - t0:.1f} s")
         for i in range(opts.repeat):
             progress(f"  run {i + 1} of {opts.repeat}: without MTP ...")
-            b = _attention(pod.run(spec_decode_main, base))
+            b = _attention(pod.run(spec_decode_main,
+                                   dataclasses.replace(base, keep_kv=opts.check)))  # fmt: skip
             tr = {r: toks for res in b for r, toks in zip(res["request_ids"], res["tokens"],
                                                           strict=True)}  # fmt: skip
             run = dataclasses.replace(base, steps=opts.steps, spec=spec, keep_logits=opts.check,
+                                      keep_kv=opts.check,
                                       transcripts=tr if spec.transcript else {})  # fmt: skip
             progress(f"  run {i + 1} of {opts.repeat}: with MTP ...")
             runs.append((b, _attention(pod.run(spec_decode_main, run)), tr))
@@ -118,7 +120,18 @@ def run_spec_decode(opts: DecodeOptions, model: ModelConfig, per_die, ids,
                    microbatches=split.microbatches)  # fmt: skip
     if opts.check:
         out.update(check_reference(m, per_die, ids, opts, model, spec, tr, split))
+        out["kv_rows_equal_no_mtp"] = kv_equal_no_mtp(b, m, model)
     return out
+
+
+def kv_equal_no_mtp(b: list[dict], m: list[dict], model: ModelConfig) -> bool:
+    """Whether every request's main-layer KV rows after the MTP run (rejected drafts
+    overwritten) equal the run without MTP's at the same positions (bit for bit: expected
+    under batch invariance)."""
+    base = {r: rows for res in b for r, rows in res["kv_rows"].items()}
+    n = model.n_layers
+    return all(np.array_equal(rows[:n], base[r][:n, : rows.shape[1]])
+               for res in m for r, rows in res["kv_rows"].items())  # fmt: skip
 
 
 def _attention(res: list[dict]) -> list[dict]:
@@ -209,12 +222,22 @@ def check_reference(m: list[dict], per_die, ids, opts: DecodeOptions, model: Mod
             )
     from runtime.model.mtp import stats
 
+    kv_equal = True  # every layer's rows, the MTP module's too, against the reference's store
+    for d, res in enumerate(m):
+        die = ref.dies[d] if hasattr(ref, "dies") else None
+        for s in streams[d]:
+            rows = res["kv_rows"].get(s.rid)
+            if die is None or rows is None or not hasattr(die.kv, "get"):
+                continue
+            for layer in range(model.kv_layers):
+                want = die.kv.get(s.rid, layer)[: rows.shape[1]]
+                kv_equal &= np.array_equal(rows[layer], want)
     ref_stats = stats([s for die in streams for s in die], spec)
     same = all(ref_stats[k] == merged_stats(m, spec)[k]
                for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"))  # fmt: skip
     return {"mismatched_tokens": int(mism), "logits_bit_equal": bool(logits_equal),
-            "accounting_equal": bool(same),
-            "replay_bit_equal": bool(mism == 0 and logits_equal and same)}  # fmt: skip
+            "accounting_equal": bool(same), "kv_rows_equal_reference": bool(kv_equal),
+            "replay_bit_equal": bool(mism == 0 and logits_equal and same and kv_equal)}  # fmt: skip
 
 
 def print_spec(s: dict) -> None:
@@ -242,7 +265,10 @@ def print_spec(s: dict) -> None:
     if "replay_bit_equal" in s:
         print(f"  --check: reference of the same schedule: {s['mismatched_tokens']} tokens"
               f" differ, verify logits bit-equal {s['logits_bit_equal']}, accounting equal"
-              f" {s['accounting_equal']}")  # fmt: skip
+              f" {s['accounting_equal']}, KV rows of every layer equal"
+              f" {s['kv_rows_equal_reference']}")  # fmt: skip
+        print(f"  --check: main-layer KV rows after rejected drafts equal the run without MTP:"
+              f" {s['kv_rows_equal_no_mtp']}")  # fmt: skip
 
 
 __all__ = ["check_spec", "print_spec", "run_spec_decode", "spec_model", "spec_positions"]

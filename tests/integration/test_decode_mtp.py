@@ -78,3 +78,17 @@ def test_synthetic_drafts_are_accepted_at_their_rates(tmp_path, draft, k, batch,
     assert abs(s["mean_acceptance_length"] - want) <= tol, s["mean_acceptance_length"]
     for got, p in zip(s["acceptance_per_pos"], per_pos, strict=True):
         assert abs(got - p) <= 0.02, s["acceptance_per_pos"]
+
+
+@pytest.mark.timeout(300)
+def test_after_500_steps_of_rejected_drafts_the_kv_rows_are_the_models(tmp_path):
+    # synthetic:0.5 rejects about half the drafts for 500 steps; every layer's KV rows (the
+    # MTP module's too) equal the reference's, and the main layers' equal the run without MTP
+    out = tmp_path / "d.jsonl"
+    argv = ["decode", "--dies", "2", "--batch", "4", "--prompt-len", "8", "--steps", "500",
+            "--model", "tiny", "--max-seq-len", "2048", "--batch-invariant", "--check",
+            "--num-speculative-tokens", "2", "--mtp-draft", "synthetic:0.5"]  # fmt: skip
+    assert main([*argv, "--json", str(out)]) == 0
+    s = json.loads(out.read_text().splitlines()[-1])
+    assert s["num_drafts"] == 2000 and 0.3 < s["acceptance_rate"] < 0.45
+    assert s["kv_rows_equal_reference"] and s["kv_rows_equal_no_mtp"] and s["tokens_identical"]
