@@ -89,6 +89,21 @@ def server_figures(s0: dict | None, s1: dict | None, snaps: list[dict], n_out: i
         "steps": int(steps),
         "preemptions": int(d("xpod_num_preemptions_total")),
     }
+    drafts, dtok = (
+        d("xpod_spec_decode_num_drafts_total"),
+        d("xpod_spec_decode_num_draft_tokens_total"),
+    )
+    if drafts:  # MTP (--server-args "--num-speculative-tokens K"): vLLM's derived figures
+        acc = d("xpod_spec_decode_num_accepted_tokens_total")
+        per = by_label(s1, "xpod_spec_decode_num_accepted_tokens_per_pos_total", "position")
+        per0 = by_label(s0, "xpod_spec_decode_num_accepted_tokens_per_pos_total", "position")
+        out.update(
+            num_drafts=int(drafts), num_draft_tokens=int(dtok), num_accepted_tokens=int(acc),
+            acceptance_rate=ratio(acc, dtok), mean_acceptance_length=1 + ratio(acc, drafts),
+            acceptance_per_pos=[ratio(per[j] - per0.get(j, 0.0), drafts)
+                                for j in sorted(per, key=int)],
+            mtp_ms_per_step=ratio(d("xpod_mtp_seconds_total") * 1e3, steps),
+        )  # fmt: skip
     cpu = 0.0
     for role, key in CPU_ROLES:
         v = d("xpod_process_cpu_seconds_total", role=role)

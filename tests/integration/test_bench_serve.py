@@ -449,3 +449,24 @@ def test_url_against_a_running_server(tiny_server, tmp_path, capsys):
     assert res["prefix_hit_rate"] > 0.3
     with contextlib.suppress(Exception):
         capsys.readouterr()
+
+
+def test_server_figures_of_mtp_from_metrics_deltas():
+    spec = """
+xpod_spec_decode_num_drafts_total{{group="0"}} {d}
+xpod_spec_decode_num_draft_tokens_total{{group="0"}} {dt}
+xpod_spec_decode_num_accepted_tokens_total{{group="0"}} {a}
+xpod_spec_decode_num_accepted_tokens_per_pos_total{{group="0",position="0"}} {p0}
+xpod_spec_decode_num_accepted_tokens_per_pos_total{{group="0",position="1"}} {p1}
+xpod_mtp_seconds_total{{group="0"}} {m}
+xpod_steps_total{{group="0"}} {s}
+"""
+    s0 = parse_prometheus(spec.format(d=10, dt=20, a=5, p0=4, p1=1, m=0.1, s=10))
+    s1 = parse_prometheus(spec.format(d=110, dt=220, a=125, p0=94, p1=36, m=0.3, s=110))
+    f = server_figures(s0, s1, [], n_out=1)
+    assert f["num_drafts"] == 100 and f["num_draft_tokens"] == 200
+    assert f["acceptance_rate"] == pytest.approx(0.6)
+    assert f["mean_acceptance_length"] == pytest.approx(2.2)
+    assert f["acceptance_per_pos"] == pytest.approx([0.9, 0.35])
+    assert f["mtp_ms_per_step"] == pytest.approx(2.0)
+    assert "num_drafts" not in server_figures(s0, s0, [], n_out=1)  # no MTP: no MTP keys
