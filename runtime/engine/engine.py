@@ -49,6 +49,7 @@ from runtime.engine.master import MasterSpec, master_main
 from runtime.engine.output import OutputSpec, output_main
 from runtime.engine.pd_shell import PDRouter, pd_blocks, pd_master_spec
 from runtime.engine.recovery import EngineRecovery
+from runtime.engine.spec_stats import check_transcript
 from runtime.engine.split_stats import die_counters, eplb_counters, role_counters, split_summary
 from runtime.engine.step_ring import Bell, bell_path
 from runtime.engine.supervisor import Supervisor
@@ -392,17 +393,7 @@ class Engine(EngineRecovery):
         return t.id
 
     def _transcript(self, tr) -> list[int] | None:
-        """A checked transcript (only where the drafts read one)."""
-        if tr is None:
-            return None
-        spec = self.config.speculative
-        if spec is None or not spec.transcript:
-            raise ValueError("transcript: only with MTP's oracle or synthetic drafts")
-        if not isinstance(tr, list | tuple) or not all(
-            isinstance(t, int) and 0 <= t < self.model.vocab_size for t in tr
-        ):
-            raise ValueError("transcript: a list of token ids")
-        return [int(t) for t in tr]
+        return check_transcript(tr, self.config.speculative, self.model.vocab_size)
 
     def abort(self, request_id: int) -> None:
         """Abort a request (no-op if unknown or finished): it ends with finish reason "abort"."""

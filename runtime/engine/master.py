@@ -32,6 +32,7 @@ from memory import layout as L
 from memory.region import Region, RegionHandle, region_name
 from runtime.engine import wire
 from runtime.engine.pd_master import TICK_S, DecodeSide, PrefillSide
+from runtime.engine.spec_stats import add_spec_counts
 from runtime.engine.step_ring import Bell, Ring, bell_path
 from runtime.engine.wire import engine_socket, master_socket, output_socket
 from runtime.pod.config import PodConfig
@@ -310,7 +311,7 @@ class Master:
             for block in body.get("kv_fault", ()):  # before the samples: its holders' rows of
                 self.mask(block)  # this result are then of an old epoch, and dropped
             if "spec" in body:
-                self.spec_counts(body)
+                add_spec_counts(self.counters, body)
                 if isinstance(self.pd, PrefillSide):  # MTP: the drafts go with the first token
                     self.pd.on_drafted(body["drafted"])
             out = self.sched.on_result(plan_id, {i: t for i, t in body["sampled"]})
@@ -326,20 +327,6 @@ class Master:
             for req in out.finished:
                 self.finish(req)
             self._gc()
-
-    def spec_counts(self, body: dict) -> None:
-        """A speculative result's drafts and accepted tokens (vLLM's spec_decode counters)."""
-        c = self.counters
-        c["mtp_ns"] += body.get("mtp_ns", 0)
-        for _rid, drafts, accepted, agree in body["spec"]:
-            c["spec_verify_rows"] += 1
-            if drafts:
-                c["spec_drafts"] += 1
-                c["spec_draft_tokens"] += drafts
-                c["spec_accepted_tokens"] += accepted
-                c["spec_model_agree"] += agree
-                for j in range(accepted):
-                    c["spec_accepted_per_pos"][j] += 1
 
     def mask(self, block: int) -> None:
         """A KV block the die reported faulty: masked for good, its holders recompute."""

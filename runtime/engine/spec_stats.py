@@ -35,6 +35,34 @@ def spec_summary(stats: dict, spec: SpecConfig | None) -> dict | None:
     }
 
 
+def add_spec_counts(c: dict, body: dict) -> None:
+    """A master's counters (`c`) plus a speculative result's drafts and accepted tokens and its
+    MTP die time (vLLM's spec_decode counters, per group)."""
+    c["mtp_ns"] += body.get("mtp_ns", 0)
+    for _rid, drafts, accepted, agree in body["spec"]:
+        c["spec_verify_rows"] += 1
+        if drafts:
+            c["spec_drafts"] += 1
+            c["spec_draft_tokens"] += drafts
+            c["spec_accepted_tokens"] += accepted
+            c["spec_model_agree"] += agree
+            for j in range(accepted):
+                c["spec_accepted_per_pos"][j] += 1
+
+
+def check_transcript(tr, spec: SpecConfig | None, vocab: int) -> list[int] | None:
+    """A request's transcript for oracle / synthetic drafts, checked (ValueError: a bad one,
+    or one the speculative config does not read)."""
+    if tr is None:
+        return None
+    if spec is None or not spec.transcript:
+        raise ValueError("transcript: only with MTP's oracle or synthetic drafts")
+    if not isinstance(tr, list | tuple) or not all(isinstance(t, int) and 0 <= t < vocab
+                                                   for t in tr):  # fmt: skip
+        raise ValueError("transcript: a list of token ids")
+    return [int(t) for t in tr]
+
+
 def spec_line(s: dict) -> str:
     """One line: the drafts, their acceptance and the mean acceptance length."""
     rate = "-" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.3f}"
@@ -46,4 +74,4 @@ def spec_line(s: dict) -> str:
             f" MTP die time {s['mtp_s']:.3f} s")  # fmt: skip
 
 
-__all__ = ["spec_line", "spec_summary"]
+__all__ = ["add_spec_counts", "check_transcript", "spec_line", "spec_summary"]
