@@ -13,11 +13,17 @@ import time
 
 import numpy as np
 
+from comm.trace import STEP_NAMES, TRACK_NAMES
 from memory.errors import ProtocolError
 from runtime.engine import wire
 from runtime.model.forward import PHASES, forward, forward_mtp
 from runtime.model.mtp import SpecRow, spec_step
 from runtime.model.split import attention_mtp, attention_step
+
+# the timeline of a speculative step (001 Fig. 20 shows MTP as its own bar): a track on each die
+SPEC_OP, SPEC_LANE = "spec", 97
+STEP_NAMES.update({(SPEC_OP, 0): "verify", (SPEC_OP, 1): "mtp 1", (SPEC_OP, 2): "mtp 2"})
+TRACK_NAMES[SPEC_LANE] = "speculative"
 
 
 def spec_step_die(loop, s: int, cmd: dict | None, rows: list[dict], dropped: list) -> None:
@@ -59,6 +65,7 @@ def spec_step_die(loop, s: int, cmd: dict | None, rows: list[dict], dropped: lis
         loop.model.kv.begin_step([(rid, st, len(t), tables[rid]) for rid, t, st in seg])
 
     def run_main(segs, lrows):
+        t = time.perf_counter_ns()
         place(segs[0])
         if loop.split is not None:
             bal = None if loop.spec.eplb is None else loop.bal
@@ -68,6 +75,8 @@ def spec_step_die(loop, s: int, cmd: dict | None, rows: list[dict], dropped: lis
         else:
             out = forward(loop.ep, loop.model, segs[0], loop.spec.protocol, loop.spec.quant,
                           loop.clock, loop.bal, logit_rows=lrows[0], hidden=True)  # fmt: skip
+        loop.die.trace.rec(t, time.perf_counter_ns() - t, SPEC_OP, 0, -1, SPEC_LANE, s,
+                           len(lrows[0]))  # fmt: skip
         return [out[0]], [out[1]]
 
     def run_mtp(j, segs, hidden):
@@ -80,6 +89,8 @@ def spec_step_die(loop, s: int, cmd: dict | None, rows: list[dict], dropped: lis
             out = forward_mtp(loop.ep, loop.model, segs[0], hidden[0], j, loop.spec.protocol,
                               loop.spec.quant, loop.clock, loop.bal)  # fmt: skip
         mtp_ns[0] += time.perf_counter_ns() - t
+        loop.die.trace.rec(t, time.perf_counter_ns() - t, SPEC_OP, 1 + j, -1, SPEC_LANE, s,
+                           len(segs[0]))  # fmt: skip
         return [out[0]], [out[1]]
 
     if loop.op_policy is not None:
