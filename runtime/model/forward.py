@@ -20,6 +20,7 @@ from comm.quant import dequantize_int8
 from comm.routing import Placement
 from comm.trace import STEP_NAMES, TRACK_NAMES
 from memory.layout import progress_word
+from runtime.model.card import record
 from runtime.model.config import ModelConfig
 from runtime.model.die_model import DieModel, batch_rows, last_rows
 from runtime.model.expert_balancer import EPLBConfig, ExpertBalancer
@@ -95,21 +96,35 @@ def forward(
     `hidden`: return `(logits, normed)` with `normed` float32 `[n, hidden]` the final-normed
     rows (what the LM head sees: an MTP module's hidden input)."""
     cfg = model.cfg
-    t = time.perf_counter_ns()
+    cap = getattr(die, "cap", None)
+    t0 = t = time.perf_counter_ns()
     batch = batch_rows(segments)  # once for every layer
     h = model.embed(batch[0])
     t = clock.span(5, -1, t)
+    if cap is not None:
+        record(cap, cfg, "embed", t0, rows=h.shape[0])
     h, t = _layers(die, model, h, segments, batch, range(cfg.n_layers), protocol, quant, clock,
                    bal, t)  # fmt: skip
     rows = last_rows(segments) if logit_rows is None else logit_rows
+    t0 = t
     if not hidden:
         logits = model.logits(h[rows])
         clock.span(5, -1, t)
+        _record_head(cap, cfg, t0, len(rows))
         return logits
     normed = model.final_norm(h)
     logits = model.head(normed[rows])
     clock.span(5, -1, t)
+    _record_head(cap, cfg, t0, len(rows))
     return logits, normed
+
+
+def _record_head(cap, cfg, t0: int, n: int) -> None:
+    """The final norm, the LM head and the sampling of `n` rows (a capture pod)."""
+    if cap is not None:
+        record(cap, cfg, "norms", t0, rows=n, count=1)
+        record(cap, cfg, "lm_head", rows=n)
+        record(cap, cfg, "sample", rows=n)
 
 
 def forward_mtp(
@@ -125,15 +140,20 @@ def forward_mtp(
     cfg = model.cfg
     layer = cfg.mtp_layer(j)
     m = layer - cfg.n_layers
-    t = time.perf_counter_ns()
+    cap = getattr(die, "cap", None)
+    t0 = t = time.perf_counter_ns()
     batch = batch_rows(segments)
     h = model.mtp_in(m, batch[0], hidden)
     t = clock.span(5, layer, t)
+    if cap is not None:
+        record(cap, cfg, "mtp_in", t0, rows=h.shape[0])
     h, t = _layers(die, model, h, segments, batch, (layer,), protocol, quant, clock, bal, t,
                    slot=cfg.n_layers + j)  # fmt: skip
+    t0 = t
     normed = model.mtp_norm(m, h[last_rows(segments)])
     logits = model.head(normed)
     clock.span(5, layer, t)
+    _record_head(cap, cfg, t0, len(segments))
     return logits, normed
 
 
@@ -141,21 +161,37 @@ def _layers(die, model: DieModel, h, segments, batch, layers, protocol: str, qua
             clock: Clock, bal: ExpertBalancer, t: int, slot: int | None = None):  # fmt: skip
     """`layers` of the model over h (attention, then the dense FFN or the MoE with its
     collectives); (h, the time after). An MTP module's layer keeps the default placement of
-    its experts (EPLB balances the main layers only) at event slot `slot`."""
+    its experts (EPLB balances the main layers only) at event slot `slot`. A capture pod's die
+    records every op with its sizes (`runtime.model.card.record`)."""
     cfg = model.cfg
     slots = clock.slots or cfg.n_layers
+    cap = getattr(die, "cap", None)
+    n = h.shape[0]
+    att = attention_dims(segments) if cap is not None else None
     for layer in layers:
+        t0 = t
         h = model.attention(layer, h, segments, batch)
         t = clock.span(0, layer, t)
+        if cap is not None:
+            record(cap, cfg, "mla_prolog", t0, rows=n)
+            record(cap, cfg, "mla", **att)
+            record(cap, cfg, "o_proj", rows=n)
+            record(cap, cfg, "norms", rows=n, count=4)
         if not model.is_moe(layer):
+            t0 = t
             h = model.dense_ffn(layer, h)
             t = clock.span(3, layer, t)
+            if cap is not None:
+                record(cap, cfg, "dense_ffn", t0, rows=n)
             continue
         main = layer < cfg.n_layers
+        t0 = t
         xn, idx, w = model.gate(layer, h)
         if main:
             idx = bal.route(layer, idx)
         t = clock.span(1, layer, t)
+        if cap is not None:
+            record(cap, cfg, "gate", t0, rows=n)
         ev = clock.step * slots + (layer if slot is None else slot)
         if clock.fault is not None:
             clock.fault(clock.step, layer, "dispatch")
@@ -165,15 +201,36 @@ def _layers(die, model: DieModel, h, segments, batch, layers, protocol: str, qua
             bal.record(layer, d.expert_counts)
         t = clock.span(2, layer, t)
         ids = bal.local_ids(layer) if main else sorted(model.weights.experts[layer])
+        t0 = t
         y = model.experts(layer, rows, d.expert_counts, ids)
         t = clock.span(3, layer, t)
+        if cap is not None:
+            record(cap, cfg, "experts", t0, rows=int(rows.shape[0]),
+                   counts=[int(x) for x in d.expert_counts])  # fmt: skip
         if clock.fault is not None:
             clock.fault(clock.step, layer, "combine")
         routed = comm.combine(die, y, d.handle, event_id=ev)
         t = clock.span(4, layer, t)
+        t0 = t
         h = model.finish_moe(layer, h, xn, routed)
         t = clock.span(3, layer, t)
+        if cap is not None:
+            record(cap, cfg, "shared_expert", t0, rows=n)
     return h, t
+
+
+def attention_dims(segments) -> dict:
+    """An attention op's structural sizes (`runtime.model.card`): its rows, each row's context
+    (the positions it attends to) and offset in its segment (j + 1), each request's cached rows
+    read (start + tokens) and its segment's length."""
+    ctx, offs, req, span = [], [], [], []
+    for _, toks, start in segments:
+        m = len(toks)
+        ctx.extend(int(start) + j + 1 for j in range(m))
+        offs.extend(j + 1 for j in range(m))
+        req.append(int(start) + m)
+        span.append(m)
+    return {"rows": len(ctx), "ctx": ctx, "offsets": offs, "req_ctx": req, "req_span": span}
 
 
 def build_model(
