@@ -46,7 +46,7 @@ class Capture:
         self._tls = threading.local()  # the current stream, per thread (the DMA engine's own)
         self.main = self.stream("main")
         self._rows: dict[int, tuple[int, int, int]] = {}  # peer -> the next put's rows
-        self._calls: list[tuple[str, int]] = []  # open calls: (name, stream)
+        self._calls: list[tuple[str, int, int]] = []  # open calls: (name, stream, caller)
 
     # -- streams ------------------------------------------------------------------------------
 
@@ -151,25 +151,28 @@ class Capture:
             self._add(sid, t, t, "after", other, seq)
 
     def begin(self, name: str, call: int, sid: int | None = None) -> int:
-        """A call starts on stream `sid` (default: the current one), after the caller's (main)
-        latest event when it runs on a stream of its own."""
-        sid = self.cur if sid is None else sid
-        if sid != self.main:
-            self.after(sid, self.main, self.last(self.main))
+        """A call starts on stream `sid` (default: the current one), after the caller's (the
+        current stream's: `main`, or a decode stream `s1` that launches a collective) latest
+        event when it runs on a stream of its own."""
+        caller = self.cur
+        sid = caller if sid is None else sid
+        if sid != caller:
+            self.after(sid, caller, self.last(caller))
         t = now_ns()
-        self._calls.append((name, sid))
+        self._calls.append((name, sid, caller))
         return self._add(sid, t, t, "begin", name, int(call))
 
     def end(self, name: str, call: int, joins: Sequence[tuple[int, int]] = ()) -> None:
-        """The call ends once `joins` ([stream, seq] of this die) have; the caller (main) goes
-        on after it."""
-        sid = next(s for n, s in reversed(self._calls) if n == name)
-        self._calls.remove((name, sid))
+        """The call ends once `joins` ([stream, seq] of this die) have; its caller (the stream
+        current at its `begin`) goes on after it."""
+        entry = next(c for c in reversed(self._calls) if c[0] == name)
+        self._calls.remove(entry)
+        _, sid, caller = entry
         t = now_ns()
         seq = self._add(sid, t, t, "end", name, int(call),
                         [[int(s), int(q)] for s, q in joins if q >= 0])  # fmt: skip
-        if sid != self.main:
-            self.after(self.main, sid, seq)
+        if sid != caller:
+            self.after(caller, sid, seq)
 
     def dump(self) -> dict:
         """The die file's map (docs/projection.md §1.1)."""
@@ -184,7 +187,7 @@ class Capture:
         import msgpack
 
         if self._calls:
-            names = ", ".join(n for n, _ in self._calls)
+            names = ", ".join(c[0] for c in self._calls)
             raise RuntimeError(f"die {self.die}: capture of unfinished calls ({names})")
         name = f"die-{self.die:04d}.msgpack"
         blob = msgpack.packb(self.dump(), use_bin_type=True)

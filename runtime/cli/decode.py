@@ -33,7 +33,7 @@ from runtime.cli.model_flags import (
 )
 from runtime.decode.options import EPLB_MODES, MAX_BATCH, DecodeOptions, progress
 from runtime.decode.report import jsonable, print_eplb, print_summary
-from runtime.decode.run import make_split, pod_config, run_decode
+from runtime.decode.run import check_microbatches, make_split, pod_config, run_decode
 from runtime.decode.split import print_split
 from runtime.model import ModelConfig
 
@@ -177,8 +177,13 @@ def _check_options(opts: DecodeOptions) -> None:
             make_split(opts, model)
         except ConfigError as e:
             raise ConfigError(f"argument --attention-dies/--expert-dies/--domains: {e}") from None
-    elif opts.domains != 1 or opts.microbatches != 1:
-        raise ConfigError("argument --domains/--microbatches: need --attention-dies")
+    elif opts.domains != 1:
+        raise ConfigError("argument --domains: need --attention-dies")
+    elif opts.microbatches != 1:
+        try:
+            check_microbatches(opts)
+        except ConfigError as e:
+            raise ConfigError(f"argument --microbatches: {e}") from None
     if opts.repeat > 1 and opts.eplb == "compare":
         raise ConfigError("argument --repeat: --eplb compare runs its own pair of pods; drop one")
     if opts.spec is not None:

@@ -73,8 +73,9 @@ def check(res: list[dict], per_die, opts: DecodeOptions, model: ModelConfig,
     progress("  --check: single-process reference (float32 dispatch) ...")
     maps = replayed_maps(res)
     ref = ReferencePod(
-        model, opts.dies, quant=None, combine_dtype=opts.combine_dtype, expert_maps=maps
-    ).generate(per_die, opts.steps, opts.temperature, opts.seed)
+        model, opts.dies, quant=None, combine_dtype=opts.combine_dtype, expert_maps=maps,
+        microbatches=opts.microbatches,
+    ).generate(per_die, opts.steps, opts.temperature, opts.seed)  # fmt: skip
     out = {"ref_tokens_per_s": ref.decode_tokens_per_s, "ref_prefill_ms": ref.prefill_s * 1e3}
     out.update(compare(res, ref, exact=opts.quant is None))
     if baseline:
@@ -82,8 +83,9 @@ def check(res: list[dict], per_die, opts: DecodeOptions, model: ModelConfig,
     if opts.quant == "int8":
         progress("  --check: single-process reference with INT8 dispatch ...")
         ref8 = ReferencePod(
-            model, opts.dies, quant="int8", combine_dtype=opts.combine_dtype, expert_maps=maps
-        ).generate(per_die, opts.steps, opts.temperature, opts.seed)
+            model, opts.dies, quant="int8", combine_dtype=opts.combine_dtype, expert_maps=maps,
+            microbatches=opts.microbatches,
+        ).generate(per_die, opts.steps, opts.temperature, opts.seed)  # fmt: skip
         exact = compare(res, ref8, exact=True)
         out["int8_ref_mismatched_tokens"] = exact["mismatched_tokens"]
         out["int8_ref_logits_bit_equal"] = exact["logits_bit_equal"]

@@ -60,12 +60,14 @@ from runtime.decode.report import (
 from runtime.decode.split import split_check, split_decode_main, split_summary
 from runtime.model import EPLBConfig, ModelConfig, encode, pod_config_for, sample
 from runtime.model.forward import Clock, build_model, forward, prepared_for_fork
+from runtime.model.pipeline import forward_microbatched
 from runtime.model.tokenizer import CORPUS
 from runtime.pod import Pod
 from runtime.pod.config import PodConfig
 from sched import KVManager
 
-__all__ = ["DecodeSpec", "decode_main", "make_prompts", "pod_config", "run_decode", "spread"]
+__all__ = ["DecodeSpec", "check_microbatches", "decode_main", "make_prompts", "pod_config",
+           "run_decode", "spread"]  # fmt: skip
 
 
 # -- what the dies run ----------------------------------------------------------------------------
@@ -87,6 +89,7 @@ class DecodeSpec:
     keep_logits: bool = True
     eplb: EPLBConfig | None = None
     split: Split | None = None  # a split pod (runtime.decode.split), or colocated
+    microbatches: int = 1  # colocated: 2 = runtime.model.pipeline's two-stream step
 
 
 def blocks_needed(prompts: list[list[int]], steps: int, block_size: int) -> int:
@@ -115,7 +118,8 @@ def decode_main(die, spec: DecodeSpec) -> dict:
             [(r, start, len(t), tables[i]) for i, (r, t, start) in enumerate(segments)]
         )
         bal.begin_step(clock.step)
-        logits = forward(die, model, segments, spec.protocol, spec.quant, clock, bal)
+        fwd = forward if spec.microbatches == 1 else forward_microbatched
+        logits = fwd(die, model, segments, spec.protocol, spec.quant, clock, bal)
         bal.end_step(clock.step)
         t = time.perf_counter_ns()
         s = clock.step
@@ -232,6 +236,14 @@ def make_split(opts: DecodeOptions, model: ModelConfig) -> Split:
     return Split.make(n, opts.attention_dies, opts.domains, opts.microbatches)
 
 
+def check_microbatches(opts: DecodeOptions) -> None:
+    """--microbatches on a colocated pod: 2 (runtime.model.pipeline), without EPLB or MTP."""
+    if opts.microbatches != 2:
+        raise ConfigError(f"microbatches: 1 or 2, got {opts.microbatches}")
+    if opts.eplb != "off" or opts.spec is not None:
+        raise ConfigError("microbatches: a colocated pod runs 2 without EPLB and without MTP")
+
+
 def run_decode(opts: DecodeOptions) -> dict:
     """Launch a pod, decode, optionally check against the reference; return the summary dict."""
     model = ModelConfig.preset(opts.model, **opts.overrides)
@@ -262,6 +274,8 @@ def run_decode(opts: DecodeOptions) -> dict:
     eplb = None if opts.eplb == "off" else opts.eplb_config
     if eplb is not None:
         eplb.check(model, opts.dies)
+    if sp is None and opts.microbatches != 1:
+        check_microbatches(opts)
     if sp is not None and opts.spec is None:
         return _run_split(opts, model, prompts, sp)
     per_die, ids = spread(prompts, opts.dies if sp is None else len(sp.att_dies))
@@ -287,6 +301,7 @@ def run_decode(opts: DecodeOptions) -> dict:
                 between=between)  # fmt: skip
     res = _median_run(runs, opts) if len(runs) > 1 else runs[0][0]
     summary = summarize(res, opts, model)
+    summary["microbatches"] = opts.microbatches
     if eplb is not None:
         summary["eplb"] = eplb_stats(res, model, summary["step_ms"])
     if opts.check:
@@ -361,7 +376,7 @@ def _run(opts: DecodeOptions, model: ModelConfig, per_die, ids, eplb, keep_logit
     launcher while the dies wait); [(every die's result, between's result or None)] per run."""
     spec = DecodeSpec(
         model, per_die, ids, opts.steps, opts.protocol, opts.quant, opts.temperature, opts.seed,
-        opts.block_size, keep_logits=keep_logits, eplb=eplb,
+        opts.block_size, keep_logits=keep_logits, eplb=eplb, microbatches=opts.microbatches,
     )  # fmt: skip
     cfg = pod_config(model, per_die, opts, eplb)
     balance = "off" if eplb is None else (

@@ -110,16 +110,16 @@ def forward(
     if not hidden:
         logits = model.logits(h[rows])
         clock.span(5, -1, t)
-        _record_head(cap, cfg, t0, len(rows))
+        record_head(cap, cfg, t0, len(rows))
         return logits
     normed = model.final_norm(h)
     logits = model.head(normed[rows])
     clock.span(5, -1, t)
-    _record_head(cap, cfg, t0, len(rows))
+    record_head(cap, cfg, t0, len(rows))
     return logits, normed
 
 
-def _record_head(cap, cfg, t0: int, n: int) -> None:
+def record_head(cap, cfg, t0: int, n: int) -> None:
     """The final norm, the LM head and the sampling of `n` rows (a capture pod)."""
     if cap is not None:
         record(cap, cfg, "norms", t0, rows=n, count=1)
@@ -153,7 +153,7 @@ def forward_mtp(
     normed = model.mtp_norm(m, h[last_rows(segments)])
     logits = model.head(normed)
     clock.span(5, layer, t)
-    _record_head(cap, cfg, t0, len(segments))
+    record_head(cap, cfg, t0, len(segments))
     return logits, normed
 
 
@@ -163,59 +163,78 @@ def _layers(die, model: DieModel, h, segments, batch, layers, protocol: str, qua
     collectives); (h, the time after). An MTP module's layer keeps the default placement of
     its experts (EPLB balances the main layers only) at event slot `slot`. A capture pod's die
     records every op with its sizes (`runtime.model.card.record`)."""
-    cfg = model.cfg
-    slots = clock.slots or cfg.n_layers
+    slots = clock.slots or model.cfg.n_layers
+    att = attention_dims(segments) if getattr(die, "cap", None) is not None else None
+    for layer in layers:
+        h, t = attend(die, model, h, segments, batch, layer, clock, t, att)
+        ev = clock.step * slots + (layer if slot is None else slot)
+        h, t = feed_forward(die, model, h, layer, ev, protocol, quant, clock, bal, t)
+    return h, t
+
+
+def attend(die, model: DieModel, h, segments, batch, layer: int, clock: Clock, t: int,
+           att: dict | None):  # fmt: skip
+    """Layer `layer`'s attention over h (MLA prolog, attention core, o_proj, the layer's norms
+    and residual adds); (h, the time after). `att`: the ops' `attention_dims` (a capture pod)."""
     cap = getattr(die, "cap", None)
     n = h.shape[0]
-    att = attention_dims(segments) if cap is not None else None
-    for layer in layers:
+    t0 = t
+    h = model.attention(layer, h, segments, batch)
+    t = clock.span(0, layer, t)
+    if cap is not None:
+        cfg = model.cfg
+        record(cap, cfg, "mla_prolog", t0, rows=n)
+        record(cap, cfg, "mla", **att)
+        record(cap, cfg, "o_proj", rows=n)
+        record(cap, cfg, "norms", rows=n, count=4)
+    return h, t
+
+
+def feed_forward(die, model: DieModel, h, layer: int, ev: int, protocol: str, quant,
+                 clock: Clock, bal: ExpertBalancer, t: int):  # fmt: skip
+    """Layer `layer`'s dense FFN, or its MoE (gate, dispatch, routed experts, combine at MoE
+    event id `ev`, shared expert); (h, the time after)."""
+    cfg = model.cfg
+    cap = getattr(die, "cap", None)
+    n = h.shape[0]
+    if not model.is_moe(layer):
         t0 = t
-        h = model.attention(layer, h, segments, batch)
-        t = clock.span(0, layer, t)
-        if cap is not None:
-            record(cap, cfg, "mla_prolog", t0, rows=n)
-            record(cap, cfg, "mla", **att)
-            record(cap, cfg, "o_proj", rows=n)
-            record(cap, cfg, "norms", rows=n, count=4)
-        if not model.is_moe(layer):
-            t0 = t
-            h = model.dense_ffn(layer, h)
-            t = clock.span(3, layer, t)
-            if cap is not None:
-                record(cap, cfg, "dense_ffn", t0, rows=n)
-            continue
-        main = layer < cfg.n_layers
-        t0 = t
-        xn, idx, w = model.gate(layer, h)
-        if main:
-            idx = bal.route(layer, idx)
-        t = clock.span(1, layer, t)
-        if cap is not None:
-            record(cap, cfg, "gate", t0, rows=n)
-        ev = clock.step * slots + (layer if slot is None else slot)
-        if clock.fault is not None:
-            clock.fault(clock.step, layer, "dispatch")
-        d = comm.dispatch(die, xn, idx, w, protocol=protocol, quant=quant, event_id=ev)
-        rows = dequantize_int8(d.x, d.scales) if quant == "int8" else d.x
-        if main:
-            bal.record(layer, d.expert_counts)
-        t = clock.span(2, layer, t)
-        ids = bal.local_ids(layer) if main else sorted(model.weights.experts[layer])
-        t0 = t
-        y = model.experts(layer, rows, d.expert_counts, ids)
+        h = model.dense_ffn(layer, h)
         t = clock.span(3, layer, t)
         if cap is not None:
-            record(cap, cfg, "experts", t0, rows=int(rows.shape[0]),
-                   counts=[int(x) for x in d.expert_counts])  # fmt: skip
-        if clock.fault is not None:
-            clock.fault(clock.step, layer, "combine")
-        routed = comm.combine(die, y, d.handle, event_id=ev)
-        t = clock.span(4, layer, t)
-        t0 = t
-        h = model.finish_moe(layer, h, xn, routed)
-        t = clock.span(3, layer, t)
-        if cap is not None:
-            record(cap, cfg, "shared_expert", t0, rows=n)
+            record(cap, cfg, "dense_ffn", t0, rows=n)
+        return h, t
+    main = layer < cfg.n_layers
+    t0 = t
+    xn, idx, w = model.gate(layer, h)
+    if main:
+        idx = bal.route(layer, idx)
+    t = clock.span(1, layer, t)
+    if cap is not None:
+        record(cap, cfg, "gate", t0, rows=n)
+    if clock.fault is not None:
+        clock.fault(clock.step, layer, "dispatch")
+    d = comm.dispatch(die, xn, idx, w, protocol=protocol, quant=quant, event_id=ev)
+    rows = dequantize_int8(d.x, d.scales) if quant == "int8" else d.x
+    if main:
+        bal.record(layer, d.expert_counts)
+    t = clock.span(2, layer, t)
+    ids = bal.local_ids(layer) if main else sorted(model.weights.experts[layer])
+    t0 = t
+    y = model.experts(layer, rows, d.expert_counts, ids)
+    t = clock.span(3, layer, t)
+    if cap is not None:
+        record(cap, cfg, "experts", t0, rows=int(rows.shape[0]),
+               counts=[int(x) for x in d.expert_counts])  # fmt: skip
+    if clock.fault is not None:
+        clock.fault(clock.step, layer, "combine")
+    routed = comm.combine(die, y, d.handle, event_id=ev)
+    t = clock.span(4, layer, t)
+    t0 = t
+    h = model.finish_moe(layer, h, xn, routed)
+    t = clock.span(3, layer, t)
+    if cap is not None:
+        record(cap, cfg, "shared_expert", t0, rows=n)
     return h, t
 
 
@@ -262,8 +281,12 @@ __all__ = [
     "PHASES",
     "TRACE_OP",
     "Clock",
+    "attend",
+    "attention_dims",
     "build_model",
+    "feed_forward",
     "forward",
     "forward_mtp",
     "prepared_for_fork",
+    "record_head",
 ]

@@ -34,6 +34,7 @@ from runtime.model.config import ModelConfig
 from runtime.model.die_model import DieModel, Segment, batch_rows, last_rows
 from runtime.model.kv import DictKV
 from runtime.model.ops import softmax
+from runtime.model.pipeline import halves
 from runtime.model.sampler import sample
 from runtime.model.weights import LayerWeights, build_weights
 from sched.eplb import ExpertMap, replica_for, row_positions
@@ -85,6 +86,9 @@ class ReferencePod:
             its expert (`sched.eplb.replica_for` over `row_positions`) over a block placement of the
             P physical slots, as the pod does. Steps are numbered by `generate` (0 = prefill) or
             passed to `step`.
+        microbatches: 1, or 2: each step's batch of a die in two halves by request
+            (`runtime.model.pipeline.halves`), each half a step of its own over every die, as a
+            micro-batched colocated pod computes them (no EPLB map, no logit_rows / hidden).
     """
 
     def __init__(
@@ -95,8 +99,12 @@ class ReferencePod:
         kv: Sequence | None = None,
         combine_dtype: str = "bfloat16",
         expert_maps: Sequence[tuple[int, Sequence]] | None = None,
+        microbatches: int = 1,
     ):
         cfg.validate(num_dies)
+        if microbatches not in (1, 2) or (microbatches == 2 and expert_maps):
+            raise ConfigError(f"microbatches: 1, or 2 without expert maps; got {microbatches}")
+        self.microbatches = microbatches
         if quant not in QUANT_MODES:
             raise ConfigError(f"quant: expected one of {QUANT_MODES}, got {quant!r}")
         if combine_dtype not in COMBINE_DTYPES:
@@ -154,6 +162,16 @@ class ReferencePod:
         if len(batches) != self.num_dies:
             raise ValueError(f"batches: expected {self.num_dies} (one per die), got {len(batches)}")
         self.step_no = self.step_no + 1 if step is None else int(step)
+        if self.microbatches == 1:
+            return self._forward(batches, logit_rows, hidden)
+        if logit_rows is not None or hidden:
+            raise ValueError("logit_rows / hidden: one micro-batch only")
+        parts = [halves(b) for b in batches]
+        outs = [self._forward([p[m] for p in parts], None, False) for m in range(2)]
+        return [np.concatenate([o[d] for o in outs]) for d in range(self.num_dies)]
+
+    def _forward(self, batches, logit_rows, hidden: bool):
+        """`step`'s forward over every die, as one batch each."""
         rows = [batch_rows(b) for b in batches]  # once for every layer
         hs = [die.embed(r[0]) for die, r in zip(self.dies, rows, strict=True)]
         hs = self.run_layers(range(self.cfg.n_layers), hs, batches, rows)

@@ -12,9 +12,12 @@ An event's cost is a tuple `(cost, lat, xfer)`:
   when both are done).
 
 Streams (by name): `p2p.tx.*` / `p2p.rx.*` and any other name: 1 core; `a2a*`:
-`collective.cores`; `dma*`: the DMA engine (`dma.gbps`, `dma.startup_us`). A put or get to the
-die itself is a local copy (no port, no latency). Constants are read from the profile when an
-event first needs one, so a capture is refused only for a constant it needs.
+`collective.cores`; `dma*`: the DMA engine (`dma.gbps`, `dma.startup_us`); `s0` / `s1`, the two
+decode streams of a micro-batched step (000 §4.2.3): `runtime.stream0_aiv` / `stream1_aiv`
+vector cores and their share of the die's cube cores, `runtime.stream<i>_aic / die.aic_cores`
+(`op`). A put or get to the die itself is a local copy (no port, no latency). Constants are read
+from the profile when an event first needs one, so a capture is refused only for a constant it
+needs.
 """
 
 from __future__ import annotations
@@ -35,10 +38,18 @@ ZERO: Cost = (0.0, 0.0, None)
 
 
 class StreamClass(NamedTuple):
-    """How a stream's events are charged: its vector cores, or the DMA engine."""
+    """How a stream's events are charged: its vector cores, or the DMA engine; a decode
+    stream (`DECODE_STREAMS`) computes on `aic`, its share of the die's cube cores, and its
+    vector ops move bytes no faster than its `cores` do (`core_bound`)."""
 
     cores: float
     dma: bool
+    aic: float = 1.0
+    core_bound: bool = False
+
+
+# the decode streams of a micro-batched step (000 §4.2.3): name -> the profile's key prefix
+DECODE_STREAMS = {"s0": "runtime.stream0", "s1": "runtime.stream1"}
 
 
 class ProfileCosts:
@@ -75,6 +86,13 @@ class ProfileCosts:
             return StreamClass(self.k("collective.cores"), False)
         if name.startswith("dma"):
             return StreamClass(1.0, True)
+        key = DECODE_STREAMS.get(name)
+        if key is not None:
+            aic, aiv = self.k(f"{key}_aic"), self.k(f"{key}_aiv")
+            if aic > self.k("die.aic_cores") or aiv > self.k("die.aiv_cores"):
+                raise ProjectError(f"{key}_aic / _aiv ({aic:g} / {aiv:g}): more cores than the"
+                                   f" die has (die.aic_cores / aiv_cores)")  # fmt: skip
+            return StreamClass(aiv, False, aic / self.k("die.aic_cores"), True)
         return StreamClass(1.0, False)  # p2p.tx.* / p2p.rx.* lanes and every other stream
 
     # -- latencies and rates ----------------------------------------------------------------------
@@ -191,12 +209,18 @@ class ProfileCosts:
         """Roofline: `aiv` (default) = memory-bound vector op, (rd + wr) / (hbm x
         vector_memory); `aic` = max(flops / (peak[dtype] x eff_c), (rd + wr) / (hbm x eff_m))
         with eff = efficiency.<name>_compute / _memory if the schema has them, else
-        efficiency.gemm_<dtype> for both; dtype bf16 (default) or int8."""
+        efficiency.gemm_<dtype> for both; dtype bf16 (default) or int8. On a decode stream
+        (s0 / s1) the peak is the stream's share of the cube cores (peak x sc.aic), a vector op
+        moves its bytes at min(hbm x vector_memory, its cores x aiv.b_core_gbps), and HBM is
+        the die's whole bandwidth for either stream (the streams contend only through their
+        dependencies)."""
         name, flops, nbytes, dims = ev[4], ev[5], ev[6] + ev[7], ev[8]
         unit = dims.get("unit", "aiv")
         if unit == "aiv":
-            return (nbytes / (self.k("die.hbm_gbps") * self.k("efficiency.vector_memory") * 1e3),
-                    0.0, None)  # fmt: skip
+            rate = self.k("die.hbm_gbps") * self.k("efficiency.vector_memory")
+            if sc.core_bound:
+                rate = min(rate, sc.cores * self.k("aiv.b_core_gbps"))
+            return (nbytes / (rate * 1e3), 0.0, None)
         if unit != "aic":
             raise ProjectError(f"op {name!r}: unit {unit!r} is not one of {', '.join(OP_UNITS)}")
         dtype = dims.get("dtype", "bf16")
@@ -208,7 +232,8 @@ class ProfileCosts:
             eff_c, eff_m = self.k(f"efficiency.{name}_compute"), self.k(f"efficiency.{name}_memory")
         else:
             eff_c = eff_m = self.k(f"efficiency.gemm_{dtype}")
-        compute = flops / (self.k(f"die.{dtype}_tflops") * eff_c * 1e6) if flops else 0.0
+        peak = self.k(f"die.{dtype}_tflops") * eff_c * sc.aic
+        compute = flops / (peak * 1e6) if flops else 0.0
         memory = nbytes / (self.k("die.hbm_gbps") * eff_m * 1e3) if nbytes else 0.0
         return (max(compute, memory), 0.0, None)
 
@@ -247,5 +272,5 @@ def cost_model(profile: Profile) -> ProfileCosts | HostCosts:
     return HostCosts() if profile.is_host else ProfileCosts(profile)
 
 
-__all__ = ["COLLECTIVE_CALLS", "P2P_CALLS", "HostCosts", "ProfileCosts", "StreamClass",
-           "cost_model"]  # fmt: skip
+__all__ = ["COLLECTIVE_CALLS", "DECODE_STREAMS", "P2P_CALLS", "HostCosts", "ProfileCosts",
+           "StreamClass", "cost_model"]  # fmt: skip

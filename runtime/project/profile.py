@@ -81,10 +81,10 @@ SCHEMA: dict[str, dict[str, str]] = {
     "runtime": {
         "graph_launch_ms": "startup of one compute graph (not used yet)",
         "iteration_gap_ms": "scheduling gap between decode iterations (not used yet)",
-        "stream0_aic": "cube cores of decode stream 0 (not used yet)",
-        "stream0_aiv": "vector cores of decode stream 0 (not used yet)",
-        "stream1_aic": "cube cores of decode stream 1 (not used yet)",
-        "stream1_aiv": "vector cores of decode stream 1 (not used yet)",
+        "stream0_aic": "cube cores of decode stream s0 (the attention path of a micro-batch)",
+        "stream0_aiv": "vector cores of decode stream s0",
+        "stream1_aic": "cube cores of decode stream s1 (the MoE path of a micro-batch)",
+        "stream1_aiv": "vector cores of decode stream s1",
     },
 }
 HOST = "host"

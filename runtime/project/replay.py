@@ -40,7 +40,9 @@ CONTENTION_MODEL = (
     " the egress started it, cut-through; a busy ingress delays the bytes, not the sender's next"
     " transfers); a put's stream goes on once its cores did its work and moved its bytes"
     " (nbytes / (cores x b_core_gbps)), its bytes arriving the write latency after both; a get"
-    " (and a DMA put) waits for its transfer; a non-blocking fabric (no switch contention)"
+    " (and a DMA put) waits for its transfer; a non-blocking fabric (no switch contention);"
+    " the decode streams s0 / s1 compute on their share of the die's cube cores and read HBM"
+    " at its full rate (they contend only through their dependencies)"
 )
 HOST_MODEL = (
     "host: a die's events one at a time in the order of its file (the die's one thread on the"
