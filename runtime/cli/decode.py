@@ -31,6 +31,13 @@ from runtime.cli.model_flags import (
     spec_of,
     split_dies,
 )
+from runtime.cli.project_flags import (
+    add_project_args,
+    card_flags,
+    card_model,
+    check_project,
+    project_options,
+)
 from runtime.decode.options import EPLB_MODES, MAX_BATCH, DecodeOptions, progress
 from runtime.decode.report import jsonable, print_eplb, print_summary
 from runtime.decode.run import check_microbatches, make_split, pod_config, run_decode
@@ -86,6 +93,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     add_split_flags(p)
     add_spec_flags(p)
+    add_project_args(p)
 
 
 # ModelConfig / PodConfig fields -> the flags that set them (for errors found after parsing)
@@ -146,6 +154,7 @@ def parse_options(args: argparse.Namespace) -> DecodeOptions:
         eplb=args.eplb,
         eplb_config=eplb_config(args, dies_per_node=args.dies_per_node),
         spec=spec_of(args),
+        **project_options(args),
         **host_cfg,
     )
     _check_options(opts)
@@ -167,11 +176,12 @@ def _model_overrides(args: argparse.Namespace) -> dict:
 
 
 def _check_options(opts: DecodeOptions) -> None:
-    try:
-        model = ModelConfig.preset(opts.model, **opts.overrides)
+    try:  # with --model-card: the card's structure (the model the run will have)
+        model = card_model(opts, ModelConfig.preset(opts.model, **opts.overrides))
         model.validate(opts.dies, opts.expert_dies or None)
     except ConfigError as e:
-        raise flag_error(e, _MODEL_FLAGS) from None
+        raise flag_error(e, card_flags(opts, _MODEL_FLAGS)) from None
+    check_project(opts, model)  # --project, --model-card, --context, ...
     if opts.split:
         try:
             make_split(opts, model)
@@ -234,10 +244,16 @@ def run(opts: DecodeOptions) -> int:
         print_summary(s)
         if "eplb" in s:
             print_eplb(s)
+    if opts.project is not None:
+        from runtime.decode.project import print_projection
+
+        print_projection(s)
     if opts.json:
         with open(opts.json, "a") as f:
             f.write(json.dumps(s, default=jsonable) + "\n")
         progress(f"  appended the summary to {opts.json}")
+    if s.get("projection_refused"):
+        return 2
     if (
         opts.check
         and (opts.quant is None or opts.split)

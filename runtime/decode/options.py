@@ -47,6 +47,14 @@ class DecodeOptions:
     host_names: tuple = ()
     net_if: str = ""
     spec: object = None  # runtime.model.mtp.SpecConfig: MTP speculative decoding, or None
+    # --project (runtime.decode.project): a profile name or path, the model card, the uniform
+    # context, the projected trace, where to keep the captures, the capture's decode steps
+    project: str | None = None
+    model_card: str | None = None
+    context: int | None = None
+    project_trace: str | None = None
+    project_dir: str | None = None
+    project_steps: int = 3
 
     @property
     def split(self) -> bool:

@@ -40,6 +40,7 @@ protocol steps of `comm`, for a Perfetto timeline with one process per die.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -49,6 +50,7 @@ import comm
 from comm.alltoall import Split
 from memory.errors import ConfigError, PodError
 from runtime.decode.options import EPLB_MODES, DecodeOptions, progress
+from runtime.decode.project import card_model, check_projection, project_decode
 from runtime.decode.report import (
     check,
     eplb_compare,
@@ -139,10 +141,15 @@ def decode_main(die, spec: DecodeSpec) -> dict:
         step_ns = []
         clock.counting = True
         cpu1, wait0, t0 = time.process_time(), ctx.waited_ns, time.perf_counter_ns()
+        cap = getattr(die, "cap", None)  # a capture pod: each step a call (decode.project)
         for s in range(1, spec.steps + 1):
             clock.step = s
             ts = time.perf_counter_ns()
+            if cap is not None:
+                cap.begin("step", s, cap.main)
             step([(r, [tokens[i][-1]], len(prompts[i]) + s - 1) for i, r in enumerate(ids)])
+            if cap is not None:
+                cap.end("step", s)
             step_ns.append(time.perf_counter_ns() - ts)
         decode_ns = time.perf_counter_ns() - t0
         cpu_decode = time.process_time() - cpu1
@@ -246,7 +253,7 @@ def check_microbatches(opts: DecodeOptions) -> None:
 
 def run_decode(opts: DecodeOptions) -> dict:
     """Launch a pod, decode, optionally check against the reference; return the summary dict."""
-    model = ModelConfig.preset(opts.model, **opts.overrides)
+    model = card_model(opts, ModelConfig.preset(opts.model, **opts.overrides))
     sp = make_split(opts, model) if opts.split else None
     model.validate(opts.dies, opts.expert_dies or None)  # before any process starts
     if opts.protocol not in comm.alltoall.PROTOCOLS:
@@ -274,6 +281,7 @@ def run_decode(opts: DecodeOptions) -> dict:
     eplb = None if opts.eplb == "off" else opts.eplb_config
     if eplb is not None:
         eplb.check(model, opts.dies)
+    check_projection(opts, model)  # --project: the profile, the card (before any pod starts)
     if sp is None and opts.microbatches != 1:
         check_microbatches(opts)
     if sp is not None and opts.spec is None:
@@ -308,6 +316,12 @@ def run_decode(opts: DecodeOptions) -> dict:
         summary.update(check(res, per_die, opts, model, baseline=opts.repeat == 1))
     if opts.repeat > 1:
         summary.update(repeats(runs, opts, model))
+    if opts.project is not None:  # a capture pod of --project-steps steps, replayed
+        o = dataclasses.replace(opts, steps=opts.project_steps, trace=None)
+        spec = DecodeSpec(model, per_die, ids, o.steps, o.protocol, o.quant, o.temperature,
+                          o.seed, o.block_size, keep_logits=False)  # fmt: skip
+        cfg = pod_config(model, per_die, o)
+        summary.update(project_decode(opts, model, decode_main, spec, cfg))
     return summary
 
 

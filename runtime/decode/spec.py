@@ -183,9 +183,14 @@ def spec_decode_main(die, ds: SpecDecodeSpec) -> dict:
             comm.barrier(die)
         clock.counting = True
         cpu1, wait0, t0 = time.process_time(), ctx.waited_ns, time.perf_counter_ns()
+        cap = getattr(die, "cap", None)  # a capture pod: each step a call (decode.project)
         for s in range(1, ds.steps + 1):
             ts, m0 = time.perf_counter_ns(), mtp_ns[0]
+            if cap is not None:
+                cap.begin("step", s, cap.main)
             step(s)
+            if cap is not None:
+                cap.end("step", s)
             step_ns.append(time.perf_counter_ns() - ts)
             step_mtp_ns.append(mtp_ns[0] - m0)
         decode_ns = time.perf_counter_ns() - t0

@@ -121,6 +121,12 @@ def run_spec_decode(opts: DecodeOptions, model: ModelConfig, per_die, ids,
     if opts.check:
         out.update(check_reference(m, per_die, ids, opts, model, spec, tr, split))
         out["kv_rows_equal_no_mtp"] = kv_equal_no_mtp(b, m, model)
+    if opts.project is not None:  # a capture pod of --project-steps steps, replayed
+        from runtime.decode.project import project_decode
+
+        cap = dataclasses.replace(base, steps=opts.project_steps, spec=spec,
+                                  transcripts=tr if spec.transcript else {})  # fmt: skip
+        out.update(project_decode(opts, model, spec_decode_main, cap, cfg))
     return out
 
 

@@ -1,5 +1,5 @@
 """Model cards: the sizes a projection charges for each op of a forward step
-(docs/projection.md §8), the toy model's own or a real model's (DeepSeek-V3 / R1).
+(docs/projection.md §6), the toy model's own or a real model's (DeepSeek-V3 / R1).
 
 A capture pod of `xpod decode` records every compute op of a step (`record`) with its
 *structural* sizes in `dims` (rows, each row's context, rows per local expert) and its FLOPs
@@ -212,10 +212,10 @@ def apply_card(events: list[list], card: ModelCard, context: int | None = None) 
                 dims = _with_context(dims, context)
             flops, rd, wr, unit, dtype = op_size(card, ev[4], dims)
             dims.update(unit=unit, dtype=dtype)
-            ev = [*ev[:5], flops, rd, wr, dims]
+            ev = [*ev[:5], flops, round(rd), round(wr), dims]  # bytes: whole (a capture's ints)
         elif kind == "op" and ev[4] in COMM_OPS:
             flops, rd, wr = comm_op_size(card, ev[4], ev[8], ev[6], ev[7], ev[5])
-            ev = [*ev[:5], flops, rd, wr, ev[8]]
+            ev = [*ev[:5], flops, round(rd), round(wr), ev[8]]
         elif kind in ("put", "get"):
             ev = _message(ev, card)
         out.append(ev)
