@@ -47,6 +47,7 @@ class Capture:
         self.main = self.stream("main")
         self._rows: dict[int, tuple[int, int, int]] = {}  # peer -> the next put's rows
         self._calls: list[tuple[str, int, int]] = []  # open calls: (name, stream, caller)
+        self.tags: dict = {}  # dims the caller adds to its model ops (a micro-batch's `mb`)
 
     # -- streams ------------------------------------------------------------------------------
 

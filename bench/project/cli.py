@@ -39,6 +39,7 @@ class Options:
     write: str | None
     prog: str
     points: list[str] | None = None
+    decode: bool = False
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -62,6 +63,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         " (e.g. 'table7.*.ep8,table1.*'; ids: docs/projection.md §4)")  # fmt: skip
     p.add_argument("--write", type=output_file, default=None, metavar="F",
                    help="--calibrate: write the fitted profile to F")  # fmt: skip
+    p.add_argument("--decode", action="store_true",
+                   help="--validate: add the published decode points (per-layer latency, TPOT,"
+                        " micro-batch gains, iteration shares), projected at the papers' scale"
+                        " by synthesis (docs/projection.md §6.3)")  # fmt: skip
 
 
 def parse_options(args: argparse.Namespace) -> Options:
@@ -70,7 +75,7 @@ def parse_options(args: argparse.Namespace) -> Options:
     if mode == "project":
         given = {"--captures": args.captures, "--recapture": args.recapture,
                  "--write": args.write, "--real-upto": args.real_upto != 16,
-                 "--points": args.points}  # fmt: skip
+                 "--points": args.points, "--decode": args.decode}  # fmt: skip
         for flag, v in given.items():
             if v:
                 raise ValueError(f"{flag} goes with --validate or --calibrate")
@@ -82,6 +87,8 @@ def parse_options(args: argparse.Namespace) -> Options:
         raise ValueError(f"--trace goes with a CAPTURE_DIR, not --{mode}")
     if args.write and mode != "calibrate":
         raise ValueError("--write goes with --calibrate")
+    if args.decode and mode != "validate":
+        raise ValueError("--decode goes with --validate")
     globs = None
     if args.points is not None:
         if mode != "validate":
@@ -90,7 +97,7 @@ def parse_options(args: argparse.Namespace) -> Options:
         if not globs:
             raise ValueError("--points: give a comma list of point id globs")
     return Options(None, mode, args.profile, args.json, args.captures, args.real_upto,
-                   args.recapture, args.write, args.cmd_prog, globs)  # fmt: skip
+                   args.recapture, args.write, args.cmd_prog, globs, args.decode)  # fmt: skip
 
 
 def run(opts: Options) -> int:
@@ -99,7 +106,7 @@ def run(opts: Options) -> int:
         return plain.run(opts.plain)
     from bench.project.calibrate import Calibration
     from bench.project.points import PROFILES, points_of
-    from bench.project.validate import Captures, print_report, scratch_root, validate
+    from bench.project.validate import Captures, print_report, scratch_root, summary, validate
     from runtime.project import ProjectError, load_profile
 
     try:
@@ -116,7 +123,17 @@ def run(opts: Options) -> int:
     caps = Captures(root, opts.real_upto, opts.recapture)
     try:
         if opts.mode == "validate":
-            doc = validate(profile, caps, select(points_of(profile.name), opts.points))
+            comm, dec = points_of(profile.name), []
+            if opts.decode:
+                from bench.project.validate_decode import decode_points, decode_rows
+
+                comm, dec = _select_both(comm, decode_points(profile.name), opts.points)
+            else:
+                comm = select(comm, opts.points)
+            doc = validate(profile, caps, comm)
+            if opts.decode:
+                doc["points"] += decode_rows(profile, root / "decode-templates", dec)
+                doc["summary"] = summary(doc["points"])
             print_report(doc)
         else:
             text = Path(profile.path).read_text(encoding="utf-8") if Path(
@@ -140,6 +157,21 @@ def run(opts: Options) -> int:
     if opts.json:
         _atomic(opts.json, json.dumps(doc, indent=1, sort_keys=True) + "\n")
     return 0
+
+
+def _select_both(comm: list, dec: list, globs: list[str] | None) -> tuple[list, list]:
+    """`select` over the communication and the decode points together: one must match."""
+    if globs is None:
+        return comm, dec
+    from fnmatch import fnmatchcase
+
+    def pick(pts: list) -> list:
+        return [p for p in pts if any(fnmatchcase(p.id, g) for g in globs)]
+
+    both = (pick(comm), pick(dec))
+    if not any(both):
+        select(comm + dec, globs)  # the refusal, naming the ids
+    return both
 
 
 def select(points: list, globs: list[str] | None) -> list:

@@ -62,7 +62,7 @@ class PubPoint:
     batch: int | None  # tokens per rank
     published: float
     unit: str  # "us" or "x" (a ratio)
-    kind: str  # "value" | "below" | "at_least"
+    kind: str  # "value" | "below" | "at_least" | "points" (a percentage, within points)
     role: str  # "calibration" | "held_out"
     tolerance: float  # relative, for kind == "value"
     source: str  # seed and line
@@ -124,7 +124,11 @@ def points_of(profile: str) -> list[PubPoint]:
 
 
 def judge(p: PubPoint, projected: float) -> tuple[float, bool]:
-    """(signed relative error, ok) of `projected` against point `p`."""
+    """(signed relative error, ok) of `projected` against point `p` (a `points` kind: the signed
+    difference in percentage points, ok within `tolerance` points)."""
+    if p.kind == "points":
+        diff = projected - p.published
+        return diff, abs(diff) <= p.tolerance + 1e-12
     error = projected / p.published - 1.0
     if p.kind == "below":
         return error, projected < p.published

@@ -223,7 +223,7 @@ def summary(rows: list[dict]) -> dict:
     out = {}
     for role in ("calibration", "held_out"):
         rs = [r for r in rows if r["role"] == role]
-        vals = [abs(r["error"]) for r in rs if r["kind"] == "value"]
+        vals = [abs(r["error"]) for r in rs if r["kind"] == "value" and r["error"] is not None]
         out[role] = {"points": len(rs), "ok": sum(r["ok"] for r in rs),
                      "max_abs_error": round(max(vals), 4) if vals else None}  # fmt: skip
     return out
@@ -235,13 +235,20 @@ def print_report(doc: dict) -> None:
     print(f"{'figure':<12} {'op':<32} {'ep':>4} {'batch':>5} {'published':>10} "
           f"{'projected':>10} {'error':>8} {'role':<11} {'capture':<11} ok")  # fmt: skip
     for r in doc["points"]:
-        unit = " us" if r["unit"] == "us" else " x "
+        unit = {"us": " us", "ms": " ms", "%": " % "}.get(r["unit"], " x ")
         bound = {"below": "<", "at_least": ">="}.get(r["kind"], "")
         pub = f"{bound}{r['published']:g}{unit}"
         ep = "" if r["ep"] is None else r["ep"]
         batch = "" if r["batch"] is None else r["batch"]
+        if r["projected"] is None:  # a point the projection refused (the reason, not a figure)
+            print(f"{r['figure']:<12} {r['op']:<32} {ep:>4} {batch:>5} {pub:>10} "
+                  f"{'refused':>10} {'':>8} {r['role']:<11} {r['capture']:<11} MISS"
+                  f"  {r.get('refused', '')}")  # fmt: skip
+            continue
+        err = f"{r['error']:>+7.1f}p" if r["kind"] == "points" else f"{r['error']:>+8.1%}"
+        prec = 3 if r["unit"] in ("ms", "x") else 1
         print(f"{r['figure']:<12} {r['op']:<32} {ep:>4} {batch:>5} {pub:>10} "
-              f"{r['projected']:>7.1f}{unit} {r['error']:>+8.1%} {r['role']:<11} "
+              f"{r['projected']:>7.{prec}f}{unit} {err} {r['role']:<11} "
               f"{r['capture']:<11} {'ok' if r['ok'] else 'MISS'}  {label}")  # fmt: skip
     for role, s in doc["summary"].items():
         worst = "" if s["max_abs_error"] is None else f", largest |error| {s['max_abs_error']:.1%}"
@@ -264,4 +271,4 @@ def scratch_root(captures: str | None) -> tuple[Path, bool]:
 
 
 __all__ = ["Captures", "Projector", "a2a_config", "calibrated_keys", "print_report",
-           "project_point", "scratch_root", "validate"]  # fmt: skip
+           "project_point", "scratch_root", "summary", "validate"]  # fmt: skip

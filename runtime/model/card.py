@@ -182,10 +182,11 @@ def op_size(c: ModelCard, name: str, dims: dict) -> tuple[float, float, float, s
 
 
 def record(cap, cfg: ModelConfig, name: str, t0: int | None = None, **dims) -> None:
-    """Record model op `name` in capture `cap` (a die's `comm.capture.Capture`): its dims and
-    its FLOPs and bytes under the toy model's card."""
+    """Record model op `name` in capture `cap` (a die's `comm.capture.Capture`): its dims (and
+    the capture's current `tags`, e.g. a micro-batch's `mb`) and its FLOPs and bytes under the
+    toy model's card."""
     flops, rd, wr, unit, dtype = op_size(card_of(cfg), name, dims)
-    cap.op(name, flops, rd, wr, t0, unit=unit, dtype=dtype, **dims)
+    cap.op(name, flops, rd, wr, t0, unit=unit, dtype=dtype, **getattr(cap, "tags", {}), **dims)
 
 
 def comm_op_size(c: ModelCard, name: str, dims: dict, rd: float, wr: float,

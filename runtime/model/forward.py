@@ -211,7 +211,7 @@ def feed_forward(die, model: DieModel, h, layer: int, ev: int, protocol: str, qu
         idx = bal.route(layer, idx)
     t = clock.span(1, layer, t)
     if cap is not None:
-        record(cap, cfg, "gate", t0, rows=n)
+        record(cap, cfg, "gate", t0, rows=n, route=idx.ravel().tolist())
     if clock.fault is not None:
         clock.fault(clock.step, layer, "dispatch")
     d = comm.dispatch(die, xn, idx, w, protocol=protocol, quant=quant, event_id=ev)

@@ -79,14 +79,19 @@ class Streams:
 
     @contextlib.contextmanager
     def on(self, mb: int, name: str) -> Iterator[None]:
-        """Record micro-batch `mb`'s next ops on stream `name`, after its previous one."""
+        """Record micro-batch `mb`'s next ops on stream `name`, after its previous one (its
+        model ops tagged `mb`)."""
         if self.cap is None:
             yield
             return
         sid = self.sid[name]
         self._wait(sid, *self.last[mb])
-        with self.cap.on(sid):
-            yield
+        tags, self.cap.tags = self.cap.tags, {**self.cap.tags, "mb": mb}
+        try:
+            with self.cap.on(sid):
+                yield
+        finally:
+            self.cap.tags = tags
         self.last[mb] = (sid, self.cap.last(sid))
 
     def join(self) -> None:
