@@ -10,8 +10,11 @@ written (`raw/`), every die's events are sized by the model card with the unifor
 `card`), which is replayed on the profile (`runtime.project.replay`) and tiled into the decode
 figures (`runtime.project.decode`). With MTP the capture runs the speculative step
 (`spec_decode_main`), so the verify rows and the MTP sub-forwards are in it, with the measured
-run's transcript for the oracle / synthetic drafts. The caller (`run_decode`,
-`run_spec_decode`) says what to capture: the function the dies run, its spec, the pod's shape.
+run's transcript for the oracle / synthetic drafts. With `--microbatches 2` (colocated) the
+capture runs the micro-batched step (`runtime.model.pipeline`: its ops on streams s0 / s1),
+which the figures tile stream by stream (`projected_stream_us`; a layer is the step's critical
+path through s1). The caller (`run_decode`, `run_spec_decode`) says what to capture: the
+function the dies run, its spec, the pod's shape.
 
 With `--model-card CARD` the run's model (measured and captured alike) has the card's
 structure (`runtime.model.card.with_structure`: its layers, dense layers, experts, top-k and
@@ -118,11 +121,6 @@ def check_projection(opts: DecodeOptions, model: ModelConfig) -> DecodeProjectio
     if opts.split:
         raise ConfigError("argument --project: a split pod's model ops are not recorded yet;"
                           " project a colocated decode")  # fmt: skip
-    if opts.microbatches != 1:
-        raise ConfigError(
-            "argument --project: --microbatches 2 puts a step on two streams,"
-            " which the decode figures do not tile yet; project one micro-batch"
-        )
     if opts.eplb != "off":
         raise ConfigError("argument --project: with --eplb the expert placement moves during"
                           " the run; project without EPLB")  # fmt: skip
@@ -267,6 +265,7 @@ def project_decode(opts: DecodeOptions, model: ModelConfig, fn: Callable[..., di
         "score_bias": model.score_bias, "routing": routing, "seed": opts.seed,
         "temperature": opts.temperature, "mtp_k": mtp.k if mtp is not None else 0,
         "mtp_draft": mtp.label if mtp is not None else None,
+        "microbatches": opts.microbatches,
     }  # fmt: skip
     progress(f"  {lbl}: capture pod of {steps} decode steps (the first a warm-up) ...")
     with tempfile.TemporaryDirectory(prefix="xpod-decode-capture-") as tmp:
@@ -327,9 +326,12 @@ def fields(fig: DecodeFigures, proj: DecodeProjection, lbl: str, routing: str, t
         "projected_tpot_with_gap_ms": None if gap is None else _r((step_ms + gap) / tps),
         "projected_breakdown": {
             "mean": {c: _r(fig.mean_share[c]) for c in CATEGORIES},
-            "per_die": [{c: _r(s[c]) for c in CATEGORIES} for s in fig.share],
+            "per_die": [None if s is None else {c: _r(s[c]) for c in CATEGORIES}
+                        for s in fig.share],
         },
         "projected_breakdown_us": {c: _r(fig.mean_us[c]) for c in CATEGORIES},
+        "projected_stream_us": None if fig.stream_us is None else
+                               {k: _r(v) for k, v in fig.stream_us.items()},
     }  # fmt: skip
 
 
@@ -350,10 +352,15 @@ def print_projection(s: dict) -> None:
     parts = [f"{k} {lay[k]:.1f} us" for k in ("dense", "moe", "all") if lay[k] is not None]
     mtp = f"; MTP {s['projected_mtp_ms']:.3f} ms per step" if s["projected_mtp_ms"] else ""
     print(f"  per layer (the step's slowest die): {', '.join(parts)}{mtp}")
+    streams = s.get("projected_stream_us")
+    if streams:
+        parts = [f"{k} {v:.1f} us" for k, v in streams.items()]
+        print(f"  per stream, busy per micro-batch per layer: {', '.join(parts)}")
     mean = s["projected_breakdown"]["mean"]
     us = s["projected_breakdown_us"]
     parts = [f"{c} {100 * mean[c]:.1f} % ({us[c] / 1e3:.3f} ms)" for c in CATEGORIES if us[c]]
-    print(f"  breakdown (mean over dies, share and ms per step): {', '.join(parts)}")
+    what = "share and ms per step" + (" of s0 + s1 stream time" if streams else "")
+    print(f"  breakdown (mean over dies, {what}): {', '.join(parts)}")
     print(f"  contention model: {s['projection_model']}")
     print(f"  profile {s['profile']} sha256 {s['profile_sha256']}")
 

@@ -319,7 +319,8 @@ def run_decode(opts: DecodeOptions) -> dict:
     if opts.project is not None:  # a capture pod of --project-steps steps, replayed
         o = dataclasses.replace(opts, steps=opts.project_steps, trace=None)
         spec = DecodeSpec(model, per_die, ids, o.steps, o.protocol, o.quant, o.temperature,
-                          o.seed, o.block_size, keep_logits=False)  # fmt: skip
+                          o.seed, o.block_size, keep_logits=False,
+                          microbatches=o.microbatches)  # fmt: skip
         cfg = pod_config(model, per_die, o)
         summary.update(project_decode(opts, model, decode_main, spec, cfg))
     return summary

@@ -2,21 +2,42 @@
 time, and where a step's time goes.
 
 A decode capture (`xpod decode --project`) records each decode step as a call `step` on every
-die's `main` stream, and every compute op of the step on `main` with its name
-(`runtime.model.card`): a forward is `embed`, then per layer `mla_prolog`, `mla`, `o_proj`,
-`norms`, and either `dense_ffn` or `gate`, the `dispatch` call, `experts`, the `combine` call,
-`shared_expert`; then the head (`norms` with `count` 1, `lm_head`, `sample`). An MTP
-sub-forward starts with `mtp_in` instead of `embed`. The collectives run on their own stream
-(`a2a`); `main` waits for each call's `end` with an `after` event.
+die's `main` stream, and every compute op of the step with its name (`runtime.model.card`): a
+forward is `embed`, then per layer `mla_prolog`, `mla`, `o_proj`, `norms`, and either
+`dense_ffn` or `gate`, the `dispatch` call, `experts`, the `combine` call, `shared_expert`; then
+the head (`norms` with `count` 1, `lm_head`, `sample`). An MTP sub-forward starts with `mtp_in`
+instead of `embed`. The collectives run on their own stream (`a2a`); the stream that launched
+one waits for its `end` with an `after` event.
 
-A die's step is tiled by its `main` stream: each event of the step owns the time from the
-previous event's finish to its own (a wait for a collective is the `after` that waits for its
-end, so it belongs to that collective: its launch, its own work, and the time it waited for the
-slowest peer). The tiles sum to the step's span, `begin` to `end` (a `step` begin costs
-nothing). Categories (`CATEGORIES`): `attention` (mla_prolog, mla, o_proj), `gate`, `dispatch`,
-`experts` (the routed experts), `combine`, `shared` (the shared expert), `dense_ffn`, `mtp`
-(every tile of the MTP sub-forwards, their collectives included), `other` (embedding, norms,
-LM head, sampling, the rest).
+**One stream.** A step whose ops are on `main` is tiled by `main`: each event of the step owns
+the time from the previous event's finish to its own (a wait for a collective is the `after`
+that waits for its end, so it belongs to that collective: its launch, its own work, and the
+time it waited for the slowest peer). The tiles sum to the step's span, `begin` to `end` (a
+`step` begin costs nothing). A layer is the tiles from its `mla_prolog` to the next layer's (or
+to the head's `norms`).
+
+**Two streams** (`xpod decode --microbatches 2`, `runtime.model.pipeline`): the step's ops are
+on the compute streams `s0` (the attention path) and `s1` (the MoE path, which launches the
+collectives); `main` only opens the step, joins both streams and closes it (an op on `main` in
+such a step is refused). The step's span is still `main`'s `begin` to `end`. Each compute
+stream is tiled as `main` is above, within the step: each of its events owns the time from the
+stream's previous event's finish (its first: from the step's begin) to its own finish; a wait
+for a collective's end is that collective's (its work and its wait for the slowest peer). One
+kind of tile is not the stream's work: an `after` that waits for the other compute stream (or
+`main`) owns the time the stream idled for its micro-batch's data (the pipeline's fill and
+bubbles); it is the stream's `idle_us`, in no category. The rest is the stream's busy time, and
+the step's categories are the sum over its compute streams of their busy tiles: with overlap
+they are stream time, as a profiler's kernel breakdown is, and sum to more than the span (a
+stream's busy and idle time sum to its last event's finish minus the step's begin). Its
+per-layer time is the step's critical path per layer: layer i's time is the finish of the
+layer's last event on the MoE stream `s1` (the last micro-batch's FFN) minus that of layer
+i - 1 (layer 0: minus the step's begin). The step's micro-batches are its `embed` ops (one per
+micro-batch, empty or not).
+
+Categories (`CATEGORIES`): `attention` (mla_prolog, mla, o_proj), `gate`, `dispatch`, `experts`
+(the routed experts), `combine`, `shared` (the shared expert), `dense_ffn`, `mtp` (every tile of
+the MTP sub-forwards, their collectives included), `other` (embedding, norms, LM head,
+sampling, the rest).
 
 Imports nothing of xpod but this package (like all of `runtime.project`).
 """
@@ -24,7 +45,7 @@ Imports nothing of xpod but this package (like all of `runtime.project`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from runtime.project.errors import ProjectError
 from runtime.project.result import Result, percentile
@@ -36,18 +57,30 @@ OP_CATEGORY = {"mla_prolog": "attention", "mla": "attention", "o_proj": "attenti
                "gate": "gate", "experts": "experts", "shared_expert": "shared",
                "dense_ffn": "dense_ffn"}  # fmt: skip
 CALL_CATEGORY = {"dispatch": "dispatch", "combine": "combine", "a2e": "dispatch", "e2a": "combine"}
+COMPUTE_STREAMS = ("s0", "s1")  # runtime.model.pipeline's attention and MoE streams
+MOE_STREAM = "s1"
 
 
 @dataclass(frozen=True, slots=True)
 class StepTiles:
     """One die's decode step, tiled (module docstring): its span, µs per category, and each
-    main-model layer's µs in order as (kind, µs), kind "dense" or "moe"."""
+    main-model layer's µs in order as (kind, µs), kind "dense" or "moe". On a two-stream step
+    (empty on one stream): stream_us, each compute stream's busy µs, idle_us its idle µs; and
+    the step's micro-batches."""
 
     die: int
     step: int
     span_us: float
     by_category: dict[str, float]
     layers: list[tuple[str, float]]
+    stream_us: dict[str, float] = field(default_factory=dict)
+    idle_us: dict[str, float] = field(default_factory=dict)
+    microbatches: int = 1
+
+    @property
+    def tiled_us(self) -> float:
+        """The sum of its categories: its span on one stream, its streams' busy time on two."""
+        return math.fsum(self.stream_us.values()) if self.stream_us else self.span_us
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +91,13 @@ class DecodeFigures:
     critical[i]); step_p50_us: their p50. layer_us: the mean per main-model layer of each kind
     ("dense", "moe") and of all ("all") on each step's critical die, averaged over the counted
     steps (None: no layer of that kind). mtp_us: the `mtp` tiles per step on the critical die,
-    averaged. share[d]: die d's µs per category over its counted steps' spans; mean_share: the
-    mean over dies; mean_us: µs per step per category, mean over dies and steps."""
+    averaged. share[d]: die d's µs per category over the sum of its counted steps' categories
+    (their spans; on two streams their streams' busy time; None: a die without a counted step,
+    such as a split pod's expert die); mean_share: the mean over the other dies; mean_us: µs
+    per step per category, mean over those dies and steps. stream_us: per compute stream
+    ("s0", "s1") its busy µs per micro-batch per layer on the critical die (its busy tiles in
+    the step over layers x micro-batches), averaged over the counted steps; None without a
+    two-stream step."""
 
     steps: list[int]
     step_us: list[float]
@@ -67,23 +105,149 @@ class DecodeFigures:
     step_p50_us: float
     layer_us: dict[str, float | None]
     mtp_us: float
-    share: list[dict[str, float]]
+    share: list[dict[str, float] | None]
     mean_share: dict[str, float]
     mean_us: dict[str, float]
+    stream_us: dict[str, float] | None = None
+
+
+class _Stream:
+    """One stream's tiles of an open step: the finish its next tile starts from, µs per
+    category, µs idle (cat None: a wait for another compute stream)."""
+
+    __slots__ = ("cats", "idle", "prev")
+
+    def __init__(self, start: float) -> None:
+        self.prev = start
+        self.cats = dict.fromkeys(CATEGORIES, 0.0)
+        self.idle = 0.0
+
+    def tile(self, finish: float, cat: str | None) -> float:
+        tile, self.prev = finish - self.prev, finish
+        if cat is None:
+            self.idle += tile
+        else:
+            self.cats[cat] += tile
+        return tile
+
+
+class _Step:
+    """An open `step` call of one die: its streams' tiles, its phase (main model or MTP), its
+    layers (module docstring)."""
+
+    def __init__(self, die: int, call: int, start: float, main: int) -> None:
+        self.die, self.call, self.start, self.main = die, call, start, main
+        self.streams = {main: _Stream(start)}
+        self.phase = "main"
+        self.layers: list[list] = []  # one stream: [kind, µs]
+        self.layer: int | None = None  # one stream: the open layer
+        self.moe_layers: list[list] = []  # two streams: [kind, finish of its last s1 event]
+        self.in_layer = False  # two streams: a layer is open
+        self.moe_seen = False  # two streams: the open layer has had an s1 event
+        self.embeds = 0
+        self.main_ops = 0
+
+    def on_main(self, kind: str, ev: list, finish: float, ends: dict) -> None:
+        cat = self._category(kind, ev, ends)
+        if kind == "op":
+            self.main_ops += 1
+            name = ev[4]
+            if self.phase == "main" and name == "mla_prolog":
+                self.layers.append(["dense", 0.0])
+                self.layer = len(self.layers) - 1
+            elif self.phase == "main" and name in ("gate", "experts") and self.layer is not None:
+                self.layers[self.layer][0] = "moe"
+            elif name in ("embed", "mtp_in") or _is_head(ev):
+                self.layer = None
+        tile = self.streams[self.main].tile(finish, cat)
+        if self.phase == "main" and self.layer is not None:
+            self.layers[self.layer][1] += tile
+
+    def on_compute(self, sid: int, moe: bool, kind: str, ev: list, finish: float, ends: dict,
+                   inner: set[int]) -> None:  # fmt: skip
+        """An event of compute stream `sid` (`moe`: the MoE stream); `inner`: the die's main
+        and compute streams, whose waits for each other are idle."""
+        cat = self._category(kind, ev, ends)
+        if kind == "after" and ev[4] in inner:
+            cat = None
+        name = ev[4] if kind == "op" else None
+        if name == "embed":
+            self.embeds += 1
+        if name in ("embed", "mtp_in") or (name is not None and _is_head(ev)):
+            self.in_layer = False
+        elif self.phase == "main" and not moe and name == "mla_prolog":
+            if not self.in_layer or self.moe_seen:  # the next layer's first micro-batch
+                self.moe_layers.append(["dense", None])
+                self.in_layer, self.moe_seen = True, False
+        elif self.phase == "main" and moe and self.in_layer:
+            self.moe_layers[-1][1] = finish
+            self.moe_seen = True
+            if name in ("gate", "experts"):
+                self.moe_layers[-1][0] = "moe"
+        if sid not in self.streams:
+            self.streams[sid] = _Stream(self.start)
+        self.streams[sid].tile(finish, cat)
+
+    def _category(self, kind: str, ev: list, ends: dict) -> str:
+        """One event's category; updates the step's phase (main model or MTP)."""
+        if kind == "op":
+            name = ev[4]
+            if name == "embed":
+                self.phase = "main"
+            elif name == "mtp_in":
+                self.phase = "mtp"
+            cat = OP_CATEGORY.get(name, "other")
+        elif kind == "after":
+            cat = CALL_CATEGORY.get(ends.get((ev[4], ev[5]), ""), "other")
+        else:
+            cat = "other"
+        return "mtp" if self.phase == "mtp" else cat
+
+    def close(self, finish: float, names: list[str]) -> StepTiles:
+        main = self.streams[self.main]
+        main.tile(finish, "other")
+        span = finish - self.start
+        compute = {names[sid]: s for sid, s in self.streams.items() if sid != self.main}
+        if not compute:
+            layers = [(k, v) for k, v in self.layers]
+            return StepTiles(self.die, self.call, span, main.cats, layers)
+        if self.main_ops:
+            raise ProjectError(
+                f"die {self.die} {STEP_CALL} {self.call}: {self.main_ops} op(s) on main and ops"
+                f" on {', '.join(sorted(compute))}: a step is tiled by main or by its compute"
+                " streams, not both"
+            )
+        cats = {c: math.fsum(s.cats[c] for s in compute.values()) for c in CATEGORIES}
+        layers, prev = [], self.start
+        for kind, done in self.moe_layers:
+            done = prev if done is None else done
+            layers.append((kind, done - prev))
+            prev = done
+        mine = [n for n in COMPUTE_STREAMS if n in compute]
+        busy = {n: math.fsum(compute[n].cats.values()) for n in mine}
+        idle = {n: compute[n].idle for n in mine}
+        return StepTiles(self.die, self.call, span, cats, layers, busy, idle, max(self.embeds, 1))
+
+
+def _is_head(ev: list) -> bool:
+    """The head's first op (after the last layer): `lm_head`, or `norms` with count 1."""
+    return ev[4] == "lm_head" or (ev[4] == "norms" and int(ev[8].get("count", 0)) == 1)
 
 
 def tile_steps(result: Result, die: int) -> list[StepTiles]:
-    """Every `step` call of `die`, tiled by its main stream (module docstring)."""
+    """Every `step` call of `die`, tiled by its main stream, or by its compute streams on a
+    two-stream step (module docstring)."""
     cap = result.capture
     streams = cap.streams[die]
     if "main" not in streams:
         return []
     main = streams.index("main")
+    compute = {streams.index(n): n == MOE_STREAM for n in COMPUTE_STREAMS if n in streams}
+    inner = {main, *compute}
     seq = [0] * len(streams)
-    ends: dict[tuple[int, int], str] = {}  # (stream, seq) of each call end on other streams
+    ends: dict[tuple[int, int], str] = {}  # (stream, seq) of each call end off main
     out: list[StepTiles] = []
-    cur = None  # the open step: [call, start, by_category, layers, phase, layer]
-    prev = 0.0
+    cur: _Step | None = None
     for ev in cap.events[die]:
         sid = ev[1]
         q = seq[sid]
@@ -92,50 +256,21 @@ def tile_steps(result: Result, die: int) -> list[StepTiles]:
         if sid != main:
             if kind == "end":
                 ends[(sid, q)] = ev[4]
+            if cur is not None and sid in compute:
+                finish = result.times(die, sid, q)[1]
+                cur.on_compute(sid, compute[sid], kind, ev, finish, ends, inner)
             continue
         finish = result.times(die, main, q)[1]
         if kind == "begin" and ev[4] == STEP_CALL:
-            cur = [ev[5], finish, dict.fromkeys(CATEGORIES, 0.0), [], "main", None]
-            prev = finish
+            cur = _Step(die, ev[5], finish, main)
+        elif cur is None:
             continue
-        if cur is None:
-            continue
-        tile, prev = finish - prev, finish
-        if kind == "end" and ev[4] == STEP_CALL:
-            cur[2]["other"] += tile
-            span = finish - cur[1]
-            out.append(StepTiles(die, cur[0], span, cur[2], [(k, v) for k, v in cur[3]]))
+        elif kind == "end" and ev[4] == STEP_CALL:
+            out.append(cur.close(finish, streams))
             cur = None
-            continue
-        cat = _category(cur, kind, ev, ends)
-        cur[2][cat] += tile
-        if cur[4] == "main" and cur[5] is not None:
-            cur[3][cur[5]][1] += tile
+        else:
+            cur.on_main(kind, ev, finish, ends)
     return out
-
-
-def _category(cur: list, kind: str, ev: list, ends: dict) -> str:
-    """The category of one main-stream event of an open step; updates the step's phase (main
-    model or MTP) and its current layer."""
-    if kind == "op":
-        name = ev[4]
-        if name == "embed":
-            cur[4], cur[5] = "main", None
-        elif name == "mtp_in":
-            cur[4], cur[5] = "mtp", None
-        elif cur[4] == "main" and name == "mla_prolog":
-            cur[3].append(["dense", 0.0])
-            cur[5] = len(cur[3]) - 1
-        elif cur[4] == "main" and name in ("gate", "experts") and cur[5] is not None:
-            cur[3][cur[5]][0] = "moe"
-        elif name == "lm_head" or (name == "norms" and int(ev[8].get("count", 0)) == 1):
-            cur[5] = None  # the head: after the last layer
-        cat = OP_CATEGORY.get(name, "other")
-    elif kind == "after":
-        cat = CALL_CATEGORY.get(ends.get((ev[4], ev[5]), ""), "other")
-    else:
-        cat = "other"
-    return "mtp" if cur[4] == "mtp" else cat
 
 
 def decode_figures(result: Result) -> DecodeFigures:
@@ -151,6 +286,7 @@ def decode_figures(result: Result) -> DecodeFigures:
             f" {cap.warmup()} warm-up step(s)"
         )
     step_us, critical, layers, mtp = [], [], {"dense": [], "moe": [], "all": []}, []
+    streams: dict[str, list[float]] = {n: [] for n in COMPUTE_STREAMS}
     for s in counted:
         spans = [(per[s].span_us, d) for d, per in enumerate(tiles) if s in per]
         us, d = max(spans, key=lambda x: (x[0], -x[1]))
@@ -164,14 +300,21 @@ def decode_figures(result: Result) -> DecodeFigures:
         if t.layers:
             layers["all"].append(math.fsum(v for _, v in t.layers) / len(t.layers))
         mtp.append(t.by_category["mtp"])
-    share, sums = [], []
+        for n, busy in t.stream_us.items():
+            streams[n].append(busy / (max(len(t.layers), 1) * t.microbatches))
+    share: list[dict[str, float] | None] = []
+    sums = []
     for per in tiles:
         mine = [per[s] for s in counted if s in per]
-        total = math.fsum(t.span_us for t in mine)
+        if not mine:  # no counted step on this die (a split pod's expert die): left out
+            share.append(None)
+            continue
+        total = math.fsum(t.tiled_us for t in mine)
         cat = {c: math.fsum(t.by_category[c] for t in mine) for c in CATEGORIES}
-        sums.append({c: v / len(mine) for c, v in cat.items()} if mine else None)
+        sums.append({c: v / len(mine) for c, v in cat.items()})
         share.append({c: v / total if total else 0.0 for c, v in cat.items()})
-    have = [s for s in sums if s is not None]
+    have = [s for s in share if s is not None]
+    stream_us = {n: math.fsum(v) / len(v) for n, v in streams.items() if v}
     return DecodeFigures(
         steps=counted,
         step_us=step_us,
@@ -180,10 +323,11 @@ def decode_figures(result: Result) -> DecodeFigures:
         layer_us={k: math.fsum(v) / len(v) if v else None for k, v in layers.items()},
         mtp_us=math.fsum(mtp) / len(mtp),
         share=share,
-        mean_share={c: math.fsum(s[c] for s in share) / len(share) for c in CATEGORIES},
-        mean_us={c: math.fsum(s[c] for s in have) / len(have) for c in CATEGORIES},
+        mean_share={c: math.fsum(s[c] for s in have) / len(have) for c in CATEGORIES},
+        mean_us={c: math.fsum(s[c] for s in sums) / len(sums) for c in CATEGORIES},
+        stream_us=stream_us or None,
     )
 
 
-__all__ = ["CALL_CATEGORY", "CATEGORIES", "OP_CATEGORY", "STEP_CALL", "DecodeFigures",
-           "StepTiles", "decode_figures", "tile_steps"]  # fmt: skip
+__all__ = ["CALL_CATEGORY", "CATEGORIES", "COMPUTE_STREAMS", "MOE_STREAM", "OP_CATEGORY",
+           "STEP_CALL", "DecodeFigures", "StepTiles", "decode_figures", "tile_steps"]  # fmt: skip
