@@ -184,16 +184,18 @@ class ScaleFigures:
         return self.step_us / 1e3 / self.tokens_per_step
 
 
-def project_scale(
-    w: Workload, profile: Profile, template: Template, work: str | Path
-) -> ScaleFigures:
+def project_scale(w: Workload, profile: Profile, template: Template, work: str | Path,
+                  mtp_rows: bool = True) -> ScaleFigures:  # fmt: skip
     """Synthesize the workload's pod from `template`, size it by the card, replay it on
-    `profile` and compose the card's step (module docstring)."""
+    `profile` and compose the card's step (module docstring); `mtp_rows` False: the verify
+    rows only (a template without the MTP sub-forward)."""
     import time
 
     card = CARDS[w.card]
     work = Path(work)
     load = scale_load(w)
+    if not mtp_rows:
+        load = dataclasses.replace(load, mtp_tokens=None)
     raw = synthesize_decode(template, load, work / "raw",
                             workload={"scale": dataclasses.asdict(w)})  # fmt: skip
     cap = _sized(load_capture(raw, LAYOUT_VERSION), card, work / "sized")
@@ -268,10 +270,26 @@ def template_dir(root: str | Path, microbatches: int, mtp: int) -> Path:
 
 
 def project_workload(w: Workload, profile: Profile, templates: str | Path) -> ScaleFigures:
-    """`project_scale` of `w` with its template (from `templates`, captured when missing)."""
-    tpl = template_of(template_dir(templates, w.microbatches, w.mtp))
+    """`project_scale` of `w` with its template (from `templates`, captured when missing).
+    MTP with two micro-batches (xpod runs MTP on one stream): the verify forward through the
+    two-stream template without MTP, plus the MTP sub-forward of the one-stream MTP template's
+    synthesis of the same load (`ASSUMPTIONS`)."""
     with tempfile.TemporaryDirectory(prefix="xpod-decode-scale-") as tmp:
-        return project_scale(w, profile, tpl, tmp)
+        if not (w.mtp and w.microbatches == 2):
+            tpl = template_of(template_dir(templates, w.microbatches, w.mtp))
+            return project_scale(w, profile, tpl, tmp)
+        verify = project_scale(w, profile, template_of(template_dir(templates, 2, 0)), tmp,
+                               mtp_rows=False)  # fmt: skip
+        one = project_scale(w, profile, template_of(template_dir(templates, 1, w.mtp)),
+                            Path(tmp) / "mtp")  # fmt: skip
+        br = dict(verify.breakdown_us)
+        br["mtp"] += one.breakdown_us["mtp"]
+        return dataclasses.replace(
+            verify, step_us=verify.step_us + one.mtp_us, rest_us=verify.rest_us + one.mtp_us,
+            mtp_us=one.mtp_us, breakdown_us=br,
+            label=verify.label + " (the MTP sub-forward on one stream)",
+            events=verify.events + one.events, replay_s=verify.replay_s + one.replay_s,
+        )  # fmt: skip
 
 
 __all__ = ["ASSUMPTIONS", "ScaleFigures", "Workload", "capture_template", "compose",
