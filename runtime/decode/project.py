@@ -118,9 +118,6 @@ def check_projection(opts: DecodeOptions, model: ModelConfig) -> DecodeProjectio
         profile = load_profile(opts.project)
     except ProjectError as e:
         raise ConfigError(f"argument --project: {e}") from None
-    if opts.split:
-        raise ConfigError("argument --project: a split pod's model ops are not recorded yet;"
-                          " project a colocated decode")  # fmt: skip
     if opts.eplb != "off":
         raise ConfigError("argument --project: with --eplb the expert placement moves during"
                           " the run; project without EPLB")  # fmt: skip
@@ -139,7 +136,7 @@ def check_projection(opts: DecodeOptions, model: ModelConfig) -> DecodeProjectio
         raise ConfigError("argument --model-card/--context: the host profile charges each"
                           " event its time here: a card or a context changes nothing")  # fmt: skip
     try:
-        model.validate(opts.dies)
+        model.validate(opts.dies, opts.expert_dies or None)  # a split pod: its expert dies
     except ConfigError as e:
         raise ConfigError(f"argument --model-card/--dies: {e}") from None
     if not profile.is_host:

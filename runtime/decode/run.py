@@ -327,7 +327,9 @@ def run_decode(opts: DecodeOptions) -> dict:
 
 
 def _run_split(opts: DecodeOptions, model: ModelConfig, prompts, sp: Split) -> dict:
-    """A split pod's decode run (`runtime.decode.split`): the batch over the attention dies."""
+    """A split pod's decode run (`runtime.decode.split`): the batch over the attention dies;
+    with --project, a capture pod of the same split decode (its attention dies' steps tiled,
+    docs/projection.md §6)."""
     if opts.repeat != 1:
         raise ConfigError("repeat: 1 on a split pod")
     per_att, ids = spread(prompts, len(sp.att_dies))
@@ -356,6 +358,11 @@ def _run_split(opts: DecodeOptions, model: ModelConfig, prompts, sp: Split) -> d
     summary = split_summary(res, opts, model, sp)
     if opts.check:
         summary.update(split_check(res, per_att, opts, model, sp))
+    if opts.project is not None:  # a capture pod of --project-steps steps, replayed
+        o = dataclasses.replace(opts, steps=opts.project_steps, trace=None)
+        spec = dataclasses.replace(spec, steps=o.steps, keep_logits=False)
+        cfg = pod_config(model, sizing, o)
+        summary.update(project_decode(opts, model, decode_main, spec, cfg))
     return summary
 
 

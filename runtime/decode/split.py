@@ -11,6 +11,10 @@ A2E / E2A to the experts), then sends the end marker. Each expert die runs
 `runtime.model.split.expert_loop` for the whole run: it learns every call from the A2E packets,
 and receives no message after the run's start (counted: `expert_control_messages`).
 
+In a capture pod (`--project`, runtime.decode.project) each attention die records each decode
+step as a call `step` on its main stream, with every op of the step in it
+(`runtime.model.split`); an expert die records its calls and `experts` ops, no step.
+
 `--check` replays the same topology and schedule in one process (`SplitReference`: bit-equal
 tokens and logits required, INT8 against the INT8 replay) and compares greedy tokens with the
 colocated model of the same prompts (`ReferencePod`, every die attending and hosting experts:
@@ -36,6 +40,7 @@ from runtime.model.split import (
     expert_loop,
     split_clock,
 )
+from runtime.project.decode import STEP_CALL
 from sched import KVManager
 
 __all__ = ["print_split", "split_check", "split_decode_main", "split_summary"]
@@ -88,11 +93,16 @@ def split_decode_main(die, spec) -> dict:
         step_ns, ctx_len = [], []
         clock.counting = True
         cpu1, wait0, t0 = time.process_time(), die.ctx.waited_ns, time.perf_counter_ns()
+        cap = getattr(die, "cap", None)  # a capture pod: each step a call (decode.project)
         for s in range(1, spec.steps + 1):
             clock.step = s
             ts = time.perf_counter_ns()
             ctx_len.append(sum(len(p) + s for p in prompts))
+            if cap is not None:
+                cap.begin(STEP_CALL, s, cap.main)
             step([(r, [tokens[j][-1]], len(prompts[j]) + s - 1) for j, r in enumerate(ids)])
+            if cap is not None:
+                cap.end(STEP_CALL, s)
             step_ns.append(time.perf_counter_ns() - ts)
         decode_ns = time.perf_counter_ns() - t0
         cpu_decode = time.process_time() - cpu1

@@ -24,6 +24,18 @@ empty or not; event ids then count `n_layers + k` slots a step (`clock.slots`), 
 `n_layers + j` being sub-forward j, and the expert dies parse them with the same count (`slots`
 of `receive_call` / `expert_loop`) and run the MTP layer's experts (`ModelConfig.mtp_layer`).
 
+A capture pod (docs/projection.md §6) records every compute op with its sizes
+(`runtime.model.card.record`): an attention die the colocated forward's ops (`embed`; per layer
+`mla_prolog`, `mla`, `o_proj`, `norms`, then `dense_ffn`, or `gate` before its A2E and
+`shared_expert` after its E2A; the head's `norms`, `lm_head`, `sample`; an MTP sub-forward's
+`mtp_in`), an expert die `experts` (rows per local expert) between its A2E and its E2A, on its
+`main` stream. With one micro-batch an attention die's ops are on `main`; with two they go on
+`runtime.model.pipeline`'s streams (`Streams`): `s0` the attention path (embedding, attention,
+head), `s1` the gate, the A2E / E2A launches, the shared expert and the dense FFN, with `after`
+edges for each micro-batch's data, `main` joining both at the end. An expert die learns a
+call's event id from its packets: its A2E call is renamed after it (`_name_call`) and its E2A
+named with it, so that every call of a die has its own id.
+
 Bit-exactness: the same DieModel phases on the same micro-batches as
 `runtime.model.split_reference.SplitReference`, with A2E / E2A delivering `a2e_ref` / `e2a_ref`
 per (layer, domain, micro-batch), so tokens and logits are equal bit for bit.
@@ -31,6 +43,7 @@ per (layer, domain, micro-batch), so tokens and logits are equal bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -42,10 +55,12 @@ from comm.quant import dequantize_int8
 from comm.routing import Placement
 from comm.trace import STEP_NAMES, TRACK_NAMES
 from memory.errors import ProtocolError
+from runtime.model.card import record
 from runtime.model.config import ModelConfig
 from runtime.model.die_model import DieModel, batch_rows, last_rows
-from runtime.model.forward import Clock
+from runtime.model.forward import Clock, attend, attention_dims, record_head
 from runtime.model.kv import PagedKV
+from runtime.model.pipeline import ATTENTION_STREAM, MOE_STREAM, Streams
 from runtime.model.weights import build_weights
 
 END_EVENT = 0  # the a2e event id that ends an expert die's loop
@@ -131,30 +146,49 @@ def attention_step(die, model: DieModel, segments, split: Split, quant, clock: C
     EPLB router (`ExpertBalancer(router=True)`) mapping each micro-batch's logical experts to
     physical slots, or None. `logit_rows` (row indices in `batch_rows` order of `segments`) /
     `hidden`: as `runtime.model.forward.forward` (the micro-batches' rows joined, then the
-    final norm and the head): logits at those rows, and with `hidden` `(logits, normed)`."""
+    final norm and the head): logits at those rows, and with `hidden` `(logits, normed)`.
+    A capture pod's die records every op (module docstring)."""
     cfg, m = model.cfg, split.microbatches
+    cap = getattr(die, "cap", None)
+    st = _streams(cap, m)
     t = time.perf_counter_ns()
     mbs = microbatches(list(segments), m)
     rows = [batch_rows(s) for s in mbs]
-    hs = [model.embed(r[0]) for r in rows]
+    hs = []
+    for i, r in enumerate(rows):
+        with st.on(i, ATTENTION_STREAM):
+            t0 = time.perf_counter_ns()
+            hs.append(model.embed(r[0]))
+            if cap is not None:
+                record(cap, cfg, "embed", t0, rows=hs[i].shape[0])
     t = clock.span(5, -1, t)
     hs, t = _layers(die, model, hs, mbs, rows, range(cfg.n_layers), split, quant, clock,
-                    counters, bal, t)  # fmt: skip
+                    counters, bal, t, st)  # fmt: skip
     if logit_rows is None and not hidden:
-        logits = [model.logits(hs[i][last_rows(mbs[i])]) for i in range(m) if mbs[i]]
+        logits = []
+        for i in range(m):
+            if mbs[i]:
+                with st.on(i, ATTENTION_STREAM):
+                    t0 = time.perf_counter_ns()
+                    logits.append(model.logits(hs[i][last_rows(mbs[i])]))
+                    record_head(cap, cfg, t0, len(mbs[i]))
         out = np.concatenate(logits) if logits else np.zeros((0, cfg.vocab_size), np.float32)
         clock.span(5, -1, t)
+        st.join()
         return out
     h = np.concatenate(hs)  # batch_rows order: the micro-batches are contiguous runs
     lr = last_rows(segments) if logit_rows is None else logit_rows
-    if not hidden:
-        logits = model.logits(h[lr])
-        clock.span(5, -1, t)
-        return logits
-    normed = model.final_norm(h)
-    logits = model.head(normed[lr])
+    with _joined(st, m):
+        t0 = time.perf_counter_ns()
+        if not hidden:
+            logits = model.logits(h[lr])
+        else:
+            normed = model.final_norm(h)
+            logits = model.head(normed[lr])
+        record_head(cap, cfg, t0, len(lr))
     clock.span(5, -1, t)
-    return logits, normed
+    st.join()
+    return logits if not hidden else (logits, normed)
 
 
 def attention_mtp(die, model: DieModel, segments, hidden: np.ndarray, j: int, split: Split,
@@ -167,64 +201,108 @@ def attention_mtp(die, model: DieModel, segments, hidden: np.ndarray, j: int, sp
     it every busy step, empty or not. Returns (logits, normed) at each segment's last row:
     float32 `[n_segments, vocab]` and `[n_segments, hidden]`."""
     cfg, m = model.cfg, split.microbatches
+    cap = getattr(die, "cap", None)
+    st = _streams(cap, m)
     layer = cfg.mtp_layer(j)
     k = layer - cfg.n_layers
     t = time.perf_counter_ns()
     mbs = microbatches(list(segments), m)
     rows = [batch_rows(s) for s in mbs]
     at = np.concatenate([[0], np.cumsum([len(r[0]) for r in rows])]).tolist()
-    hs = [model.mtp_in(k, r[0], hidden[at[i] : at[i + 1]]) for i, r in enumerate(rows)]
+    hs = []
+    for i, r in enumerate(rows):
+        with st.on(i, ATTENTION_STREAM):
+            t0 = time.perf_counter_ns()
+            hs.append(model.mtp_in(k, r[0], hidden[at[i] : at[i + 1]]))
+            if cap is not None:
+                record(cap, cfg, "mtp_in", t0, rows=hs[i].shape[0])
     t = clock.span(5, layer, t)
     hs, t = _layers(die, model, hs, mbs, rows, (layer,), split, quant, clock, counters, None, t,
-                    slot=cfg.n_layers + j)  # fmt: skip
-    normed = model.mtp_norm(k, np.concatenate(hs)[last_rows(segments)])
-    logits = model.head(normed)
+                    st, slot=cfg.n_layers + j)  # fmt: skip
+    with _joined(st, m):
+        t0 = time.perf_counter_ns()
+        normed = model.mtp_norm(k, np.concatenate(hs)[last_rows(segments)])
+        logits = model.head(normed)
+        record_head(cap, cfg, t0, len(segments))
     clock.span(5, layer, t)
+    st.join()
     return logits, normed
 
 
+def _streams(cap, m: int) -> Streams:
+    """The streams an attention die records a step's ops on: `main` with one micro-batch (a
+    Streams that records nothing), `s0` / `s1` with two (`runtime.model.pipeline.Streams`)."""
+    return Streams(cap if m > 1 else None, m)
+
+
+@contextlib.contextmanager
+def _joined(st: Streams, m: int):
+    """Record on the attention stream after every micro-batch's latest op (the head of the
+    joined rows)."""
+    with contextlib.ExitStack() as stack:
+        for i in range(m):
+            stack.enter_context(st.on(i, ATTENTION_STREAM))
+        yield
+
+
 def _layers(die, model: DieModel, hs: list, mbs: list, rows: list, layers, split: Split, quant,
-            clock: Clock, counters, bal, t: int, slot: int | None = None):  # fmt: skip
+            clock: Clock, counters, bal, t: int, st: Streams,
+            slot: int | None = None):  # fmt: skip
     """`layers` over an attention die's micro-batches `hs` (dense: attention + FFN; MoE: per
     micro-batch attention, gate, a2e, then per micro-batch e2a and the shared expert); (hs,
-    the time after). An MTP module's layer takes event slot `slot` and is not routed by EPLB."""
+    the time after). An MTP module's layer takes event slot `slot` and is not routed by EPLB.
+    A capture pod records each op on its micro-batch's stream of `st` (module docstring)."""
     cfg, m = model.cfg, split.microbatches
+    cap = getattr(die, "cap", None)
     d = split.domain_of(die.die_id)
     slots = clock.slots or cfg.n_layers
     bases = np.concatenate([[0], np.cumsum([len(r[0]) for r in rows])]).tolist()
+    att = [attention_dims(s) for s in mbs] if cap is not None else [None] * m
     for layer in layers:
         if not model.is_moe(layer):
             for i in range(m):
-                hs[i] = model.attention(layer, hs[i], mbs[i], rows[i])
-                t = clock.span(0, layer, t)
-                hs[i] = model.dense_ffn(layer, hs[i])
-                t = clock.span(3, layer, t)
+                with st.on(i, ATTENTION_STREAM):
+                    hs[i], t = attend(die, model, hs[i], mbs[i], rows[i], layer, clock, t, att[i])
+                with st.on(i, MOE_STREAM):
+                    t0 = t
+                    hs[i] = model.dense_ffn(layer, hs[i])
+                    t = clock.span(3, layer, t)
+                    if cap is not None:
+                        record(cap, cfg, "dense_ffn", t0, rows=hs[i].shape[0])
             continue
         sent = []
         for i in range(m):
-            hs[i] = model.attention(layer, hs[i], mbs[i], rows[i])
-            t = clock.span(0, layer, t)
-            xn, idx, w = model.gate(layer, hs[i])
-            if bal is not None and layer < cfg.n_layers:
-                idx = bal.route(layer, idx)
-            t = clock.span(1, layer, t)
-            ev = split_event(clock.step, layer if slot is None else slot, d, i, slots)
-            if clock.fault is not None:
-                clock.fault(clock.step, layer, "dispatch")
-            _, h = comm.a2e(die, xn, idx, w, split, quant=quant, event_id=ev, microbatch=i,
-                            slot_base=bases[i])  # fmt: skip
+            with st.on(i, ATTENTION_STREAM):
+                hs[i], t = attend(die, model, hs[i], mbs[i], rows[i], layer, clock, t, att[i])
+            with st.on(i, MOE_STREAM):
+                t0 = t
+                xn, idx, w = model.gate(layer, hs[i])
+                if bal is not None and layer < cfg.n_layers:
+                    idx = bal.route(layer, idx)
+                t = clock.span(1, layer, t)
+                if cap is not None:
+                    record(cap, cfg, "gate", t0, rows=hs[i].shape[0], route=idx.ravel().tolist())
+                ev = split_event(clock.step, layer if slot is None else slot, d, i, slots)
+                if clock.fault is not None:
+                    clock.fault(clock.step, layer, "dispatch")
+                _, h = comm.a2e(die, xn, idx, w, split, quant=quant, event_id=ev, microbatch=i,
+                                slot_base=bases[i])  # fmt: skip
             sent.append((xn, h, ev))
             if counters is not None:
                 counters["a2e_calls"] = counters.get("a2e_calls", 0) + 1
                 counters["a2e_writes"] = counters.get("a2e_writes", 0) + h.metadata_writes
             t = clock.span(2, layer, t)
         for i, (xn, h, ev) in enumerate(sent):
-            if clock.fault is not None:
-                clock.fault(clock.step, layer, "combine")
-            routed = comm.e2a(die, None, h, event_id=ev)
-            t = clock.span(4, layer, t)
-            hs[i] = model.finish_moe(layer, hs[i], xn, routed)
-            t = clock.span(3, layer, t)
+            with st.on(i, MOE_STREAM):
+                if clock.fault is not None:
+                    clock.fault(clock.step, layer, "combine")
+                routed = comm.e2a(die, None, h, event_id=ev)
+                t = clock.span(4, layer, t)
+                t0 = t
+                hs[i] = model.finish_moe(layer, hs[i], xn, routed)
+                t = clock.span(3, layer, t)
+                if cap is not None:
+                    record(cap, cfg, "shared_expert", t0, rows=hs[i].shape[0])
     return hs, t
 
 
@@ -268,8 +346,11 @@ def receive_call(die, model: DieModel, split: Split, quant, slots: int = 0):
     `layer` is the weights layer (an MTP slot's module, `slot_layer`). `slots`: MoE event slots
     a step (0: the model's n_layers; with MTP n_layers + k, as the attention dies' clock).
     ProtocolError if its event id names another (domain, micro-batch) than the call's position,
-    or a dense layer."""
+    or a dense layer. In a capture pod the call takes its event id's name (`_name_call`)."""
     res, h = comm.a2e(die, None, None, None, split, quant=quant, event_id=None)
+    cap = getattr(die, "cap", None)
+    if cap is not None:
+        _name_call(cap, "a2e", int(h.event_id))
     if h.event_id == END_EVENT:
         return None
     cfg = model.cfg
@@ -284,6 +365,20 @@ def receive_call(die, model: DieModel, split: Split, quant, slots: int = 0):
     return res, h, step, layer
 
 
+def _name_call(cap, name: str, call: int) -> None:
+    """Name the last call `name` of capture `cap` made without an id (-1: an expert die's A2E,
+    whose event id comes with its packets) `call`, at its `begin` and its `end`, so that the
+    die's calls stay distinct (a capture pairs a call's begin and end by die, name and id)."""
+    todo = {"begin", "end"}
+    for ev in reversed(cap.events):
+        if ev[0] in todo and ev[4] == name and ev[5] == -1:
+            ev[5] = call
+            todo.discard(ev[0])
+            if not todo:
+                return
+    raise RuntimeError(f"die {cap.die}: no unnamed call {name} to name {call}")
+
+
 def run_experts(model: DieModel, layer: int, res, quant, local: list[int]) -> np.ndarray:
     """The routed experts on a call's rows (dequantized when INT8), `local`: the logical
     expert of each local slot."""
@@ -295,7 +390,8 @@ def expert_loop(die, model: DieModel, split: Split, quant, clock: Clock,
                 slots: int = 0) -> ExpertStats:  # fmt: skip
     """An expert die's persistent loop: a2e -> experts -> e2a, learning (step, layer, domain,
     micro-batch) from each call's event id (`slots` a step: `receive_call`), until the
-    attention dies' end marker."""
+    attention dies' end marker. A capture pod records each call's `experts` op on `main`
+    between its A2E and its E2A (rows, and rows per local expert)."""
     cfg = model.cfg
     placement = Placement.default(cfg.num_experts, split.exp_dies)
     local = placement.experts_on(die.die_id).tolist()
@@ -303,6 +399,7 @@ def expert_loop(die, model: DieModel, split: Split, quant, clock: Clock,
     ctx = die.ctx
     commands0 = getattr(die, "commands", 0)
     cpu1 = None
+    cap = getattr(die, "cap", None)
     comm.a2e_align(die, split)
     while True:
         t0, w0 = time.perf_counter_ns(), ctx.waited_ns
@@ -318,7 +415,10 @@ def expert_loop(die, model: DieModel, split: Split, quant, clock: Clock,
         w1 = ctx.waited_ns  # waits so far: for this call's input (the serving loop's idle too)
         y = run_experts(model, layer, res, quant, local)
         t2 = clock.span(3, layer, t1)
-        comm.e2a(die, y, h, event_id=None)
+        if cap is not None:  # a capture pod: the experts' rows, its e2a named by the a2e's id
+            record(cap, cfg, "experts", t1, rows=int(len(res.x)),
+                   counts=[int(x) for x in res.expert_counts])  # fmt: skip
+        comm.e2a(die, y, h, event_id=None if cap is None else int(h.event_id))
         t3 = clock.span(4, layer, t2)
         stats.grow(step)
         stats.a2e_ns[step] += t1 - t0

@@ -96,7 +96,8 @@ def test_mtp_tpot_divides_the_step_by_its_tokens():
         (["--model-card", "deepseek-v3", "--dies", "3"],
          "--model-card/--experts/--dies/--expert-dies: num_experts: 256 experts cannot be split"),
         (["--model-card", "deepseek-v3", "--experts", "64"], "card deepseek-v3 has num_experts"),
-        (["--model-card", "deepseek-v3", "--attention-dies", "2", "--dies", "4"], "split pod"),
+        (["--model-card", "deepseek-v3", "--attention-dies", "2", "--expert-dies", "6"],
+         "256 experts cannot be split evenly over 6 expert dies"),  # a split pod's expert dies
         (["--model-card", "deepseek-v3", "--num-speculative-tokens", "1", "--mtp-draft",
           "synthetic:0.7", "--project-steps", "5"], "--steps is 3"),
         (["--model-card", "deepseek-v3", "--project", "nosuch"], "argument --project"),
