@@ -18,21 +18,25 @@ to the head's `norms`).
 
 **Two streams** (`xpod decode --microbatches 2`, `runtime.model.pipeline`): the step's ops are
 on the compute streams `s0` (the attention path) and `s1` (the MoE path, which launches the
-collectives); `main` only opens the step, joins both streams and closes it (an op on `main` in
-such a step is refused). The step's span is still `main`'s `begin` to `end`. Each compute
-stream is tiled as `main` is above, within the step: each of its events owns the time from the
-stream's previous event's finish (its first: from the step's begin) to its own finish; a wait
-for a collective's end is that collective's (its work and its wait for the slowest peer). One
-kind of tile is not the stream's work: an `after` that waits for the other compute stream (or
-`main`) owns the time the stream idled for its micro-batch's data (the pipeline's fill and
-bubbles); it is the stream's `idle_us`, in no category. The rest is the stream's busy time, and
-the step's categories are the sum over its compute streams of their busy tiles: with overlap
-they are stream time, as a profiler's kernel breakdown is, and sum to more than the span (a
-stream's busy and idle time sum to its last event's finish minus the step's begin). Its
-per-layer time is the step's critical path per layer: layer i's time is the finish of the
-layer's last event on the MoE stream `s1` (the last micro-batch's FFN) minus that of layer
-i - 1 (layer 0: minus the step's begin). The step's micro-batches are its `embed` ops (one per
-micro-batch, empty or not).
+collectives); `main` opens the step, joins both streams and closes it. The step's span is still
+`main`'s `begin` to `end`. Each compute stream is tiled as `main` is above, within the step:
+each of its events owns the time from the stream's previous event's finish (its first: from the
+step's begin) to its own finish; a wait for a collective's end is that collective's (its work
+and its wait for the slowest peer). One kind of tile is not the stream's work: an `after` that
+waits for another of the die's compute streams or `main` owns the time the stream idled for its
+micro-batch's data (the pipeline's fill and bubbles); it is the stream's `idle_us`, in no
+category. The rest is the stream's busy time. `main` is tiled the same way (its joins are idle;
+its own ops, if any, such as an MTP sub-forward after the join, are busy). The step's
+categories are the sum over its streams of their busy tiles: with overlap they are stream time,
+as a profiler's kernel breakdown is, and sum to more than the span (a stream's busy and idle
+time sum to its last event's finish minus the step's begin). Its per-layer time is the step's
+critical path per layer: layer i's time is the finish of the layer's last event on the MoE
+stream `s1` for its last micro-batch (its FFN) minus that of layer i - 1 (layer 0: minus the
+step's begin). A layer's events are known by the ops' micro-batch tag (`mb`: a micro-batch's
+`mla_prolog` on `s0` starts its next layer, its model ops on `s1` are that layer's); in a
+capture without tags, by order (a layer starts at the first `mla_prolog` on `s0` after an `s1`
+event and has the `s1` events until the next). The step's micro-batches are its `embed` ops
+(one per micro-batch, empty or not).
 
 Categories (`CATEGORIES`): `attention` (mla_prolog, mla, o_proj), `gate`, `dispatch`, `experts`
 (the routed experts), `combine`, `shared` (the shared expert), `dense_ffn`, `mtp` (every tile of
@@ -80,7 +84,7 @@ class StepTiles:
     @property
     def tiled_us(self) -> float:
         """The sum of its categories: its span on one stream, its streams' busy time on two."""
-        return math.fsum(self.stream_us.values()) if self.stream_us else self.span_us
+        return math.fsum(self.by_category.values()) if self.stream_us else self.span_us
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,16 +145,19 @@ class _Step:
         self.phase = "main"
         self.layers: list[list] = []  # one stream: [kind, µs]
         self.layer: int | None = None  # one stream: the open layer
-        self.moe_layers: list[list] = []  # two streams: [kind, finish of its last s1 event]
-        self.in_layer = False  # two streams: a layer is open
-        self.moe_seen = False  # two streams: the open layer has had an s1 event
+        self.moe_layers: list[list] = []  # two streams: [kind, {mb: its last s1 finish}]
+        self.in_layer = False  # two streams, untagged: a layer is open
+        self.moe_seen = False  # two streams, untagged: the open layer has had an s1 event
+        self.mb_layer: dict[int, int] = {}  # two streams, tagged: each micro-batch's layer
         self.embeds = 0
-        self.main_ops = 0
 
-    def on_main(self, kind: str, ev: list, finish: float, ends: dict) -> None:
+    def on_main(self, kind: str, ev: list, finish: float, ends: dict, inner: set[int]) -> None:
+        """An event of the main stream; `inner`: the die's main and compute streams (a wait
+        for one of them is idle)."""
         cat = self._category(kind, ev, ends)
+        if kind == "after" and ev[4] in inner:
+            cat = None
         if kind == "op":
-            self.main_ops += 1
             name = ev[4]
             if self.phase == "main" and name == "mla_prolog":
                 self.layers.append(["dense", 0.0])
@@ -171,22 +178,42 @@ class _Step:
         if kind == "after" and ev[4] in inner:
             cat = None
         name = ev[4] if kind == "op" else None
+        mb = ev[8].get("mb") if name is not None else None
         if name == "embed":
             self.embeds += 1
-        if name in ("embed", "mtp_in") or (name is not None and _is_head(ev)):
+        if self.phase != "main":
+            pass
+        elif mb is not None or self.mb_layer:
+            self._tagged(moe, name, mb, finish)
+        elif name in ("embed", "mtp_in") or (name is not None and _is_head(ev)):
             self.in_layer = False
-        elif self.phase == "main" and not moe and name == "mla_prolog":
+        elif not moe and name == "mla_prolog":
             if not self.in_layer or self.moe_seen:  # the next layer's first micro-batch
-                self.moe_layers.append(["dense", None])
+                self.moe_layers.append(["dense", {}])
                 self.in_layer, self.moe_seen = True, False
-        elif self.phase == "main" and moe and self.in_layer:
-            self.moe_layers[-1][1] = finish
+        elif moe and self.in_layer:
+            self.moe_layers[-1][1][0] = finish
             self.moe_seen = True
             if name in ("gate", "experts"):
                 self.moe_layers[-1][0] = "moe"
         if sid not in self.streams:
             self.streams[sid] = _Stream(self.start)
         self.streams[sid].tile(finish, cat)
+
+    def _tagged(self, moe: bool, name: str | None, mb: int | None, finish: float) -> None:
+        """The layers of a capture whose model ops carry their micro-batch (`mb`): a
+        micro-batch's `mla_prolog` starts its next layer; its ops on the MoE stream end it."""
+        if mb is None:
+            return
+        if not moe and name == "mla_prolog":
+            i = self.mb_layer[mb] = self.mb_layer.get(mb, -1) + 1
+            while len(self.moe_layers) <= i:
+                self.moe_layers.append(["dense", {}])
+        elif moe and mb in self.mb_layer:
+            layer = self.moe_layers[self.mb_layer[mb]]
+            layer[1][mb] = finish
+            if name in ("gate", "experts"):
+                layer[0] = "moe"
 
     def _category(self, kind: str, ev: list, ends: dict) -> str:
         """One event's category; updates the step's phase (main model or MTP)."""
@@ -211,16 +238,11 @@ class _Step:
         if not compute:
             layers = [(k, v) for k, v in self.layers]
             return StepTiles(self.die, self.call, span, main.cats, layers)
-        if self.main_ops:
-            raise ProjectError(
-                f"die {self.die} {STEP_CALL} {self.call}: {self.main_ops} op(s) on main and ops"
-                f" on {', '.join(sorted(compute))}: a step is tiled by main or by its compute"
-                " streams, not both"
-            )
-        cats = {c: math.fsum(s.cats[c] for s in compute.values()) for c in CATEGORIES}
+        every = list(self.streams.values())  # main's own work too (none on a colocated step)
+        cats = {c: math.fsum(s.cats[c] for s in every) for c in CATEGORIES}
         layers, prev = [], self.start
-        for kind, done in self.moe_layers:
-            done = prev if done is None else done
+        for kind, ends in self.moe_layers:  # the last micro-batch's last MoE-stream event
+            done = ends[max(ends)] if ends else prev
             layers.append((kind, done - prev))
             prev = done
         mine = [n for n in COMPUTE_STREAMS if n in compute]
@@ -269,7 +291,7 @@ def tile_steps(result: Result, die: int) -> list[StepTiles]:
             out.append(cur.close(finish, streams))
             cur = None
         else:
-            cur.on_main(kind, ev, finish, ends)
+            cur.on_main(kind, ev, finish, ends, inner)
     return out
 
 

@@ -1,13 +1,14 @@
 """The decode figures of a hand-built two-stream capture (runtime.project.decode, a step of
 `xpod decode --microbatches 2`): each compute stream's tiles, its idle time apart, the shares of
-stream time summing to 1, the per-layer critical path through s1, the per-stream busy time per
-micro-batch per layer; a die without a `step` call left out of the shares and means."""
+stream time summing to 1, the per-layer critical path through s1 (by the ops' micro-batch tags,
+or by order without them), the per-stream busy time per micro-batch per layer, main's own ops;
+a die without a `step` call left out of the shares and means."""
 
 from __future__ import annotations
 
 import pytest
 
-from runtime.project import ProjectError, load_capture, replay, write_capture
+from runtime.project import load_capture, replay, write_capture
 from runtime.project.decode import CATEGORIES, decode_figures, tile_steps
 from runtime.project.profile import parse_profile
 
@@ -46,8 +47,8 @@ class Die:
     """One die's events in file order, with per-stream seqs (as comm.capture writes them), and
     each micro-batch's latest event (as runtime.model.pipeline.Streams records them)."""
 
-    def __init__(self, die: int, peer: int):
-        self.die, self.peer = die, peer
+    def __init__(self, die: int, peer: int, tags: bool = False):
+        self.die, self.peer, self.tags = die, peer, tags
         self.streams = ["main", "s0", "s1", "a2a"]
         self.seq, self.events = [0, 0, 0, 0], []
         self.last = [(MAIN, 0), (MAIN, 0)]
@@ -68,7 +69,8 @@ class Die:
 
     def op(self, mb: int, sid: int, name: str, mb_bytes: float, **dims) -> None:
         self.on(mb, sid)
-        q = self.add(sid, "op", name, 0, int(mb_bytes * MB), 0, {"unit": "aiv", **dims})
+        tag = {"mb": mb} if self.tags else {}
+        q = self.add(sid, "op", name, 0, int(mb_bytes * MB), 0, {"unit": "aiv", **tag, **dims})
         self.last[mb] = (sid, q)
 
     def collective(self, mb: int, name: str, call: int) -> None:
@@ -81,26 +83,38 @@ class Die:
         q = self.add(S1, "after", A2A, end)
         self.last[mb] = (S1, q)
 
-    def step(self, experts_mb: float) -> None:
+    def attention(self, m: int) -> None:
+        for name, mb in (("mla_prolog", 1), ("mla", 2), ("o_proj", 1)):
+            self.op(m, S0, name, mb)
+        self.op(m, S0, "norms", 1, count=4)
+
+    def ffn(self, m: int, layer: int, experts_mb: float) -> None:
+        if layer == 0:
+            self.op(m, S1, "dense_ffn", 3)
+            return
+        self.op(m, S1, "gate", 1)
+        self.collective(m, "dispatch", 10 + m)
+        self.op(m, S1, "experts", experts_mb)
+        self.collective(m, "combine", 20 + m)
+        self.op(m, S1, "shared_expert", 1)
+
+    def step(self, experts_mb: float, interleaved: bool = False) -> None:
         """embed of both micro-batches, a dense layer, an MoE layer, the heads (module
-        docstring of runtime.model.pipeline), main joining both streams."""
+        docstring of runtime.model.pipeline), main joining both streams. `interleaved`: each
+        layer recorded as attention 0, FFN 0, attention 1, FFN 1 (same dependencies)."""
         self.add(MAIN, "begin", "step", 1)
         for m in (0, 1):
             self.op(m, S0, "embed", 1)
         for layer in (0, 1):
+            if interleaved:
+                for m in (0, 1):
+                    self.attention(m)
+                    self.ffn(m, layer, experts_mb)
+                continue
             for m in (0, 1):
-                for name, mb in (("mla_prolog", 1), ("mla", 2), ("o_proj", 1)):
-                    self.op(m, S0, name, mb)
-                self.op(m, S0, "norms", 1, count=4)
+                self.attention(m)
             for m in (0, 1):
-                if layer == 0:
-                    self.op(m, S1, "dense_ffn", 3)
-                    continue
-                self.op(m, S1, "gate", 1)
-                self.collective(m, "dispatch", 10 + m)
-                self.op(m, S1, "experts", experts_mb)
-                self.collective(m, "combine", 20 + m)
-                self.op(m, S1, "shared_expert", 1)
+                self.ffn(m, layer, experts_mb)
         for m in (0, 1):
             self.op(m, S0, "norms", 1, count=1)
             self.op(m, S0, "lm_head", 1)
@@ -110,12 +124,13 @@ class Die:
         self.add(MAIN, "end", "step", 1, [])
 
 
-def _project(tmp_path, expert_die: bool = False, main_op: bool = False):
-    dies = [Die(0, 1), Die(1, 0)]
+def _project(tmp_path, expert_die: bool = False, main_op: bool = False, tags: bool = False,
+             interleaved: bool = False):  # fmt: skip
+    dies = [Die(0, 1, tags), Die(1, 0, tags)]
     for d in dies:
-        d.step(experts_mb=4)
+        d.step(experts_mb=4, interleaved=interleaved)
     maps = [{"die": d.die, "streams": d.streams, "events": d.events} for d in dies]
-    if main_op:
+    if main_op:  # an op of main's own after the join (as an MTP sub-forward would be)
         ev = maps[0]["events"]
         ev.insert(len(ev) - 1, ["op", MAIN, 0, 0, "norms", 0, MB, 0, {"unit": "aiv"}])
     if expert_die:  # a die with ops but no `step` call (a split pod's expert die)
@@ -178,6 +193,23 @@ def test_a_die_without_step_calls_is_left_out_of_the_shares_and_means(tmp_path):
     assert set(fig.mean_us) == set(CATEGORIES)
 
 
-def test_an_op_on_main_in_a_two_stream_step_is_refused(tmp_path):
-    with pytest.raises(ProjectError, match="tiled by main or by its compute streams"):
-        tile_steps(_project(tmp_path, main_op=True), 0)
+def test_layers_follow_the_micro_batch_tags_in_any_recording_order(tmp_path):
+    plain = tile_steps(_project(tmp_path / "plain"), 0)[0]
+    for interleaved in (False, True):
+        t = tile_steps(_project(tmp_path / str(interleaved), tags=True,
+                                interleaved=interleaved), 0)[0]  # fmt: skip
+        assert t.layers == plain.layers and t.by_category == pytest.approx(plain.by_category)
+    # without tags an interleaved recording (micro-batch 0's FFN before micro-batch 1's
+    # attention, as a split pod launches its A2E) reads each micro-batch's attention as a layer:
+    # it ends at each FFN's last s1 op (10, 15, 47, 77)
+    t = tile_steps(_project(tmp_path / "untagged", interleaved=True), 0)[0]
+    assert [v for _, v in t.layers] == pytest.approx([10, 5, 32, 30])
+
+
+def test_mains_own_ops_in_a_two_stream_step_are_tiled_too(tmp_path):
+    t = tile_steps(_project(tmp_path, main_op=True), 0)[0]
+    ref = tile_steps(_project(tmp_path / "ref"), 0)[0]
+    assert t.span_us == pytest.approx(ref.span_us + 1)  # after the join at 80: 1 µs of norms
+    assert t.by_category["other"] == pytest.approx(ref.by_category["other"] + 1)
+    assert t.tiled_us == pytest.approx(ref.tiled_us + 1) == 95
+    assert t.stream_us == ref.stream_us and t.layers == ref.layers
