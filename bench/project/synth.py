@@ -34,8 +34,9 @@ from runtime import PodConfig
 SYNTH_PROTOCOLS = ("fused", "fused-dedup")
 
 
-class _Routes:
-    """Every die's routing and what it makes each die send and receive."""
+class Routes:
+    """Every die's routing and what it makes each die send and receive (`synth_decode`
+    builds one per MoE layer from explicit routings: `Routes.of`)."""
 
     def __init__(self, pt: Point, dedup: bool):
         self.pt, self.dedup = pt, dedup
@@ -47,6 +48,15 @@ class _Routes:
         self.dl = [get_dedup_layout(self.idx[d], w[d], self.placement) for d in range(n)] if (
             dedup
         ) else None  # fmt: skip
+
+    @classmethod
+    def of(cls, pt: Point, idx: list[np.ndarray], placement: Placement) -> Routes:
+        """Routes of explicit routings (`idx[d]`: die d's int64 [rows, topk]), no dedup."""
+        r = cls.__new__(cls)
+        r.pt, r.dedup, r.dl, r.placement = pt, False, None, placement
+        r.idx = list(idx)
+        r.lay = [get_dispatch_layout(x, placement) for x in r.idx]
+        return r
 
     def offsets(self, src: int) -> list[int]:
         lay = self.dl[src] if self.dedup else self.lay[src]
@@ -72,7 +82,7 @@ class _Routes:
         return int(self.lay[src].num_tokens_per_die[dst])
 
 
-def _dispatch(die: SynthDie, r: _Routes, lo: L.RegionLayout, it: int, quant: str) -> None:
+def fused_dispatch(die: SynthDie, r: Routes, lo: L.RegionLayout, it: int, quant: str) -> None:
     pt, cap, me = r.pt, die.cap, die.d
     stride = lo.pull_disp_stride
     op, n = it + 1, pt.dies
@@ -100,7 +110,7 @@ def _dispatch(die: SynthDie, r: _Routes, lo: L.RegionLayout, it: int, quant: str
     cap.op("assemble", 0, rows * stride, out * stride, unit="aiv", rows=rows)
 
 
-def _combine_rows(cap: Capture, r: _Routes, lo: L.RegionLayout, me: int, src: int) -> bool:
+def _combine_rows(cap: Capture, r: Routes, lo: L.RegionLayout, me: int, src: int) -> bool:
     """The combine rows `me` returns to `src` (`push_combine`, or `local_rows` for itself);
     True if there were any."""
     lin = r.comb_lin(src, me)
@@ -112,14 +122,14 @@ def _combine_rows(cap: Capture, r: _Routes, lo: L.RegionLayout, me: int, src: in
     return True
 
 
-def _slot_words(cap: Capture, r: _Routes, lo: L.RegionLayout, me: int, src: int, op: int):
+def _slot_words(cap: Capture, r: Routes, lo: L.RegionLayout, me: int, src: int, op: int):
     """`publish_slots`: the completion words of those rows, after every row."""
     lin = r.comb_lin(src, me)
     base = lo.fused_cflag_off // L.WORD
     cap.pub(src, (lin + base).tolist(), [op] * len(lin))
 
 
-def _combine(die: SynthDie, r: _Routes, lo: L.RegionLayout, it: int) -> None:
+def fused_combine(die: SynthDie, r: Routes, lo: L.RegionLayout, it: int) -> None:
     pt, cap, me = r.pt, die.cap, die.d
     op, n, topk = it + 1, pt.dies, pt.topk
     if r.dedup:  # `comm.alltoall.scatter.write_groups_by_src`
@@ -164,10 +174,10 @@ def synthesize_alltoall(cfg: PodConfig, pt: Point, protocol: str, quant: str,
         raise ValueError(f"synthesize: protocol {protocol!r}: only {', '.join(SYNTH_PROTOCOLS)}")
     base, dedup = split_protocol(protocol)
     lo = cfg.layout()
-    r = _Routes(pt, dedup)
+    r = Routes(pt, dedup)
     dies = [SynthDie(d, lo) for d in range(pt.dies)]
     for it in range(CAPTURE_WARMUP + CAPTURE_ITERS):
-        for name, step in (("dispatch", _dispatch), ("combine", _combine)):
+        for name, step in (("dispatch", fused_dispatch), ("combine", fused_combine)):
             for die in dies:
                 barrier(die, pt.dies, lo)
                 die.cap.begin(name, it, die.a2a)
@@ -186,3 +196,6 @@ def _write(dies: list[SynthDie], cfg: PodConfig, pt: Point, protocol: str, quant
     (out / "meta.json").unlink(missing_ok=True)
     entries = [write_die(die, out) for die in dies]
     return write_meta(out, entries, cfg.to_dict(), pt, protocol, quant, ["dispatch", "combine"])
+
+
+__all__ = ["SYNTH_PROTOCOLS", "Routes", "fused_combine", "fused_dispatch", "synthesize_alltoall"]

@@ -40,10 +40,10 @@ from pathlib import Path
 import numpy as np
 
 from bench.alltoall.inputs import Point
-from bench.project.synth import _combine, _dispatch, _Routes
+from bench.project.synth import Routes, fused_combine, fused_dispatch
 from bench.project.synth_common import write_die
 from comm.capture import Capture
-from comm.routing import Placement, get_dispatch_layout
+from comm.routing import Placement
 from memory import layout as L
 from runtime import PodConfig
 from runtime.model import ModelConfig
@@ -324,10 +324,10 @@ def synthesize_decode(
                 with die.cap.on(die.sid[a2a]):
                     if ev[1] == "dispatch":
                         r.pt = dataclasses.replace(r.base, batch=gates[coll][d])
-                        _dispatch(die, r, lo, it, quant)
+                        fused_dispatch(die, r, lo, it, quant)
                         pending, coll = r, coll + 1
                     else:
-                        _combine(die, r, lo, it)
+                        fused_combine(die, r, lo, it)
                 continue
             if kind == "op" and ev[4] == "shared_expert" and load.shared_dies:
                 die.drop(sid)
@@ -349,19 +349,17 @@ def synthesize_decode(
     return _write(dies, cfg, tpl, load, Path(directory), workload)
 
 
-def _routes(load: Load, i: int, rows: list[int], hidden: int) -> _Routes:
+def _routes(load: Load, i: int, rows: list[int], hidden: int) -> Routes:
     """`bench.project.synth`'s routes of collective i: every die's routing of its rows."""
-    r = _Routes.__new__(_Routes)
-    r.dedup, r.dl = False, None
-    r.placement = load.placement
-    r.idx = [np.asarray(load.route(d, i, rows[d]), np.int64).reshape(rows[d], load.topk)
-             for d in range(load.dies)]  # fmt: skip
-    r.lay = [get_dispatch_layout(x, load.placement) for x in r.idx]
-    r.base = r.pt = Point(load.dies, max(rows), hidden, load.topk, load.placement.num_experts, 0)
+    idx = [np.asarray(load.route(d, i, rows[d]), np.int64).reshape(rows[d], load.topk)
+           for d in range(load.dies)]  # fmt: skip
+    pt = Point(load.dies, max(rows), hidden, load.topk, load.placement.num_experts, 0)
+    r = Routes.of(pt, idx, load.placement)
+    r.base = pt
     return r
 
 
-def _expert_dims(r: _Routes, d: int) -> dict:
+def _expert_dims(r: Routes, d: int) -> dict:
     """The experts op's rows and rows per local expert of die d (every source's routing)."""
     p = r.placement
     mine = np.flatnonzero(p.die_of == d)
