@@ -69,12 +69,13 @@ class KVManager:
         """Blocks covering positions [0, num_tokens)."""
         return -(-num_tokens // self.block_size)
 
-    def match_by_prefix(self, tokens: list[int]) -> tuple[list[int], int]:
+    def match_by_prefix(self, tokens: list[int], root: int | None = None) -> tuple[list[int], int]:
         """Longest run of cached full blocks equal to tokens' prefix, at most len(tokens)-1 tokens
-        (the last token is recomputed for its logits). Returns (block ids, hit tokens); pure."""
+        (the last token is recomputed for its logits). Returns (block ids, hit tokens); pure.
+        `root`: the first block's parent (a namespace root, `sched.pool.ns_root`); None = none."""
         if not self.enable_prefix_cache:
             return [], 0
-        bs, blocks, parent = self.block_size, [], None
+        bs, blocks, parent = self.block_size, [], root
         for i in range((len(tokens) - 1) // bs):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             h = block_hash(parent, chunk)
@@ -123,15 +124,18 @@ class KVManager:
         table.append(self._take())
         return table[-1]
 
-    def cache_blocks(self, request_id: int, tokens: list[int], num_tokens: int) -> None:
+    def cache_blocks(
+        self, request_id: int, tokens: list[int], num_tokens: int, root: int | None = None
+    ) -> None:
         """Register the full blocks of the table covering tokens[:num_tokens] (KV written).
-        Idempotent; a hashed block keeps its hash; a hash already indexed keeps its block."""
+        Idempotent; a hashed block keeps its hash; a hash already indexed keeps its block.
+        `root`: the first block's parent, as in `match_by_prefix` (the same for every call)."""
         if not self.enable_prefix_cache:
             return
         table, bs = self._table(request_id), self.block_size
         chain = self._chain.setdefault(request_id, [])
         for i in range(len(chain), min(min(num_tokens, len(tokens)) // bs, len(table))):
-            parent = chain[-1] if chain else None
+            parent = chain[-1] if chain else root
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             h = block_hash(parent, chunk)
             chain.append(h)

@@ -1,0 +1,732 @@
+"""Pod-wide KV pool index (issue 33 "Keys and index", "Tiers and eviction"; KVPOOL.md §4.4).
+
+Pure bookkeeping in the engine's shell process, like `sched.kv.KVManager`: no processes, sockets
+or memory. The pool servers own the bytes; this index says which server slot or SSD file holds
+which block, and queues the orders the servers run (in order, per server) to make room.
+
+Keys are the die-local cache's chained `sched.kv.block_hash`; a namespace folds in as the first
+block's parent, `ns_root(ns)` (None: today's hashes). Each entry keeps its parent and tokens,
+compared on every lookup, so a hash collision cannot serve wrong KV.
+
+An entry is "writing" (a DRAM slot granted by `put_start`, its bytes not yet there: never
+returned by `lookup`) or "complete" (`put_end`). A complete entry lives in a DRAM slot, an SSD
+file (`on_ssd`), or both. No entry is ever an orphan: its parent is an entry or its ns root.
+
+Eviction (deterministic): DRAM victims are leaves (no child entry holding a DRAM slot), never
+pinned by a lease, writing or promoting; least recently used first, recency being the order of
+touches (a lookup touches its chain tail first, so a prefix ends more recent than its suffixes;
+a grant touches the new entry). A victim already on SSD drops its slot (`drop` order); else, on
+a server with an SSD tier, it is demoted (`demote` order; the SSD tier makes room by deleting
+SSD-only leaves with no child at all, LRU, `delete` orders); else it leaves the index, which
+needs no child at all. Orders: ("demote", s, h, slot), ("drop", s, h, slot), ("delete", s, h),
+("promote", s, h, slot); a server runs them in order, so a demote copies a slot before a later
+promote or put reuses it. A put or a promotion reclaimed by its timeout frees its slot: a late
+write into it is caught by the crc checked at load.
+
+Time is the injectable clock `now`; leases and timeouts expire lazily at every public call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from sched.kv import block_hash
+
+WRITING, COMPLETE = "writing", "complete"
+Block = tuple[int, "int | None", tuple[int, ...]]  # (hash, parent, tokens)
+
+
+class PoolIndexError(AssertionError):
+    """A broken PoolIndex invariant (`check`) or an impossible internal state."""
+
+
+def ns_root(ns: str | None) -> int | None:
+    """The first block's parent in namespace ns: blake2b-64(b"xpod-ns" + ns) (little endian);
+    None for the default namespace, which keeps every `block_hash` computed today."""
+    if ns is None:
+        return None
+    if not isinstance(ns, str):
+        raise TypeError(f"ns must be a str or None, got {ns!r}")
+    digest = hashlib.blake2b(b"xpod-ns" + ns.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def chain(tokens: Sequence[int], block_size: int, ns: str | None = None) -> list[Block]:
+    """(hash, parent, tokens) of every full block of tokens, chained from ns_root(ns)."""
+    return _chain_tail(tokens, block_size, 0, ns_root(ns))
+
+
+@dataclass
+class Entry:
+    h: int
+    ns: str | None
+    parent: int | None
+    tokens: tuple[int, ...]
+    crc: int
+    state: str  # WRITING | COMPLETE
+    server: int
+    dram_slot: int | None
+    on_ssd: bool = False
+    pins: int = 0  # live leases holding it
+    hits: int = 0
+    last_use: float = 0.0
+    promoting: bool = False  # SSD -> dram_slot copy ordered, not yet `promoted`
+    since: float = 0.0  # start of the put (writing) or of the promotion
+    tick: int = 0  # recency: the index's touch counter at its last touch
+    epoch: int = 0  # bumped when its pins are dropped (server_dead) or it leaves the index
+
+
+@dataclass(frozen=True)
+class HitBlock:
+    h: int
+    server: int
+    slot: int | None  # DRAM slot to load from; None: not there yet (see promote_slot)
+    crc: int
+    on_ssd: bool
+    promote_slot: int | None = None  # a promotion into this slot is ordered (or pending)
+
+
+@dataclass(frozen=True)
+class Hit:
+    lease: int  # 0: nothing pinned
+    blocks: list[HitBlock]
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Granted:
+    server: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class AlreadyStored:
+    pass
+
+
+@dataclass(frozen=True)
+class Writing:
+    pass
+
+
+@dataclass(frozen=True)
+class Dropped:
+    reason: str  # admission | orphan | quota | full | collision
+
+
+PutState = Granted | AlreadyStored | Writing | Dropped
+_COUNTERS = ("lookups", "hits", "misses", "query_blocks", "hit_blocks", "evictions", "demotions",
+             "drops", "removals", "ssd_deletes", "promotions", "admissions_dropped",
+             "quota_dropped", "full_dropped", "orphan_dropped", "collisions", "leases_expired",
+             "puts_reclaimed", "promotions_reclaimed")  # fmt: skip
+
+
+class PoolIndex:
+    """The pool's index over `servers` (server id -> DRAM slots) and their SSD tiers."""
+
+    def __init__(
+        self,
+        block_size: int,
+        servers: dict[int, int],
+        ssd_blocks: dict[int, int] | None = None,
+        admit: str = "always",
+        lease_s: float = 10.0,
+        put_timeout_s: float = 30.0,
+        quotas: dict[str, int] | None = None,
+        now: Callable[[], float] = time.monotonic,
+    ):
+        _validate(block_size, servers, ssd_blocks, admit, lease_s, put_timeout_s, quotas)
+        self.block_size = block_size
+        self.servers = dict(sorted(servers.items()))
+        self.ssd_blocks = {s: int((ssd_blocks or {}).get(s) or 0) for s in self.servers}
+        self.admit, self.lease_s, self.put_timeout_s = admit, lease_s, put_timeout_s
+        self.quotas = dict(quotas or {})
+        self._now = now
+        self._e: dict[int, Entry] = {}
+        self._kids: dict[int | None, set[int]] = {}  # parent hash -> child entries' hashes
+        self._dram_kids: dict[int | None, int] = {}  # parent hash -> children holding a slot
+        self._free = {s: list(range(n)) for s, n in self.servers.items()}  # min-heaps
+        self._ssd_used = dict.fromkeys(self.servers, 0)
+        self._ns_used: dict[str | None, int] = {}
+        self._heap: dict[tuple[str, int], list[tuple[int, int]]] = {
+            (tier, s): [] for tier in ("dram", "ssd") for s in self.servers
+        }  # (tick, h), lazily deleted: valid while the entry is there with that tick
+        self._pushes = 0
+        self._tick = 0
+        self._leases: OrderedDict[int, tuple[float, list[tuple[Entry, int]]]] = OrderedDict()
+        self._next_lease = 1
+        self._writing: OrderedDict[int, Entry] = OrderedDict()
+        self._promoting: OrderedDict[int, Entry] = OrderedDict()
+        self._ghost: OrderedDict[int, int] = OrderedDict()  # hash -> lookups missing it (<= 2)
+        self.ghost_capacity = 4 * sum(self.servers.values())
+        self._orders: list[tuple] = []
+        self._down: set[int] = set()
+        self._c = dict.fromkeys(_COUNTERS, 0)
+
+    # ---- read path ------------------------------------------------------------------------
+
+    def lookup(
+        self, tokens: Sequence[int], ns: str | None = None, max_blocks: int | None = None
+    ) -> Hit:
+        """The longest complete chain of tokens' full blocks, at most (len - 1) // block_size
+        (the last token is recomputed), pinned under a lease. SSD-only entries get a DRAM slot
+        here (`promote_slot`, a `promote` order queued); the hit stops where none is free."""
+        now = self._expire()
+        bs, c = self.block_size, self._c
+        n = max(0, (len(tokens) - 1) // bs)
+        if max_blocks is not None:
+            n = min(n, max(0, max_blocks))
+        parent, found = ns_root(ns), []
+        for i in range(n):
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            h = block_hash(parent, chunk)
+            e = self._e.get(h)
+            if e is None or e.state != COMPLETE or e.server in self._down:
+                break
+            if e.tokens != chunk or e.parent != parent or e.ns != ns:
+                break
+            found.append(e)
+            parent = h
+        for e in found:
+            e.pins += 1  # no promotion below may evict a block of this hit
+        blocks = []
+        for e in found:
+            promote = e.dram_slot if e.promoting else None
+            if e.dram_slot is None:
+                got = self._alloc(e.ns, None, only=e.server)
+                if isinstance(got, str):
+                    break
+                self._set_slot(e, *got)
+                e.promoting, e.since = True, now
+                self._promoting[e.h] = e
+                self._orders.append(("promote", e.server, e.h, e.dram_slot))
+                c["promotions"] += 1
+                promote = e.dram_slot
+            slot = None if promote is not None else e.dram_slot
+            blocks.append(HitBlock(e.h, e.server, slot, e.crc, e.on_ssd, promote))
+        for e in found[len(blocks) :]:
+            e.pins -= 1
+        found = found[: len(blocks)]
+        for e in reversed(found):
+            self._touch(e, now)
+            e.hits += 1
+        c["lookups"] += 1
+        c["query_blocks"] += n
+        c["hit_blocks"] += len(found)
+        c["hits" if found else "misses"] += 1
+        if self.admit == "second_hit" and len(found) < len(tokens) // bs:
+            parent = found[-1].h if found else ns_root(ns)
+            for h, _, _ in _chain_tail(tokens, bs, len(found), parent):
+                self._ghost[h] = min(2, self._ghost.get(h, 0) + 1)
+                self._ghost.move_to_end(h)
+            while len(self._ghost) > self.ghost_capacity:
+                self._ghost.popitem(last=False)
+        if not found:
+            return Hit(0, [], 0)
+        lease = self._next_lease
+        self._next_lease += 1
+        self._leases[lease] = (now + self.lease_s, [(e, e.epoch) for e in found])
+        return Hit(lease, blocks, len(found) * bs)
+
+    def release(self, lease: int) -> None:
+        """Unpin a lookup's entries. Unknown or expired lease: no-op."""
+        self._expire()
+        self._unpin(self._leases.pop(lease, None))
+
+    def promoted(self, h: int, slot: int, ok: bool = True) -> bool:
+        """A promotion into slot finished: the slot is loadable; or failed (ok=False): the slot
+        is freed, the entry stays on SSD. False (nothing done) if that promotion is not pending."""
+        self._expire()
+        e = self._e.get(h)
+        if e is None or not e.promoting or e.dram_slot != slot:
+            return False
+        if ok:
+            e.promoting = False
+            del self._promoting[h]
+        else:
+            self._clear_slot(e)
+        return True
+
+    # ---- write path -----------------------------------------------------------------------
+
+    def put_start(
+        self, blocks: list[Block], ns: str | None = None, server: int | None = None
+    ) -> list[PutState]:
+        """One state per block, in order: Granted(server, slot) (the entry is "writing" until
+        put_end / put_abort), AlreadyStored, Writing (another put has it), or Dropped(reason)."""
+        now = self._expire()
+        blocks = self._validate_blocks(blocks)
+        if server is not None and server not in self.servers:
+            raise ValueError(f"unknown server {server!r}")
+        root, out, c = ns_root(ns), [], self._c
+        for h, parent, tokens in blocks:
+            e = self._e.get(h)
+            if e is not None:
+                if (e.parent, e.tokens, e.ns) != (parent, tokens, ns):
+                    out.append(Dropped("collision"))
+                    c["collisions"] += 1
+                else:
+                    out.append(Writing() if e.state == WRITING else AlreadyStored())
+                continue
+            p = self._e.get(parent) if parent is not None else None
+            if parent != root and (p is None or p.ns != ns):
+                out.append(Dropped("orphan"))
+                c["orphan_dropped"] += 1
+                continue
+            if self.admit == "second_hit" and self._ghost.get(h, 0) < 2:
+                out.append(Dropped("admission"))
+                c["admissions_dropped"] += 1
+                continue
+            if p is not None:
+                p.pins += 1  # the parent is a leaf until this child exists: keep it
+            got = self._alloc(ns, server)
+            if p is not None:
+                p.pins -= 1
+            if isinstance(got, str):
+                out.append(Dropped(got))
+                c[f"{got}_dropped"] += 1
+                continue
+            self._ghost.pop(h, None)
+            e = Entry(h, ns, parent, tokens, 0, WRITING, got[0], None, since=now)
+            self._add(e)
+            self._set_slot(e, *got)
+            self._touch(e, now)
+            self._writing[h] = e
+            out.append(Granted(*got))
+        return out
+
+    def put_end(self, h: int, crc: int) -> bool:
+        """The server stored the block: the entry is complete. False if h is not writing."""
+        self._expire()
+        e = self._e.get(h)
+        if e is None or e.state != WRITING:
+            return False
+        e.state, e.crc = COMPLETE, int(crc)
+        del self._writing[h]
+        return True
+
+    def put_abort(self, h: int) -> int:
+        """A put failed: the writing entry leaves with its descendants. Returns entries removed."""
+        self._expire()
+        e = self._e.get(h)
+        return self._remove_tree(e) if e is not None and e.state == WRITING else 0
+
+    def take_orders(self) -> list[tuple]:
+        """The queued server orders, in order (and forget them)."""
+        self._expire()
+        out, self._orders = self._orders, []
+        return out
+
+    # ---- servers --------------------------------------------------------------------------
+
+    def server_dead(self, s: int, ssd_survives: bool = True) -> dict:
+        """Server s is gone (until `server_inventory`): its writing entries are aborted, its
+        DRAM slots forgotten; entries only in its DRAM leave with their descendants; its SSD
+        entries stay (pins dropped, not served while it is down) if ssd_survives, else leave."""
+        self._expire()
+        if s not in self.servers:
+            raise ValueError(f"unknown server {s!r}")
+        self._down.add(s)
+        self._orders = [o for o in self._orders if o[1] != s]
+        before, kept = len(self._e), 0
+        for e in [e for e in self._writing.values() if e.server == s]:
+            if self._e.get(e.h) is e:  # else left with an ancestor
+                self._remove_tree(e)
+        for e in [e for e in self._e.values() if e.server == s]:
+            if self._e.get(e.h) is not e:
+                continue
+            if e.on_ssd and ssd_survives:
+                if e.dram_slot is not None:
+                    self._clear_slot(e)
+                e.pins, e.epoch, kept = 0, e.epoch + 1, kept + 1
+            else:
+                self._remove_tree(e)
+        return {"removed": before - len(self._e), "kept_on_ssd": kept}
+
+    def server_inventory(self, s: int, entries: list[tuple]) -> dict:
+        """Server s (re)started with these SSD files, (h, ns, parent, tokens, crc) each: it is up
+        again. Reported entries whose parent is neither known nor their ns root are skipped
+        (counted, `delete` ordered), as are invalid, duplicate and over-capacity ones; indexed
+        SSD entries of s not reported are lost."""
+        now = self._expire()
+        if s not in self.servers:
+            raise ValueError(f"unknown server {s!r}")
+        self._down.discard(s)
+        r = dict.fromkeys(("added", "kept", "orphans_skipped", "invalid", "duplicates",
+                           "over_capacity", "lost"), 0)  # fmt: skip
+        todo: dict[int, tuple] = {}
+        for h, ns, parent, tokens, crc in entries:
+            tokens = tuple(int(t) for t in tokens)
+            if len(tokens) != self.block_size or block_hash(parent, tokens) != h:
+                r["invalid"] += 1
+                self._orders.append(("delete", s, h))
+            else:
+                todo[h] = (ns, parent, tokens, int(crc))
+        for e in [e for e in self._e.values() if e.server == s and e.on_ssd]:
+            if self._e.get(e.h) is not e:
+                continue
+            if (e.ns, e.parent, e.tokens, e.crc) == todo.get(e.h):
+                r["kept"] += 1
+                del todo[e.h]
+                continue
+            if e.promoting:
+                self._clear_slot(e)  # from a file that is gone
+            if e.dram_slot is None:
+                r["lost"] += self._remove_tree(e)
+            else:
+                e.on_ssd, r["lost"] = False, r["lost"] + 1
+                self._ssd_used[s] -= 1
+        progress = True
+        while progress:
+            progress = False
+            for h, (ns, parent, tokens, crc) in list(todo.items()):
+                if h in self._e:
+                    r["duplicates"] += 1
+                elif parent != ns_root(ns) and (parent not in self._e or self._e[parent].ns != ns):
+                    continue
+                elif self._ssd_used[s] >= self.ssd_blocks[s]:
+                    r["over_capacity"] += 1
+                else:
+                    e = Entry(h, ns, parent, tokens, crc, COMPLETE, s, None, on_ssd=True)
+                    self._add(e)
+                    self._ssd_used[s] += 1
+                    self._touch(e, now)
+                    r["added"] += 1
+                    del todo[h]
+                    progress = True
+                    continue
+                del todo[h]
+                self._orders.append(("delete", s, h))
+        r["orphans_skipped"] = len(todo)
+        self._orders.extend(("delete", s, h) for h in todo)
+        return r
+
+    # ---- inspection -----------------------------------------------------------------------
+
+    def entry(self, h: int) -> Entry | None:
+        """A copy of the entry for h, or None."""
+        self._expire()
+        e = self._e.get(h)
+        return None if e is None else replace(e)
+
+    def __len__(self) -> int:
+        self._expire()
+        return len(self._e)
+
+    def __contains__(self, h: int) -> bool:
+        self._expire()
+        return h in self._e
+
+    def stats(self) -> dict:
+        self._expire()
+        es = self._e.values()
+        roots = {e.ns: ns_root(e.ns) for e in es}
+        return {
+            "entries": len(self._e),
+            "dram_used": {s: n - len(self._free[s]) for s, n in self.servers.items()},
+            "ssd_used": dict(self._ssd_used),
+            "pinned": sum(1 for e in es if e.pins),
+            "writing": len(self._writing),
+            "promoting": len(self._promoting),
+            "leases": len(self._leases),
+            "ghost": len(self._ghost),
+            "orphans": sum(1 for e in es if e.parent not in self._e and e.parent != roots[e.ns]),
+            "down": sorted(self._down),
+            **self._c,
+        }
+
+    def check(self) -> None:
+        """Every invariant; raises PoolIndexError naming the first broken one."""
+        es = self._e
+        pins: dict[int, int] = {}
+        for _, items in self._leases.values():
+            for e, ep in items:
+                if es.get(e.h) is e and e.epoch == ep:
+                    pins[e.h] = pins.get(e.h, 0) + 1
+        kids: dict[int | None, set[int]] = {}
+        dram_kids: dict[int | None, int] = {}
+        used = {s: set() for s in self.servers}
+        ssd = dict.fromkeys(self.servers, 0)
+        ns_used: dict[str | None, int] = {}
+        for h, e in es.items():
+            _expect(e.h == h and e.state in (WRITING, COMPLETE), f"entry {h:x}: key or state")
+            _expect(len(e.tokens) == self.block_size, f"entry {h:x}: {len(e.tokens)} tokens")
+            _expect(e.server in self.servers, f"entry {h:x}: unknown server {e.server}")
+            _expect(e.parent in es or e.parent == ns_root(e.ns), f"entry {h:x} is an orphan")
+            _expect(e.parent not in es or es[e.parent].ns == e.ns, f"entry {h:x}: parent's ns")
+            _expect(e.pins == pins.get(h, 0), f"entry {h:x}: pins {e.pins} != leases")
+            kids.setdefault(e.parent, set()).add(h)
+            if e.state == WRITING:
+                _expect(e.dram_slot is not None, f"writing entry {h:x} has no slot")
+                _expect(self._writing.get(h) is e, f"writing entry {h:x} not tracked")
+                _expect(not e.on_ssd and not e.pins, f"writing entry {h:x} on SSD or pinned")
+            _expect(e.dram_slot is not None or e.on_ssd, f"entry {h:x} in no tier")
+            _expect(e.promoting == (self._promoting.get(h) is e), f"entry {h:x}: promoting")
+            _expect(not e.promoting or (e.on_ssd and e.dram_slot is not None), f"promote {h:x}")
+            if e.dram_slot is not None:
+                _expect(e.server not in self._down, f"entry {h:x}: a slot on a down server")
+                _expect(0 <= e.dram_slot < self.servers[e.server], f"entry {h:x}: slot range")
+                _expect(e.dram_slot not in used[e.server], f"slot {e.dram_slot} held twice")
+                used[e.server].add(e.dram_slot)
+                dram_kids[e.parent] = dram_kids.get(e.parent, 0) + 1
+                ns_used[e.ns] = ns_used.get(e.ns, 0) + 1
+            ssd[e.server] += e.on_ssd
+        for s, n in self.servers.items():
+            free = self._free[s]
+            _expect(len(set(free)) == len(free), f"server {s}: a free slot twice")
+            _expect(set(free) | used[s] == set(range(n)), f"server {s}: a slot lost")
+            _expect(not set(free) & used[s], f"server {s}: a used slot is free")
+            _expect(ssd[s] == self._ssd_used[s], f"server {s}: SSD count {self._ssd_used[s]}")
+            _expect(ssd[s] <= self.ssd_blocks[s], f"server {s}: SSD over capacity")
+        _expect(kids == self._kids, "child sets differ from the entries")
+        _expect(dram_kids == {k: v for k, v in self._dram_kids.items() if v}, "DRAM child counts")
+        _expect(ns_used == {k: v for k, v in self._ns_used.items() if v}, "ns DRAM counts")
+        for ns, n in ns_used.items():
+            _expect(n <= self.quotas.get(ns, n), f"ns {ns!r}: {n} DRAM blocks over its quota")
+        _expect(all(w.state == WRITING and es.get(h) is w for h, w in self._writing.items()),
+                "a tracked put is not a writing entry")  # fmt: skip
+        _expect(len(self._ghost) <= self.ghost_capacity, "ghost set over capacity")
+        for (tier, s), heap in self._heap.items():
+            items = set(heap)
+            for e in es.values():
+                if e.server == s and self._in_tier(e, tier):
+                    _expect((e.tick, e.h) in items, f"entry {e.h:x} not in the {tier} LRU of {s}")
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _expire(self) -> float:
+        now = self._now()
+        while self._leases:
+            lease, (deadline, _) = next(iter(self._leases.items()))
+            if deadline > now:
+                break
+            self._unpin(self._leases.pop(lease))
+            self._c["leases_expired"] += 1
+        while self._writing:
+            e = next(iter(self._writing.values()))
+            if e.since + self.put_timeout_s > now:
+                break
+            self._remove_tree(e)
+            self._c["puts_reclaimed"] += 1
+        while self._promoting:
+            e = next(iter(self._promoting.values()))
+            if e.since + self.put_timeout_s > now:
+                break
+            self._clear_slot(e)
+            self._c["promotions_reclaimed"] += 1
+        return now
+
+    def _unpin(self, lease: tuple[float, list[tuple[Entry, int]]] | None) -> None:
+        for e, epoch in lease[1] if lease else ():
+            if self._e.get(e.h) is e and e.epoch == epoch:
+                e.pins -= 1
+
+    def _touch(self, e: Entry, now: float) -> None:
+        self._tick += 1
+        e.tick, e.last_use = self._tick, now
+        self._push(e)
+
+    def _push(self, e: Entry) -> None:
+        if e.dram_slot is None and not e.on_ssd:
+            return
+        tier = "dram" if e.dram_slot is not None else "ssd"
+        heapq.heappush(self._heap[tier, e.server], (e.tick, e.h))
+        self._pushes += 1
+        if self._pushes > 2 * len(self._e) + 256:  # drop the stale items
+            self._pushes = 0
+            for key in self._heap:
+                self._heap[key] = []
+            for x in self._e.values():
+                self._push(x)
+
+    def _add(self, e: Entry) -> None:
+        self._e[e.h] = e
+        self._kids.setdefault(e.parent, set()).add(e.h)
+
+    def _set_slot(self, e: Entry, s: int, slot: int) -> None:
+        e.server, e.dram_slot = s, slot
+        self._ns_used[e.ns] = self._ns_used.get(e.ns, 0) + 1
+        self._dram_kids[e.parent] = self._dram_kids.get(e.parent, 0) + 1
+        self._push(e)
+
+    def _clear_slot(self, e: Entry) -> None:
+        heapq.heappush(self._free[e.server], e.dram_slot)
+        self._ns_used[e.ns] -= 1
+        self._dram_kids[e.parent] -= 1
+        e.dram_slot = None
+        if e.promoting:
+            e.promoting = False
+            del self._promoting[e.h]
+        self._push(e)
+
+    def _remove_tree(self, top: Entry) -> int:
+        """Remove top and its descendants (children first); `delete` SSD copies, sorted."""
+        tree, i = [top], 0
+        while i < len(tree):
+            tree.extend(self._e[k] for k in sorted(self._kids.get(tree[i].h, ())))
+            i += 1
+        for e in reversed(tree):
+            self._remove(e)
+        dels = sorted((e.h, e.server) for e in tree if e.on_ssd and e.server not in self._down)
+        self._orders.extend(("delete", s, h) for h, s in dels)
+        return len(tree)
+
+    def _remove(self, e: Entry) -> None:
+        if self._kids.get(e.h):
+            raise PoolIndexError(f"entry {e.h:x} removed with children")
+        if e.dram_slot is not None:
+            self._clear_slot(e)
+        self._ssd_used[e.server] -= e.on_ssd
+        del self._e[e.h]
+        self._kids[e.parent].discard(e.h)
+        if not self._kids[e.parent]:
+            del self._kids[e.parent]
+        if self._writing.get(e.h) is e:
+            del self._writing[e.h]
+        e.epoch += 1
+
+    def _alloc(self, ns: str | None, hint: int | None, only: int | None = None):
+        """A free DRAM slot (server, slot), evicting if needed; else "quota" or "full"."""
+        up = [s for s in self.servers if s not in self._down]
+        quota = self.quotas.get(ns) if ns is not None else None
+        if quota is not None and self._ns_used.get(ns, 0) >= quota and not self._evict(up, ns):
+            return "quota"
+        if only is not None:
+            if not self._free[only] and not self._evict([only], None):
+                return "full"
+            s = only
+        elif hint is not None and hint in up and self._free[hint]:
+            s = hint
+        else:
+            if not up or (not any(self._free[s] for s in up) and not self._evict(up, None)):
+                return "full"
+            s = max(up, key=lambda s: (len(self._free[s]), -s))
+        return s, heapq.heappop(self._free[s])
+
+    def _evict(self, servers: list[int], ns: str | None) -> bool:
+        """Evict the least recently used DRAM victim of servers (of ns if given)."""
+        found = [v for v in (self._victim(s, ns) for s in servers) if v is not None]
+        if not found:
+            return False
+        e = min(found, key=lambda v: v.tick)
+        if self._dram_kids.get(e.h):
+            raise PoolIndexError(f"victim {e.h:x} has a child in DRAM (leaf-first)")
+        s, slot = e.server, e.dram_slot
+        if e.on_ssd:
+            self._clear_slot(e)
+            self._orders.append(("drop", s, e.h, slot))
+            self._c["drops"] += 1
+        elif self.ssd_blocks[s] and (self._ssd_used[s] < self.ssd_blocks[s] or self._ssd_evict(s)):
+            e.on_ssd = True  # the SSD victim (if any) is deleted before this copy
+            self._ssd_used[s] += 1
+            self._clear_slot(e)
+            self._orders.append(("demote", s, e.h, slot))
+            self._c["demotions"] += 1
+        else:
+            self._remove(e)
+            self._c["removals"] += 1
+        self._c["evictions"] += 1
+        return True
+
+    def _victim(self, s: int, ns: str | None) -> Entry | None:
+        """The least recently used evictable DRAM entry of s (of ns if given)."""
+        room: list[bool] = []  # computed once, if needed: can s's SSD tier take a demotion?
+
+        def ok(e: Entry) -> bool:
+            if e.state != COMPLETE or e.promoting or e.pins or self._dram_kids.get(e.h):
+                return False
+            if ns is not None and e.ns != ns:
+                return False
+            if e.on_ssd or not self._kids.get(e.h):
+                return True  # a drop, or a demotion / removal
+            if not room:
+                cap = self.ssd_blocks[s]
+                room.append(
+                    cap > 0 and (self._ssd_used[s] < cap or self._ssd_victim(s) is not None)
+                )
+            return room[0]
+
+        return self._first("dram", s, ok)
+
+    def _ssd_victim(self, s: int) -> Entry | None:
+        """The least recently used SSD-only entry of s with no child at all, unpinned."""
+        return self._first("ssd", s, lambda e: not e.pins and not self._kids.get(e.h))
+
+    def _ssd_evict(self, s: int) -> bool:
+        e = self._ssd_victim(s)
+        if e is None:
+            return False
+        self._remove(e)
+        self._orders.append(("delete", s, e.h))
+        self._c["ssd_deletes"] += 1
+        return True
+
+    def _first(self, tier: str, s: int, ok: Callable[[Entry], bool]) -> Entry | None:
+        """The least recently used entry of a tier on s passing ok; stale heap items dropped."""
+        heap, seen, aside, found = self._heap[tier, s], set(), [], None
+        while heap and found is None:
+            tick, h = heapq.heappop(heap)
+            e = self._e.get(h)
+            if e is None or e.tick != tick or e.server != s or h in seen:
+                continue
+            if not self._in_tier(e, tier):
+                continue
+            seen.add(h)
+            aside.append((tick, h))
+            if ok(e):
+                found = e
+        for item in aside:
+            heapq.heappush(heap, item)
+        return found
+
+    @staticmethod
+    def _in_tier(e: Entry, tier: str) -> bool:
+        """In the DRAM LRU (holds a slot) or the SSD LRU (on SSD only)."""
+        return e.dram_slot is not None if tier == "dram" else e.dram_slot is None and e.on_ssd
+
+    def _validate_blocks(self, blocks: list[Block]) -> list[Block]:
+        out = []
+        for b in blocks:
+            h, parent, tokens = b
+            tokens = tuple(int(t) for t in tokens)
+            if len(tokens) != self.block_size:
+                raise ValueError(f"block {h:x}: {len(tokens)} tokens, block_size {self.block_size}")
+            if block_hash(parent, tokens) != h:
+                raise ValueError(f"block {h:x}: not block_hash(parent, tokens)")
+            out.append((h, parent, tokens))
+        return out
+
+
+def _chain_tail(tokens: Sequence[int], bs: int, start: int, parent: int | None) -> list[Block]:
+    out: list[Block] = []
+    for i in range(start, len(tokens) // bs):
+        chunk = tuple(int(t) for t in tokens[i * bs : (i + 1) * bs])
+        h = block_hash(parent, chunk)
+        out.append((h, parent, chunk))
+        parent = h
+    return out
+
+
+def _validate(block_size, servers, ssd_blocks, admit, lease_s, put_timeout_s, quotas) -> None:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    if not servers or any(not isinstance(n, int) or n < 0 for n in servers.values()):
+        raise ValueError(f"servers must map server ids to DRAM slots >= 0, got {servers!r}")
+    if any(s not in servers or (n or 0) < 0 for s, n in (ssd_blocks or {}).items()):
+        raise ValueError(f"ssd_blocks must map known servers to blocks >= 0, got {ssd_blocks!r}")
+    if admit not in ("always", "second_hit"):
+        raise ValueError(f"admit must be 'always' or 'second_hit', got {admit!r}")
+    if not lease_s > 0 or not put_timeout_s > 0:
+        raise ValueError(f"lease_s and put_timeout_s must be > 0, got {lease_s}, {put_timeout_s}")
+    if any(not isinstance(n, int) or n < 0 for n in (quotas or {}).values()):
+        raise ValueError(f"quotas must be ints >= 0, got {quotas!r}")
+
+
+def _expect(ok: bool, what: str) -> None:
+    if not ok:
+        raise PoolIndexError(f"PoolIndex invariant: {what}")
