@@ -144,6 +144,10 @@ class KVManager:
                 self._hash[b], self._parent[b], self._tokens[b] = h, parent, chunk
                 self._index[h] = b
 
+    def chain(self, request_id) -> list[int]:
+        """The hashes of a table's full blocks registered so far (`cache_blocks`), in order."""
+        return list(self._chain.get(request_id, ()))
+
     def free(self, request_id: int) -> list[int]:
         """Drop the table; blocks reaching refcount 0 become cached (hashed; freed tail first so
         the tail is evicted first) or free. Returns those blocks. Unknown id: no-op."""

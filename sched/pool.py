@@ -123,7 +123,7 @@ PutState = Granted | AlreadyStored | Writing | Dropped
 _COUNTERS = ("lookups", "hits", "misses", "query_blocks", "hit_blocks", "evictions", "demotions",
              "drops", "removals", "ssd_deletes", "promotions", "admissions_dropped",
              "quota_dropped", "full_dropped", "orphan_dropped", "collisions", "leases_expired",
-             "puts_reclaimed", "promotions_reclaimed")  # fmt: skip
+             "puts_reclaimed", "promotions_reclaimed", "bad_drops")  # fmt: skip
 
 
 class PoolIndex:
@@ -315,6 +315,18 @@ class PoolIndex:
         self._expire()
         e = self._e.get(h)
         return self._remove_tree(e) if e is not None and e.state == WRITING else 0
+
+    def drop(self, h: int) -> int:
+        """Remove an entry with its descendants (its bytes are bad: a crc mismatch at a load,
+        a failed demotion or promotion). Returns the entries removed (0: not there)."""
+        self._expire()
+        e = self._e.get(h)
+        if e is None:
+            return 0
+        self._promoting.pop(h, None)
+        self._writing.pop(h, None)
+        self._c["bad_drops"] += 1
+        return self._remove_tree(e)
 
     def take_orders(self) -> list[tuple]:
         """The queued server orders, in order (and forget them)."""

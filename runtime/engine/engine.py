@@ -48,6 +48,8 @@ from runtime.engine.faults import FaultPlan, parse_faults
 from runtime.engine.master import MasterSpec, master_main
 from runtime.engine.output import OutputSpec, output_main
 from runtime.engine.pd_shell import PDRouter, pd_blocks, pd_master_spec
+from runtime.engine.pool_shell import REPLIES as POOL_REPLIES
+from runtime.engine.pool_shell import PoolShell
 from runtime.engine.recovery import EngineRecovery
 from runtime.engine.spec_stats import check_transcript
 from runtime.engine.split_stats import die_counters, eplb_counters, role_counters, split_summary
@@ -92,6 +94,8 @@ class Engine(EngineRecovery):
         self.tracker = RequestTracker(self.model, config.dies, balancer, self._send,
                                       config.output_procs)  # fmt: skip
         self.tracker.pd = PDRouter(config) if config.pd is not None else None
+        self.pool = PoolShell(self) if config.kv_pool is not None else None
+        self.tracker.pool = self.pool
         self.lock = self.tracker.lock  # also guards the sockets to the masters
         self.stats: dict[int, dict] = {}
         self.stats_log: list[dict] = []
@@ -169,6 +173,8 @@ class Engine(EngineRecovery):
             for t in warm:
                 if not t.done.wait(READY_TIMEOUT_S) or t.reason == "error":
                     raise EngineError(f"warm-up request failed: {t.error or 'timed out'}")
+        if self.pool is not None:  # after the warm-up: every die has made its KV pool
+            self.pool.start()
         self.arm_steps()
         plan = self.first_plan
         self.started_at = time.monotonic()
@@ -252,6 +258,7 @@ class Engine(EngineRecovery):
             pin_cpu=cpu, trace=bool(cfg.trace), output_proc=cfg.output_procs,
             stream_interval=cfg.stream_interval, pd=pd_master_spec(cfg, g),
             spec_tokens=cfg.speculative.k if cfg.speculative is not None else 0,
+            pool=self.pool.master_spec() if self.pool is not None else None,
         )  # fmt: skip
 
     def _thread(self, fn, *args, name: str) -> None:
@@ -329,7 +336,12 @@ class Engine(EngineRecovery):
         self._thread(self._receive, name="xpod-engine-receive")
 
     def _watch(self) -> None:
-        if self.closing or self.failure is not None or self.recovering:
+        if self.closing or self.failure is not None:
+            return
+        if self.pool is not None:  # a dead pool server costs hits, never requests
+            with self.lock:
+                self.pool.watch()
+        if self.recovering:
             return
         if self.supervisor is not None and self.config.recover:
             return  # it waits on the processes' sentinels itself
@@ -343,6 +355,11 @@ class Engine(EngineRecovery):
                 return
 
     def _on_message(self, kind: str, body: dict) -> None:
+        if kind in POOL_REPLIES:  # a pool server's (it outlives the pod's incarnations)
+            if self.pool is not None:
+                with self.lock:
+                    self.pool.on_server(kind, body)
+            return
         if body.get("gen", 0) != self.gen and kind != "out":  # the tracker counts stale `out`
             return
         if kind == "ready":
@@ -565,6 +582,8 @@ class Engine(EngineRecovery):
             self.not_fired = self.supervisor.finish(time.monotonic() - self.started_at)
         if self.config.trace and self.pod is not None and not self.pod.closed:
             self._write_trace(pod_run)
+        if self.pool is not None:  # after the masters: no load or store is left to answer
+            self.pool.close()
         if self.pod is not None:
             self.pod.close(fast=True)
         self.closed = True

@@ -32,6 +32,7 @@ from memory import layout as L
 from memory.region import Region, RegionHandle, region_name
 from runtime.engine import wire
 from runtime.engine.pd_master import TICK_S, DecodeSide, PrefillSide
+from runtime.engine.pool_master import PoolSide
 from runtime.engine.spec_stats import add_spec_counts
 from runtime.engine.step_ring import Bell, Ring, bell_path
 from runtime.engine.wire import engine_socket, master_socket, output_socket
@@ -87,6 +88,7 @@ class MasterSpec:
     gen: int = 0  # the engine's incarnation (restarts): on every message, stale ones dropped
     pd: dict | None = None  # a PD pod's group: role, prefill / decode dies, KV row, lease, timeout
     spec_tokens: int = 0  # MTP drafts per decode row (sched.SchedulerConfig.spec_tokens)
+    pool: dict | None = None  # the KV pool: servers' order sockets, KV row, load timeout
 
 
 class Master:
@@ -169,13 +171,15 @@ class Master:
         if spec.pd is not None:
             side = PrefillSide if spec.pd["role"] == "prefill" else DecodeSide
             self.pd = side(self, spec.pd)
+        self.pool = PoolSide(self, spec.pool) if spec.pool is not None else None
 
     # -- requests ------------------------------------------------------------------------------
 
     def on_message(self, frame: bytes) -> None:
         try:
             kind, body = wire.unpack(frame, {"add", "abort", "shutdown", "ping", "kv_dst",
-                                             "kv_done", "kv_cancel"})  # fmt: skip
+                                             "kv_done", "kv_cancel", "loaded", "pool_release",
+                                             "pool_dead"})  # fmt: skip
         except wire.WireError as e:
             log.warning("master %d: dropped a bad frame: %s", self.spec.group, e)
             return
@@ -185,8 +189,18 @@ class Master:
             req = self.sched.abort(body.get("id"))
             if req is not None:
                 self.finish(req)
+            elif self.pool is not None and self.pool.abort(body.get("id")):
+                pass
             elif isinstance(self.pd, DecodeSide):
                 self.pd.abort(body.get("id"))
+        elif kind in ("loaded", "pool_release", "pool_dead"):
+            if self.pool is not None:
+                if kind == "loaded":
+                    self.pool.on_loaded(body)
+                elif kind == "pool_release":
+                    self.pool.on_release(body)
+                else:
+                    self.pool.server_dead(body.get("server"))
         elif kind in ("kv_dst", "kv_done", "kv_cancel"):
             if isinstance(self.pd, PrefillSide):
                 {"kv_dst": self.pd.on_dst, "kv_done": self.pd.on_done,
@@ -206,6 +220,8 @@ class Master:
                     self.finish(req)
             if isinstance(self.pd, DecodeSide):
                 self.pd.abort_all()
+            if self.pool is not None:
+                self.pool.abort_all()
 
     def add(self, body: dict) -> None:
         rid = body.get("id")
@@ -240,8 +256,11 @@ class Master:
             else:
                 if isinstance(self.pd, PrefillSide) and pd is not None:
                     params.max_tokens = 1  # the prefill and the first token only
-                self.sched.add(Request(rid, list(prompt), params, self.spec.eos_token_id,
-                                       time.monotonic(), index_base=base))  # fmt: skip
+                req = Request(rid, list(prompt), params, self.spec.eos_token_id,
+                              time.monotonic(), index_base=base)  # fmt: skip
+                hint = body.get("pool") if pd is None else None
+                if not (self.pool is not None and hint and self.pool.add(req, hint)):
+                    self.sched.add(req)
                 if isinstance(self.pd, PrefillSide) and pd is not None:
                     self.pd.add(rid, pd.get("peer"))
                     return  # its tokens and finish are the decode master's
@@ -275,6 +294,8 @@ class Master:
         self.streamed.discard(rid)
         self.started.discard(rid)
         self.transcripts.pop(rid, None)
+        if self.pool is not None:
+            self.pool.finished(rid)
         first = self.first.pop(rid, 0.0)
         self.done.append([rid, reason, len(req.prompt), req.num_cached, "", first,
                           self.sched_at.pop(rid, 0.0)])  # fmt: skip
@@ -418,7 +439,8 @@ class Master:
     def flush(self) -> None:
         send = self._due()
         events = self.pd.take_events() if self.pd is not None else []
-        if send or self.done or events:
+        pool = self.pool.take_events() if self.pool is not None else []
+        if send or self.done or events or pool:
             deltas = []  # [id, output index of the first token, tokens]: the shell's ledger
             for rid, toks in send.items():  # checks each start against what it has delivered
                 start = self.sent_n.get(rid, 0)
@@ -428,7 +450,7 @@ class Master:
                 self.sent_n.pop(rec[0], None)
             self.tokens_out.send(wire.pack("out", {
                 "group": self.spec.group, "gen": self.spec.gen, "deltas": deltas,
-                "done": self.done, "pd": events}))  # fmt: skip
+                "done": self.done, "pd": events, "pool": pool}))  # fmt: skip
             self.done = []
         now = time.monotonic()
         # Every 0.1 s while busy, and once more as the group goes idle (gauges read 0 then).
@@ -476,6 +498,8 @@ class Master:
                 "attn_new": self.attn_new}  # fmt: skip
         if self.pd is not None:
             body.update(self.pd.stats())
+        if self.pool is not None:
+            body.update(self.pool.stats())
         self.step_new, self.attn_new = [], []
         return body
 
@@ -523,7 +547,7 @@ class Master:
         while not self.stopped:
             busy = self.sched.has_work() or bool(self.in_flight) or self.deltas or self.done
             wait = STATS_EVERY_S if busy else 1.0
-            if self.pd is not None and self.pd.busy():
+            if (self.pd is not None and self.pd.busy()) or (self.pool and self.pool.busy()):
                 wait = TICK_S
             events = dict(poller.poll(int(wait * 1000)))
             self.bell.drain()
@@ -544,6 +568,9 @@ class Master:
                 self.heartbeat()
             if self.pd is not None:
                 self.pd.tick(time.monotonic())
+            if self.pool is not None:
+                self.pool.tick(time.monotonic())
+                self.pool.offer()
             t1 = time.perf_counter_ns()
             published = self.cmds.published()
             if not self.stopping:
@@ -563,6 +590,8 @@ class Master:
     def close(self) -> None:
         if self.pd is not None:
             self.pd.close()
+        if self.pool is not None:
+            self.pool.close()
         for s in {self.inbox, self.outbox, self.tokens_out}:
             s.close(linger=1000)
         self.ctx.term()

@@ -94,7 +94,8 @@ class OutputHandler:
             fin = r.finish(rec[1], rec[4])
             data.append([rec[0], r.take_count(), fin, True, 500 if rec[4] else 200, start, []])
         out = {"group": body.get("group", -1), "gen": body.get("gen", 0), "deltas": raw,
-               "done": done, "data": data, "pd": body.get("pd", [])}  # fmt: skip
+               "done": done, "data": data, "pd": body.get("pd", []),
+               "pool": body.get("pool", [])}  # fmt: skip
         return out, stops
 
 

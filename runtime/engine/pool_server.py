@@ -19,7 +19,10 @@ before use; nothing is pickled. Orders (a body's missing `gen` is 0, `n_tokens` 
 - `load {id, die, gen, slots, dst_offs, n_tokens, reply_to}` -> `loaded {server, id, crcs,
   bytes, ns, status, error}` pushed to `reply_to` (the results socket without one) once the
   data is in the die's region: `dst_offs` are die byte offsets, layer-major per (layer, block)
-  (`KVGeometry.offsets`); a partial last block copies its first rows only.
+  (`KVGeometry.offsets`); a partial last block copies its first rows only. `promote` [[h, slot,
+  ns]...]: SSD blocks of the hit read into their slots first, in the same order (a promotion
+  the shell ordered could otherwise reach the server after the master's load); the reply's
+  `promoted` [[h, ok, crc]...]; a failed one fails the load (status ERROR).
 - `demote {h, slot, ns, parent, tokens, crc}` -> `demoted {server, h, ok, crc, path, error}`:
   the slot to its block file (refused when the slot's crc is not `crc`, or the tier is full).
 - `promote {h, slot, path | ns}` -> `promoted {server, h, slot, ok, crc, error}`: a block file
@@ -338,6 +341,20 @@ class PoolServer:
         slots, dst = _ints(b, "slots"), _ints(b, "dst_offs")
         n = self._n_tokens(b, len(slots))
         m = self.die(_int(b, "die"), _int(b, "gen", 0))
+        promoted = []  # SSD blocks of this load, read into their slots first (one order: no
+        for p in b.get("promote") or ():  # other sender can come between the two)
+            if not (isinstance(p, list) and len(p) == 3):
+                raise ProtocolError(f"load: promote entry {p!r} is not [h, slot, ns]")
+            try:
+                r = self._promote({"h": p[0], "slot": p[1], "ns": p[2]})[2]
+            except (ProtocolError, OSError, P.BlockFileError) as e:
+                r = {"h": p[0], "ok": False, "crc": 0, "error": str(e)}
+            promoted.append([r["h"], bool(r["ok"]), int(r.get("crc") or 0)])
+        if not all(ok for _, ok, _ in promoted):
+            return reply_to, "loaded", {"server": self.cfg.server, "id": b.get("id"),
+                                        "status": ERROR, "error": "a promotion failed",
+                                        "crcs": [], "bytes": 0, "ns": 0,
+                                        "promoted": promoted}  # fmt: skip
         spans = segments(self.geo, slots, dst, n)
         for _, d, k in spans.tolist():
             if d < m.lo or d + k > m.hi:
@@ -346,7 +363,7 @@ class PoolServer:
         nbytes, ns = self._copy(self.seg.array, m.arr, spans)
         return reply_to, "loaded", {"server": self.cfg.server, "id": b.get("id"), "status": OK,
                                     "error": "", "crcs": self._crcs(slots), "bytes": nbytes,
-                                    "ns": ns}  # fmt: skip
+                                    "ns": ns, "promoted": promoted}  # fmt: skip
 
     def _slot_views(self, slot: int) -> list[np.ndarray]:
         return [self.seg.array[o : o + self.slot_bytes // self.cfg.n_layers]

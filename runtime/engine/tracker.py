@@ -153,6 +153,7 @@ class RequestTracker:
         self.hold = False  # a restart is under way: accepted requests wait in `pending`
         self.gen = 0  # the engine's incarnation: `out` messages of an older one are dropped
         self.pd = None  # a PD pod's router (runtime.engine.pd_shell.PDRouter)
+        self.pool = None  # the KV pool's shell side (runtime.engine.pool_shell.PoolShell)
         # The ledger's counters: tokens a stream had already (trimmed: never sent twice), gaps
         # (a bug: must stay 0), requests re-admitted after a restart, stale messages dropped.
         self.ledger = {"tokens_replayed": 0, "token_gaps": 0, "requests_recomputed": 0,
@@ -254,6 +255,10 @@ class RequestTracker:
                                "ignore_eos": p.ignore_eos}}  # fmt: skip
             if t.transcript is not None:
                 body["transcript"] = t.transcript
+            if self.pool is not None and t.prefill_group < 0:  # the pod-wide prefix lookup
+                hint = self.pool.hint(body["prompt"])
+                if hint is not None:
+                    body["pool"] = hint
             if t.render is not None:
                 if self.output_procs:
                     body["render"] = t.render
@@ -371,6 +376,9 @@ class RequestTracker:
                                           status=status))  # fmt: skip
             for ev in body.get("pd") or ():
                 self._pd_event(ev)
+            if self.pool is not None:
+                for ev in body.get("pool") or ():
+                    self.pool.on_event(body.get("group", -1), ev)
             for rec in body["done"]:
                 self._done(rec, now)
             self.dispatch_pending()

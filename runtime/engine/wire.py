@@ -19,6 +19,10 @@ Kinds (sender -> receiver):
   -> master: `abort` {id} (a stop string)
 - master -> die (step ring): `step` {plan, rows, released}, `stop` {}
 - die -> master (result ring): `result` {plan, step, sampled, fed, t_*, logits}
+- KV pool (`--kv-pool`): shell / master -> pool server: its orders (`runtime.engine.pool_server`,
+  same frames); pool server -> shell: `inventory`, `stored`, `demoted`, `promoted`, `deleted`,
+  `dropped`, `echo`, `error`; -> master: `loaded`; shell -> master: `pool_release` {hold},
+  `pool_dead` {server}
 """
 
 from __future__ import annotations
@@ -34,7 +38,10 @@ MARKER = "xpod"
 WIRE_VERSION = 1
 KINDS = frozenset(
     {"add", "abort", "shutdown", "ping", "ready", "out", "stats", "pong", "log", "step", "stop",
-     "result", "open", "eof", "kv_dst", "kv_done", "kv_cancel", "xfer", "probe"}
+     "result", "open", "eof", "kv_dst", "kv_done", "kv_cancel", "xfer", "probe",
+     # the KV pool (runtime.engine.pool_server's replies; the shell's to a master)
+     "inventory", "stored", "loaded", "demoted", "promoted", "deleted", "dropped", "echo",
+     "error", "pool_release", "pool_dead"}
 )  # fmt: skip
 
 

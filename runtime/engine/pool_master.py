@@ -1,0 +1,294 @@
+"""A master's side of the KV pool (`--kv-pool`, docs/serving.md "KV pool"): loads a request's
+pooled prefix into its die's blocks before admitting it, and offers its new prompt blocks for
+storing (000 §4.4's "reuse and store"; KVPOOL.md §4.5-4.6).
+
+Read path. The shell's dispatch looked the prompt's block chain up in the pool index and leased
+the hit (`pool` in the `add` body: `lease`, `ns`, and per block `[hash, server, slot, crc, promote]`
+from the first block; `promote`: the block is on the SSD tier only, read into `slot` by the
+same load order). `add`: if the die-local prefix cache already holds as much, the lease goes back
+(`unpin`) and the request is queued as ever. Else the blocks past the local hit are allocated
+under a holder key `("pool", id)` (which also holds the local prefix, so it cannot be evicted
+before admission), a `load` order goes to the pool server holding the slots (its copy runs in
+the server process: the emulated DMA engine, no die spends a cycle on it), and the request waits
+(WaitingForPool). The server scatters the slots into the die's blocks, *then* sends `loaded`
+here (data before its completion). `land`: the crc32 of each landed block (its layer spans,
+layer-major, in the die's region) is compared with the crc the block was stored with; the
+blocks up to the first mismatch are registered in the die-local prefix cache
+(`KVManager.cache_blocks`), the request is queued with the holder as its `Scheduler.holds`
+entry (freed at its admission, whose prefix match now finds them), and the lease goes back.
+A load not complete within `timeout_s` (or whose server the shell reports dead) falls back:
+the request is queued without it (its prefix recomputed) and the blocks stay quarantined until
+the late completion arrives or the server is gone (a stopped server may still write them).
+
+Write path. After every result, `offer` looks at each running request's newly registered
+prompt blocks (hashes it has not offered or loaded lately), holds them under `("put", id, k)`
+(hashed blocks are never rewritten, so the copy reads stable bytes) and reports them to the
+shell (`put` events in the master's `out`): the shell deduplicates them against the pool and
+orders the copies; `pool_release` frees the hold when they are done (or not needed).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import zmq
+
+from comm.kvlink import checksum, scatter_spans
+from memory import layout as L
+from runtime.engine.pool_server import pack as pool_frame
+from runtime.engine.wire import master_socket
+from sched import Request
+from sched.kv import KVFull
+from sched.request import FinishReason
+
+log = logging.getLogger(__name__)
+KNOWN = 8192  # hashes offered or loaded lately (not offered again)
+
+
+@dataclass(eq=False)
+class _Load:
+    req: Request
+    lease: int
+    server: int
+    blocks: list[list]  # [hash, server, slot, crc, promote] of the loaded blocks (past the hit)
+    local: int  # blocks the die-local cache had
+    offs: list[int]  # the scatter list: per (layer, loaded block), layer-major
+    since: float = field(default_factory=time.monotonic)
+    aborted: bool = False
+
+
+class PoolSide:
+    """One master's pool client (module docstring). `pool`: the MasterSpec's `pool` dict:
+    `servers` {id: order address}, `n_layers`, `row_floats`, `timeout_s`, `store`."""
+
+    def __init__(self, master, pool: dict):
+        self.m = master
+        self.n_layers, self.row_bytes = int(pool["n_layers"]), int(pool["row_floats"]) * 4
+        self.timeout_s = float(pool.get("timeout_s", 1.0))
+        self.store = pool.get("store", "prompt") != "off"
+        self.to_server: dict[int, zmq.Socket] = {}
+        for s, addr in pool["servers"].items():
+            sock = master.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(addr)
+            self.to_server[int(s)] = sock
+        self.reply_to = master_socket(master.spec.run_dir, master.spec.group)
+        self.loads: dict[int, _Load] = {}
+        self.quarantine: dict[int, tuple[object, int]] = {}  # request -> (holder, server)
+        self.offered: dict[int, int] = {}  # request -> prompt blocks offered (or skipped)
+        self.holds: dict[int, object] = {}  # put hold id -> holder key
+        self.next_hold = 0
+        self.known: OrderedDict[int, None] = OrderedDict()
+        self.events: list[list] = []
+        self.counters = {"pool_query_tokens": 0, "pool_hit_tokens": 0, "pool_loads": 0,
+                         "pool_load_fallbacks": 0, "pool_crc_mismatches": 0,
+                         "pool_load_bytes": 0, "pool_load_ns": 0, "pool_local_covered": 0,
+                         "pool_put_blocks": 0, "pool_quarantined_blocks": 0,
+                         "pool_kv_full": 0}  # fmt: skip
+
+    # -- read path -------------------------------------------------------------------------
+
+    def add(self, req: Request, hint: dict) -> bool:
+        """A request with a pool hint: True if it waits for a load (queued later by `land` or
+        the fallback), False if the caller queues it now (the local cache covers the hit, or
+        there is no room to load into)."""
+        m, kv, bs = self.m, self.m.kv, self.m.spec.block_size
+        rid, lease = req.request_id, int(hint.get("lease", 0))
+        blocks = [list(b) for b in hint.get("blocks", ())]
+        local, _ = kv.match_by_prefix(req.prompt)
+        hit = min(len(blocks), (len(req.prompt) - 1) // bs)
+        self.counters["pool_query_tokens"] += max(0, len(req.prompt) - len(local) * bs)
+        if len(local) >= hit or not blocks:
+            self.counters["pool_local_covered"] += 1
+            self._unpin(lease)
+            return False
+        todo = blocks[len(local) : hit]
+        server = int(todo[0][1])
+        pool_off = m.words[m.region.layout.serve_word(L.SV_KV_POOL)]
+        if any(int(b[1]) != server for b in todo) or server not in self.to_server or not pool_off:
+            self._unpin(lease)
+            return False
+        try:
+            table = kv.alloc_blocks(("pool", rid), hit * bs, local)
+        except KVFull:
+            self.counters["pool_kv_full"] += 1
+            self._unpin(lease)
+            return False
+        nb, stride = m.spec.num_blocks, bs * self.row_bytes
+        new = table[len(local) :]
+        offs = [pool_off + (layer * nb + b) * stride
+                for layer in range(self.n_layers) for b in new]  # fmt: skip
+        self.loads[rid] = _Load(req, lease, server, todo, len(local), offs)
+        self.to_server[server].send(pool_frame("load", {
+            "id": rid, "die": m.spec.group, "gen": m.spec.gen,
+            "slots": [int(b[2]) for b in todo], "dst_offs": offs, "n_tokens": len(todo) * bs,
+            "reply_to": self.reply_to,
+            "promote": [[int(b[0]), int(b[2]), hint.get("ns")]
+                        for b in todo if len(b) > 4 and b[4]]}))  # fmt: skip
+        self.counters["pool_loads"] += 1
+        return True
+
+    def on_loaded(self, body: dict) -> None:
+        """A server's `loaded` (its data already in the die's blocks)."""
+        rid = body.get("id")
+        held = self.quarantine.pop(rid, None)
+        if held is not None:  # a late completion of a fallen-back load: the blocks are free
+            self.m.kv.free(held[0])
+            return
+        ld = self.loads.pop(rid, None)
+        if ld is None:
+            log.warning("master %d: a pool completion for request %r with no load waiting",
+                        self.m.spec.group, rid)  # fmt: skip
+            return
+        if ld.aborted:
+            self.m.kv.free(("pool", rid))
+            self._unpin(ld.lease)
+            return
+        bs = self.m.spec.block_size
+        ok = 0
+        if body.get("status") == 0:
+            arr = self.m.region.array
+            spans = scatter_spans(ld.offs, len(ld.blocks) * bs, bs, self.row_bytes,
+                                  self.n_layers)  # fmt: skip
+            n = len(ld.blocks)
+            for i, b in enumerate(ld.blocks):
+                mine = spans[[layer * n + i for layer in range(self.n_layers)]]
+                if checksum(arr, mine, 1) != int(b[3]):
+                    self.counters["pool_crc_mismatches"] += 1
+                    self.events.append(["bad", int(b[0])])
+                    break
+                ok += 1
+        req, kv = ld.req, self.m.kv
+        if ok:
+            kv.cache_blocks(("pool", rid), req.prompt, (ld.local + ok) * bs)
+            for b in ld.blocks[:ok]:
+                self._know(int(b[0]))
+            self.m.sched.holds[rid] = ("pool", rid)
+        else:
+            kv.free(("pool", rid))
+        dt = time.monotonic() - ld.since
+        self.counters["pool_hit_tokens"] += ok * bs
+        self.counters["pool_load_bytes"] += int(body.get("bytes", 0))
+        self.counters["pool_load_ns"] += int(dt * 1e9)
+        self.events.append(["landed", rid, ld.lease, ok, len(ld.blocks),
+                            int(body.get("bytes", 0)), round(dt * 1e3, 4),
+                            body.get("promoted") or []])  # fmt: skip
+        self.m.sched.add(req)
+
+    def _fallback(self, ld: _Load, why: str) -> None:
+        """Queue the request without its load; its blocks quarantined (the server may still
+        write them) until the completion comes or the server is gone."""
+        rid = ld.req.request_id
+        self.loads.pop(rid, None)
+        self.quarantine[rid] = (("pool", rid), ld.server)
+        self.counters["pool_load_fallbacks"] += 1
+        self.counters["pool_quarantined_blocks"] += len(ld.blocks)
+        self.events.append(["failed", rid, ld.lease, why])
+        if not ld.aborted:
+            self.m.sched.add(ld.req)
+        log.warning("master %d: the pool load of request %d %s: recomputed", self.m.spec.group,
+                    rid, why)  # fmt: skip
+
+    def abort(self, rid: int) -> bool:
+        """True if `rid` waited for a load (it ends here; its load's completion frees it)."""
+        ld = self.loads.get(rid)
+        if ld is None or ld.aborted:
+            return False
+        ld.aborted = True
+        ld.req.finish_reason = FinishReason.ABORT
+        self.m.finish(ld.req)
+        return True
+
+    def abort_all(self) -> None:
+        for rid in list(self.loads):
+            self.abort(rid)
+
+    def server_dead(self, server: int) -> None:
+        """The shell saw pool server `server` exit: its loads fall back, their blocks free."""
+        for ld in [x for x in self.loads.values() if x.server == server]:
+            self._fallback(ld, f"lost its server {server}")
+        for rid, (holder, s) in list(self.quarantine.items()):
+            if s == server:
+                del self.quarantine[rid]
+                self.m.kv.free(holder)
+
+    # -- write path ------------------------------------------------------------------------
+
+    def offer(self) -> None:
+        """New full prompt blocks of running requests, held and reported for storing."""
+        if not self.store:
+            return
+        kv, bs = self.m.kv, self.m.spec.block_size
+        for req in self.m.sched.running:
+            rid = req.request_id
+            chain = kv.chain(rid)
+            n = min(len(chain), len(req.prompt) // bs)
+            start = self.offered.get(rid, 0)
+            if n <= start:
+                continue
+            self.offered[rid] = n
+            new = [i for i in range(start, n) if chain[i] not in self.known]
+            if not new:
+                continue
+            table = kv.block_table(rid)
+            hold = self.next_hold
+            self.next_hold += 1
+            key = ("put", rid, hold)
+            try:
+                kv.alloc_blocks(key, (new[-1] + 1) * bs, table[: new[-1] + 1])
+            except (KVFull, ValueError):
+                continue
+            self.holds[hold] = key
+            out = []
+            for i in new:
+                self._know(chain[i])
+                out.append([chain[i], chain[i - 1] if i else None,
+                            req.prompt[i * bs : (i + 1) * bs], table[i]])  # fmt: skip
+            self.counters["pool_put_blocks"] += len(out)
+            self.events.append(["put", hold, out])
+
+    def on_release(self, body: dict) -> None:
+        key = self.holds.pop(body.get("hold"), None)
+        if key is not None:
+            self.m.kv.free(key)
+
+    def finished(self, rid: int) -> None:
+        self.offered.pop(rid, None)
+
+    def _know(self, h: int) -> None:
+        self.known[h] = None
+        self.known.move_to_end(h)
+        if len(self.known) > KNOWN:
+            self.known.popitem(last=False)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def busy(self) -> bool:
+        return bool(self.loads or self.events or self.quarantine)
+
+    def tick(self, now: float) -> None:
+        for ld in [x for x in self.loads.values() if now - x.since > self.timeout_s]:
+            self._fallback(ld, f"timed out after {self.timeout_s:g} s")
+
+    def _unpin(self, lease: int) -> None:
+        if lease:
+            self.events.append(["unpin", lease])
+
+    def take_events(self) -> list:
+        ev, self.events = self.events, []
+        return ev
+
+    def stats(self) -> dict:
+        return {**self.counters, "pool_waiting": len(self.loads),
+                "pool_quarantined": len(self.quarantine),
+                "pool_holds": len(self.holds)}  # fmt: skip
+
+    def close(self) -> None:
+        for s in self.to_server.values():
+            s.close(linger=0)
+
+
+__all__ = ["PoolSide"]

@@ -1,0 +1,377 @@
+"""The shell's side of the KV pool (`--kv-pool`, docs/serving.md "KV pool"): the pool's index
+(`sched.pool.PoolIndex`, in this process: a lookup costs no round trip), its server process
+and the messages between them and the masters (KVPOOL.md §4).
+
+```
+ tracker.dispatch_pending --hint()--> add{pool: lease, ns, blocks}  --> master g (PoolSide)
+ master g  --out{pool: unpin / landed / failed / bad / put}--> on_event()
+ on_event(put) --put_start--> store{die blocks -> slots} --> pool server --stored--> on_server()
+ on_server(stored) --put_end--> pool_release{hold} --> master g
+ index eviction --demote / delete--> pool server;  a hit's SSD blocks --promote--> in the load
+```
+
+A pool server is a child process of the engine (`runtime.engine.pool_server`), outside the
+pod's restart: a die or master restart keeps the pool (the requests it resumes hit it), and a
+pool server's death costs hits, never requests: the shell sees it exit (`watch`, every
+supervisor tick), its DRAM entries leave the index (`PoolIndex.server_dead`), every master
+falls back on its loads (`pool_dead`), and it is restarted (up to `restarts` times), its SSD
+tier re-indexed from its inventory.
+
+The ns (namespace) of a request is a salt on its first block (`sched.pool.ns_root`); the
+default None leaves every hash as the die-local prefix cache computes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+from dataclasses import asdict, dataclass
+
+import zmq
+
+from memory import layout as L
+from memory import pool_layout as P
+from memory.errors import ConfigError
+from memory.region import region_name
+from runtime.engine.pool_server import (
+    DieRegion,
+    PoolServerConfig,
+    cleanup_pool_segment,
+    order_socket,
+    start_pool_server,
+    stop_pool_server,
+)
+from runtime.engine.pool_server import pack as pool_frame
+from runtime.engine.wire import engine_socket
+from sched.pool import Granted, PoolIndex
+
+log = logging.getLogger(__name__)
+KV_FORMAT = 1  # the pool's block format (a change makes old SSD files foreign)
+REPLIES = frozenset({"inventory", "stored", "demoted", "promoted", "deleted", "dropped", "echo",
+                     "error"})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """The KV pool of an engine (`EngineConfig.kv_pool`).
+
+    dram_mib: the DRAM tier (one pool server's shared-memory segment).
+    ssd_mib: the SSD tier (block files; 0: none). pool_dir: where (None: a directory in the
+        run directory, removed at close; a given one persists, re-indexed at start).
+    admit: "always" | "second_hit" (a block is stored once two lookups missed it).
+    store: "prompt" (new full prompt blocks after prefill) | "off" (loads only).
+    min_hit_blocks: a smaller pool hit is not loaded (recomputed).
+    load_timeout_s: a load not complete by then falls back to recompute.
+    lease_s: how long a lookup pins its hit. restarts: a dead pool server is restarted this
+        many times (then the pool is off: every prompt recomputes).
+    """
+
+    dram_mib: float = 256.0
+    ssd_mib: float = 0.0
+    pool_dir: str | None = None
+    admit: str = "always"
+    store: str = "prompt"
+    min_hit_blocks: int = 1
+    load_timeout_s: float = 2.0
+    lease_s: float = 10.0
+    restarts: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("dram_mib", "ssd_mib", "load_timeout_s", "lease_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
+                raise ConfigError(f"kv_pool.{name}: {v!r} must be a number >= 0")
+        if self.dram_mib <= 0:
+            raise ConfigError(f"kv_pool.dram_mib: {self.dram_mib!r} must be > 0")
+        if self.admit not in ("always", "second_hit"):
+            raise ConfigError(f"kv_pool.admit: {self.admit!r} must be always or second_hit")
+        if self.store not in ("prompt", "off"):
+            raise ConfigError(f"kv_pool.store: {self.store!r} must be prompt or off")
+        for name in ("min_hit_blocks", "restarts"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"kv_pool.{name}: {v!r} must be an int >= 0")
+
+
+def fingerprint(model, cfg) -> bytes:
+    """What makes a block's bytes: the model (its seed, dims, routing, batch invariance), the
+    all-to-all's quantization and combine dtype, the block size, the format."""
+    doc = repr(sorted(asdict(model).items())) + repr(
+        (cfg.quant, cfg.combine_dtype, cfg.block_size, KV_FORMAT)
+    )
+    return hashlib.blake2b(doc.encode(), digest_size=16).digest()
+
+
+class PoolShell:
+    """The pool's index, server and messages, for one engine (module docstring)."""
+
+    def __init__(self, engine):
+        self.e = engine
+        cfg = engine.config
+        self.cfg: PoolConfig = cfg.kv_pool
+        m = engine.model
+        self.n_layers, self.row_floats, self.bs = m.kv_layers, m.kv_cache_dim, cfg.block_size
+        self.fp = fingerprint(m, cfg)
+        self.slot_bytes = P.slot_bytes(self.n_layers, self.bs, self.row_floats)
+        self.n_slots = P.slots_for(self.cfg.dram_mib, self.n_layers, self.bs, self.row_floats)
+        self.ssd_blocks = int(self.cfg.ssd_mib * (1 << 20)) // self.slot_bytes
+        if self.cfg.ssd_mib and not self.ssd_blocks:
+            raise ConfigError(f"kv_pool.ssd_mib: {self.cfg.ssd_mib:g} MiB holds no block of"
+                              f" {self.slot_bytes} B")  # fmt: skip
+        if self.cfg.pool_dir is not None:
+            P.check_pool_dir(self.cfg.pool_dir)  # a clear refusal before anything starts
+        self.index = PoolIndex(self.bs, {0: self.n_slots},
+                               {0: self.ssd_blocks} if self.ssd_blocks else None,
+                               admit=self.cfg.admit, lease_s=self.cfg.lease_s)  # fmt: skip
+        self.handle = None
+        self.sock = None
+        self.ctx: zmq.Context | None = None
+        self.ssd_dir: str | None = None
+        self.own_dir = False
+        self.down = False  # out of restarts: the pool is off
+        self.restarts = 0
+        self.next_store = 0
+        self.stores: dict[int, tuple[int, int, list[int]]] = {}  # id -> group, hold, hashes
+        self.counters = {"pool_lookups": 0, "pool_hints": 0, "pool_hint_blocks": 0,
+                         "pool_stores": 0, "pool_stored_blocks": 0, "pool_store_failed": 0,
+                         "pool_landed_blocks": 0, "pool_load_failed": 0, "pool_crc_bad": 0,
+                         "pool_server_deaths": 0, "pool_server_restarts": 0,
+                         "pool_inventory_blocks": 0, "pool_demote_failed": 0,
+                         "pool_load_ms_sum": 0.0, "pool_load_bytes": 0}  # fmt: skip
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def master_spec(self) -> dict:
+        run_dir = self.e.run_dir
+        return {"servers": {0: order_socket(run_dir, 0)}, "n_layers": self.n_layers,
+                "row_floats": self.row_floats, "timeout_s": self.cfg.load_timeout_s,
+                "store": self.cfg.store}  # fmt: skip
+
+    def start(self) -> None:
+        """Start the pool server (after the dies made their KV pools: their offsets)."""
+        e = self.e
+        if self.ssd_blocks and self.ssd_dir is None:
+            self.own_dir = self.cfg.pool_dir is None
+            self.ssd_dir = self.cfg.pool_dir or os.path.join(e.run_dir, "pool-ssd")
+        pod = e.pod
+        lo = pod.layout
+        word = lo.serve_word(L.SV_KV_POOL)
+        dies = tuple(DieRegion(g, region_name(e.pod_id, g), lo.region_bytes,
+                               int(pod.region(g).words[word]), e.config.blocks)
+                     for g in range(e.config.dies))  # fmt: skip
+        if any(d.kv_off == 0 for d in dies):
+            raise ConfigError("kv pool: a die has no KV pool yet (start after the warm-up)")
+        cpus = sorted(os.sched_getaffinity(0))
+        self.server_cfg = PoolServerConfig(
+            pod=e.pod_id, server=0, fingerprint=self.fp, n_layers=self.n_layers,
+            block_size=self.bs, row_floats=self.row_floats, n_slots=self.n_slots,
+            orders=order_socket(e.run_dir, 0), results=engine_socket(e.run_dir), dies=dies,
+            ssd_dir=self.ssd_dir, ssd_blocks=self.ssd_blocks,
+            pin_cpu=cpus[-1] if len(cpus) > 1 and e.config.pin != "off" else -1,
+        )  # fmt: skip
+        self._spawn()
+
+    def _spawn(self) -> None:
+        cleanup_pool_segment(self.e.pod_id, 0)
+        self.handle = start_pool_server(self.server_cfg)
+        if self.ctx is None:
+            self.ctx = zmq.Context()
+        if self.sock is None:
+            self.sock = self.ctx.socket(zmq.PUSH)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.connect(self.server_cfg.orders)
+
+    def sentinel(self) -> int | None:
+        return self.handle.sentinel if self.handle is not None and not self.down else None
+
+    def watch(self) -> bool:
+        """Check the server (caller holds the tracker lock); True if it died (handled)."""
+        h = self.handle
+        if h is None or self.down or h.is_alive():
+            return False
+        code = h.exitcode
+        self.counters["pool_server_deaths"] += 1
+        log.warning("kv pool: server 0 (pid %s) exited (%s): its DRAM entries are lost, loads"
+                    " fall back to recompute", h.pid, code)  # fmt: skip
+        cleanup_pool_segment(self.e.pod_id, 0)
+        self.index.server_dead(0)
+        for sid in list(self.stores):
+            self._store_failed(sid)
+        for g in range(self.e.config.dies):
+            self.e._send(g, "pool_dead", {"server": 0})
+        if self.restarts >= self.cfg.restarts:
+            self.down = True
+            log.warning("kv pool: server 0 out of restarts (%d): the pool is off",
+                        self.restarts)  # fmt: skip
+            return True
+        self.restarts += 1
+        self.counters["pool_server_restarts"] += 1
+        self._spawn()
+        return True
+
+    def close(self) -> None:
+        if self.handle is not None:
+            with contextlib.suppress(Exception):
+                stop_pool_server(self.handle)
+            self.handle = None
+        with contextlib.suppress(Exception):
+            cleanup_pool_segment(self.e.pod_id, 0)
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
+        if self.ctx is not None:
+            self.ctx.term()
+            self.ctx = None
+        if self.own_dir and self.ssd_dir:
+            shutil.rmtree(self.ssd_dir, ignore_errors=True)
+
+    # -- read path (dispatch, under the tracker lock) -----------------------------------------
+
+    def hint(self, tokens: list[int], ns: str | None = None) -> dict | None:
+        """The `pool` field of an `add` (module docstring), or None (no hit worth a load)."""
+        if self.down or self.handle is None:
+            return None
+        self.counters["pool_lookups"] += 1
+        hit = self.index.lookup(tokens, ns)
+        orders = self.index.take_orders()
+        promote = {(o[2], o[3]) for o in orders if o[0] == "promote"}
+        self._send_orders([o for o in orders if o[0] != "promote"])
+        if not hit.blocks:
+            return None
+        if len(hit.blocks) < self.cfg.min_hit_blocks:
+            self._undo(hit, promote)
+            return None
+        blocks = []
+        for b in hit.blocks:
+            slot = b.slot if b.promote_slot is None else b.promote_slot
+            blocks.append([b.h, b.server, slot, b.crc, (b.h, slot) in promote])
+        self.counters["pool_hints"] += 1
+        self.counters["pool_hint_blocks"] += len(blocks)
+        return {"lease": hit.lease, "ns": ns, "blocks": blocks}
+
+    def _undo(self, hit, promote: set) -> None:
+        for b in hit.blocks:
+            if b.promote_slot is not None and (b.h, b.promote_slot) in promote:
+                self.index.promoted(b.h, b.promote_slot, ok=False)
+        self.index.release(hit.lease)
+
+    # -- a master's events (its `out`, under the tracker lock) --------------------------------
+
+    def on_event(self, group: int, ev: list) -> None:
+        kind = ev[0]
+        if kind == "unpin":
+            self.index.release(int(ev[1]))
+        elif kind == "landed":
+            _, _rid, lease, ok, _n, nbytes, ms, promoted = ev
+            self._promoted(promoted)
+            self.index.release(int(lease))
+            self.counters["pool_landed_blocks"] += int(ok)
+            self.counters["pool_load_ms_sum"] += float(ms)
+            self.counters["pool_load_bytes"] += int(nbytes)
+        elif kind == "failed":
+            self.counters["pool_load_failed"] += 1
+            self.index.release(int(ev[2]))
+        elif kind == "bad":
+            self.counters["pool_crc_bad"] += 1
+            self.index.drop(int(ev[1]))
+        elif kind == "put":
+            self._put(group, int(ev[1]), ev[2])
+        self._send_orders(self.index.take_orders())
+
+    def _promoted(self, promoted: list) -> None:
+        for h, ok, _crc in promoted:
+            e = self.index.entry(int(h))
+            if e is not None and e.promoting:
+                self.index.promoted(int(h), e.dram_slot, ok=bool(ok))
+                if not ok:
+                    self.index.drop(int(h))
+
+    def _put(self, group: int, hold: int, blocks: list) -> None:
+        if self.down or self.handle is None or self.cfg.store == "off":
+            self.e._send(group, "pool_release", {"hold": hold})
+            return
+        states = self.index.put_start([(int(h), None if p is None else int(p), tuple(t))
+                                       for h, p, t, _ in blocks])  # fmt: skip
+        granted = [(b, st) for b, st in zip(blocks, states, strict=True)
+                   if isinstance(st, Granted)]  # fmt: skip
+        if not granted:
+            self.e._send(group, "pool_release", {"hold": hold})
+            return
+        sid = self.next_store
+        self.next_store += 1
+        self.stores[sid] = (group, hold, [int(b[0]) for b, _ in granted])
+        self.counters["pool_stores"] += 1
+        self._send_orders(self.index.take_orders())  # demotions before the slots are reused
+        body = {"id": sid, "die": group, "gen": self.e.gen,
+                "die_blocks": [int(b[3]) for b, _ in granted],
+                "slots": [st.slot for _, st in granted],
+                "n_tokens": len(granted) * self.bs}  # fmt: skip
+        self.sock.send(pool_frame("store", body))
+
+    # -- the server's replies (the engine's receiver, under the tracker lock) -----------------
+
+    def on_server(self, kind: str, body: dict) -> None:
+        if kind == "stored":
+            st = self.stores.pop(body.get("id"), None)
+            if st is None:
+                return
+            group, hold, hashes = st
+            if body.get("status") == 0 and len(body.get("crcs", ())) == len(hashes):
+                for h, crc in zip(hashes, body["crcs"], strict=True):
+                    self.index.put_end(h, int(crc))
+                self.counters["pool_stored_blocks"] += len(hashes)
+            else:
+                for h in hashes:
+                    self.index.put_abort(h)
+                self.counters["pool_store_failed"] += 1
+            self.e._send(group, "pool_release", {"hold": hold})
+        elif kind == "demoted" and not body.get("ok"):
+            self.counters["pool_demote_failed"] += 1
+            self.index.drop(int(body.get("h", 0)))
+        elif kind == "inventory":
+            ents = [(int(x[0]), x[1], None if x[2] is None else int(x[2]), tuple(x[3]),
+                     int(x[4])) for x in body.get("entries", ())]  # fmt: skip
+            self.index.server_inventory(0, ents)
+            self.counters["pool_inventory_blocks"] += len(ents)
+        elif kind == "error":
+            log.warning("kv pool: server 0 refused an order: %s", body.get("error"))
+        self._send_orders(self.index.take_orders())
+
+    def _store_failed(self, sid: int) -> None:
+        group, hold, hashes = self.stores.pop(sid)
+        for h in hashes:
+            self.index.put_abort(h)
+        self.counters["pool_store_failed"] += 1
+        self.e._send(group, "pool_release", {"hold": hold})
+
+    def _send_orders(self, orders: list[tuple]) -> None:
+        if self.sock is None or self.down:
+            return
+        for o in orders:
+            kind, _server, h = o[0], o[1], o[2]
+            if kind == "demote":
+                e = self.index.entry(h)
+                if e is None:
+                    continue
+                self.sock.send(pool_frame("demote", {
+                    "h": h, "slot": o[3], "ns": e.ns, "parent": e.parent,
+                    "tokens": list(e.tokens), "crc": e.crc}))  # fmt: skip
+            elif kind == "delete":
+                self.sock.send(pool_frame("delete", {"h": h, "ns": None}))
+            elif kind == "promote":  # not part of a hit's load: its own order
+                e = self.index.entry(h)
+                self.sock.send(pool_frame("promote", {"h": h, "slot": o[3],
+                                                      "ns": e.ns if e else None}))  # fmt: skip
+
+    # -- figures -------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        return {**self.counters, **{f"index_{k}": v for k, v in self.index.stats().items()},
+                "n_slots": self.n_slots, "ssd_blocks": self.ssd_blocks,
+                "slot_bytes": self.slot_bytes, "up": not self.down}  # fmt: skip
+
+
+__all__ = ["REPLIES", "PoolConfig", "PoolShell", "fingerprint"]
