@@ -11,7 +11,7 @@ from comm.quant import COMBINE_DTYPES
 from memory import layout as L
 from memory.errors import ConfigError
 from runtime.engine.pd import POLICIES, PDTopology
-from runtime.engine.pool_shell import PoolConfig
+from runtime.engine.pool_config import PoolConfig
 from runtime.model import EPLBConfig, ModelConfig, pod_config_for
 from runtime.model.mtp import SpecConfig
 from runtime.pod import PodConfig
@@ -149,9 +149,9 @@ class EngineConfig:
         if self.kv_pool is not None:
             if not isinstance(self.kv_pool, PoolConfig):
                 raise ConfigError(f"kv_pool: expected a PoolConfig or None, got {self.kv_pool!r}")
-            if self.prefill_dies or self.decode_dies or self.expert_dies or self.hosts:
-                raise ConfigError("kv_pool: a colocated pod on one host only (the pool's PD,"
-                                  " split and multi-host paths are not built yet)")  # fmt: skip
+            if self.expert_dies or self.hosts:
+                raise ConfigError("kv_pool: a colocated or PD pod on one host (the pool's split"
+                                  " and multi-host paths are not built yet)")  # fmt: skip
             if not self.prefix_cache:
                 raise ConfigError("kv_pool: needs the prefix cache (loaded blocks join it)")
         m = self.model_config()

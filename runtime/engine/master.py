@@ -258,7 +258,7 @@ class Master:
                     params.max_tokens = 1  # the prefill and the first token only
                 req = Request(rid, list(prompt), params, self.spec.eos_token_id,
                               time.monotonic(), index_base=base)  # fmt: skip
-                hint = body.get("pool") if pd is None else None
+                hint = body.get("pool")  # a colocated or PD prefill die's pool hit
                 if not (self.pool is not None and hint and self.pool.add(req, hint)):
                     self.sched.add(req)
                 if isinstance(self.pd, PrefillSide) and pd is not None:

@@ -35,6 +35,9 @@ class PDRouter:
         self.where: dict[int, int] = {}  # request -> its prefill die, until prefilled
         self.dead: dict[int, set[int]] = {}  # prefill die -> decode dies that see it dead
         self.counters = {"pd_dispatched": 0, "pd_recomputed": 0, "pd_failed": 0}
+        # With the KV pool the hit is pod-wide, the same for every prefill die: the choice is
+        # load alone (000 §4.1's stateless scheduler), no "same first block lately" tie-break
+        self.locality = cfg.kv_pool is None
 
     def pick(self, tokens: list[int], max_tokens: int) -> tuple[int, int] | None:
         """(prefill die, decode die) for a request, or None if every decode die is full."""
@@ -46,7 +49,8 @@ class PDRouter:
 
         def score(p: int) -> tuple:
             q = self.queued[p]
-            return ((len(q) + 1) * (sum(q.values()) + len(tokens)), key not in self.recent[p])
+            near = key not in self.recent[p] if self.locality else False
+            return ((len(q) + 1) * (sum(q.values()) + len(tokens)), near)
 
         return min(alive, key=score), self.decode[g]
 

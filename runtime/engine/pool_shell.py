@@ -28,7 +28,7 @@ import hashlib
 import logging
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import zmq
 
@@ -36,6 +36,8 @@ from memory import layout as L
 from memory import pool_layout as P
 from memory.errors import ConfigError
 from memory.region import region_name
+from runtime.engine.pd_shell import pd_blocks
+from runtime.engine.pool_config import PoolConfig
 from runtime.engine.pool_server import (
     DieRegion,
     PoolServerConfig,
@@ -52,48 +54,6 @@ log = logging.getLogger(__name__)
 KV_FORMAT = 1  # the pool's block format (a change makes old SSD files foreign)
 REPLIES = frozenset({"inventory", "stored", "demoted", "promoted", "deleted", "dropped", "echo",
                      "error"})  # fmt: skip
-
-
-@dataclass(frozen=True)
-class PoolConfig:
-    """The KV pool of an engine (`EngineConfig.kv_pool`).
-
-    dram_mib: the DRAM tier (one pool server's shared-memory segment).
-    ssd_mib: the SSD tier (block files; 0: none). pool_dir: where (None: a directory in the
-        run directory, removed at close; a given one persists, re-indexed at start).
-    admit: "always" | "second_hit" (a block is stored once two lookups missed it).
-    store: "prompt" (new full prompt blocks after prefill) | "off" (loads only).
-    min_hit_blocks: a smaller pool hit is not loaded (recomputed).
-    load_timeout_s: a load not complete by then falls back to recompute.
-    lease_s: how long a lookup pins its hit. restarts: a dead pool server is restarted this
-        many times (then the pool is off: every prompt recomputes).
-    """
-
-    dram_mib: float = 256.0
-    ssd_mib: float = 0.0
-    pool_dir: str | None = None
-    admit: str = "always"
-    store: str = "prompt"
-    min_hit_blocks: int = 1
-    load_timeout_s: float = 2.0
-    lease_s: float = 10.0
-    restarts: int = 3
-
-    def __post_init__(self) -> None:
-        for name in ("dram_mib", "ssd_mib", "load_timeout_s", "lease_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
-                raise ConfigError(f"kv_pool.{name}: {v!r} must be a number >= 0")
-        if self.dram_mib <= 0:
-            raise ConfigError(f"kv_pool.dram_mib: {self.dram_mib!r} must be > 0")
-        if self.admit not in ("always", "second_hit"):
-            raise ConfigError(f"kv_pool.admit: {self.admit!r} must be always or second_hit")
-        if self.store not in ("prompt", "off"):
-            raise ConfigError(f"kv_pool.store: {self.store!r} must be prompt or off")
-        for name in ("min_hit_blocks", "restarts"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(f"kv_pool.{name}: {v!r} must be an int >= 0")
 
 
 def fingerprint(model, cfg) -> bytes:
@@ -160,7 +120,7 @@ class PoolShell:
         lo = pod.layout
         word = lo.serve_word(L.SV_KV_POOL)
         dies = tuple(DieRegion(g, region_name(e.pod_id, g), lo.region_bytes,
-                               int(pod.region(g).words[word]), e.config.blocks)
+                               int(pod.region(g).words[word]), pd_blocks(e.config, g))
                      for g in range(e.config.dies))  # fmt: skip
         if any(d.kv_off == 0 for d in dies):
             raise ConfigError("kv pool: a die has no KV pool yet (start after the warm-up)")

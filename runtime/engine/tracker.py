@@ -255,18 +255,18 @@ class RequestTracker:
                                "ignore_eos": p.ignore_eos}}  # fmt: skip
             if t.transcript is not None:
                 body["transcript"] = t.transcript
-            if self.pool is not None and t.prefill_group < 0:  # the pod-wide prefix lookup
-                hint = self.pool.hint(body["prompt"])
-                if hint is not None:
-                    body["pool"] = hint
+            hint = self.pool.hint(body["prompt"]) if self.pool is not None else None
+            if hint is not None and t.prefill_group < 0:  # the pod-wide prefix lookup
+                body["pool"] = hint
             if t.render is not None:
                 if self.output_procs:
                     body["render"] = t.render
                 elif t.id not in self.render.renderers:  # a resumed one keeps its renderer
                     self.render.open(t.id, t.render, len(t.tokens))
-            if t.prefill_group >= 0:
+            if t.prefill_group >= 0:  # a pool hit loads into the prefill die
+                pool = {"pool": hint} if hint is not None else {}
                 self.send(t.prefill_group, "add", {**body, "stream": False, "render": None,
-                                                   "pd": {"peer": t.group}})  # fmt: skip
+                                                   "pd": {"peer": t.group}, **pool})  # fmt: skip
                 body["pd"] = {"peer": t.prefill_group}
             self.send(t.group, "add", body)
 

@@ -1,0 +1,53 @@
+"""`PoolConfig`: the KV pool's knobs (`EngineConfig.kv_pool`; runtime.engine.pool_shell runs
+it). Its own module: the engine's config imports it without the pool's processes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memory.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """The KV pool of an engine (`EngineConfig.kv_pool`).
+
+    dram_mib: the DRAM tier (one pool server's shared-memory segment).
+    ssd_mib: the SSD tier (block files; 0: none). pool_dir: where (None: a directory in the
+        run directory, removed at close; a given one persists, re-indexed at start).
+    admit: "always" | "second_hit" (a block is stored once two lookups missed it).
+    store: "prompt" (new full prompt blocks after prefill) | "off" (loads only).
+    min_hit_blocks: a smaller pool hit is not loaded (recomputed).
+    load_timeout_s: a load not complete by then falls back to recompute.
+    lease_s: how long a lookup pins its hit. restarts: a dead pool server is restarted this
+        many times (then the pool is off: every prompt recomputes).
+    """
+
+    dram_mib: float = 256.0
+    ssd_mib: float = 0.0
+    pool_dir: str | None = None
+    admit: str = "always"
+    store: str = "prompt"
+    min_hit_blocks: int = 1
+    load_timeout_s: float = 2.0
+    lease_s: float = 10.0
+    restarts: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("dram_mib", "ssd_mib", "load_timeout_s", "lease_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
+                raise ConfigError(f"kv_pool.{name}: {v!r} must be a number >= 0")
+        if self.dram_mib <= 0:
+            raise ConfigError(f"kv_pool.dram_mib: {self.dram_mib!r} must be > 0")
+        if self.admit not in ("always", "second_hit"):
+            raise ConfigError(f"kv_pool.admit: {self.admit!r} must be always or second_hit")
+        if self.store not in ("prompt", "off"):
+            raise ConfigError(f"kv_pool.store: {self.store!r} must be prompt or off")
+        for name in ("min_hit_blocks", "restarts"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"kv_pool.{name}: {v!r} must be an int >= 0")
+
+
+__all__ = ["PoolConfig"]
