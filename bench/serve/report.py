@@ -57,6 +57,16 @@ def print_report(r: dict, opts: Options) -> None:
         row("MoE wait share:", r["moe_wait_share"], ".3f")
         row("Attention imbalance (mean):", r["attention_imbalance_mean"], ".3f")
         row("Prefix hit rate:", r["prefix_hit_rate"], ".3f")
+        if "hit_rate" in r:  # by source: the die's prefix cache, the KV pool, computed
+            row("Prompt tokens local/pool/computed:", f"{r['local_prompt_tokens']}/"
+                f"{r['pool_prompt_tokens']}/{r['computed_prompt_tokens']}")  # fmt: skip
+            row("Hit rate (local + pool, pool):", f"{r['hit_rate']:.3f}, {r['pool_hit_rate']:.3f}")
+        if "pool_loads" in r:
+            row(
+                "Pool loads (fell back, crc bad):",
+                f"{r['pool_loads']} ({r['pool_fallbacks']}, {r['pool_crc_mismatches']})",
+            )
+            row("Pool load ms / GB/s:", f"{r['pool_load_ms_mean']:.2f} / {r['pool_load_gbps']:.2f}")
         print("{s:{c}^{n}}".format(s="CPU s (ms per output token)", n=50, c="-"))
         for key in ("client", "shell", "masters", "outputs", "dies", "server"):
             if f"cpu_s_{key}" in r:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+SOURCES = ("local", "pool", "computed")  # xpod_prompt_tokens_by_source_total's sources
+
 
 def parse_prometheus(text: str) -> dict[str, list[tuple[dict, float]]]:
     """Prometheus text -> {sample name: [(labels, value)]} (prometheus-client's parser)."""
@@ -57,6 +59,29 @@ def kv_balance(snaps: list[dict]) -> float:
     return float(np.mean(ratios)) if ratios else 0.0
 
 
+def cache_figures(d) -> dict:
+    """Prompt tokens by source over the run (`xpod_prompt_tokens_by_source_total`: the die's
+    prefix cache, the KV pool, computed) and, with `--kv-pool`, the pool's loads; `d(name,
+    **labels)` is a counter's delta. Empty from a server that exports neither."""
+    src = {k: d("xpod_prompt_tokens_by_source_total", source=k) for k in SOURCES}
+    n = sum(src.values())
+    if not n:
+        return {}
+    out = {f"{k}_prompt_tokens": int(v) for k, v in src.items()}
+    out.update(hit_rate=(src["local"] + src["pool"]) / n, local_hit_rate=src["local"] / n,
+               pool_hit_rate=src["pool"] / n)  # fmt: skip
+    loads, secs = d("xpod_pool_loads_total"), d("xpod_pool_load_seconds_total")
+    if loads or d("xpod_pool_lookups_total"):
+        nbytes = d("xpod_pool_load_bytes_total")
+        out.update(pool_loads=int(loads), pool_fallbacks=int(d("xpod_pool_load_fallbacks_total")),
+                   pool_crc_mismatches=int(d("xpod_pool_crc_mismatches_total")),
+                   pool_load_gbps=nbytes / secs / 1e9 if secs else 0.0,
+                   pool_load_ms_mean=secs * 1e3 / loads if loads else 0.0,
+                   pool_stored_blocks=int(d("xpod_pool_stored_blocks_total")),
+                   pool_evictions=int(d("xpod_pool_evictions_total")))  # fmt: skip
+    return out
+
+
 CPU_ROLES = (("shell", "shell"), ("master", "masters"), ("output", "outputs"), ("die", "dies"))
 
 
@@ -104,6 +129,7 @@ def server_figures(s0: dict | None, s1: dict | None, snaps: list[dict], n_out: i
                                 for j in sorted(per, key=int)],
             mtp_ms_per_step=ratio(d("xpod_mtp_seconds_total") * 1e3, steps),
         )  # fmt: skip
+    out.update(cache_figures(d))
     cpu = 0.0
     for role, key in CPU_ROLES:
         v = d("xpod_process_cpu_seconds_total", role=role)

@@ -19,6 +19,8 @@ Two sources:
   launch, recompute); the ledger: requests accepted / ended / recomputed, tokens a stream had
   already (trimmed), token gaps (a bug: 0), stale messages of a dead incarnation; the
   incarnation and whether a restart is under way.
+- prompt tokens by source (die-local prefix cache, KV pool, computed) and the KV pool's
+  figures (runtime.api.pool_metrics).
 
 Names follow vLLM's with an `xpod_` prefix (`xpod_time_to_first_token_seconds`, ...).
 """
@@ -33,6 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 from runtime.api.pd_metrics import PDMetrics
+from runtime.api.pool_metrics import CacheMetrics
 
 # Buckets sized for this machine's steps (~2-20 ms) and few enough to keep a scrape cheap:
 # prometheus-client renders ~12 us per sample, and every bucket is a sample per group.
@@ -89,6 +92,7 @@ class Metrics:
         self.imb_n = 0
         self.procs: dict[int, psutil.Process] = {}
         self.pd = PDMetrics(engine, r) if getattr(engine.config, "pd", None) else None
+        self.cache = CacheMetrics(engine)
         r.register(_Callback(self.collect))
         engine.observer = self
 
@@ -273,6 +277,7 @@ class Metrics:
             for j, n in enumerate((s or {}).get("spec_accepted_per_pos") or ()):
                 per_pos.add_metric([str(g), str(j)], n)
         yield per_pos
+        yield from self.cache.collect(by)
         moe = sum((s or {}).get("moe_ns", 0) for s in by.values())
         fwd = sum((s or {}).get("step_ns", 0) for s in by.values())
         yield GaugeMetricFamily("xpod_moe_wait_share", "Pod-wide MoE wait share of forward time"

@@ -5,11 +5,14 @@ too, so a bad combination is refused before anything starts, naming the flag).""
 from __future__ import annotations
 
 import argparse
+import os
 
+from memory import pool_layout
 from memory.errors import ConfigError
 from runtime.cli.argtypes import (
     flag_error,
     int_range,
+    nonneg_float,
     nonneg_int,
     output_file,
     positive_float,
@@ -30,6 +33,7 @@ from runtime.cli.model_flags import (
     split_dies,
 )
 from runtime.engine import EngineConfig
+from runtime.engine.pool_config import PoolConfig
 
 # Fields named by EngineConfig / ModelConfig / PodConfig / SamplingParams errors -> their flags
 ENGINE_FLAGS = {
@@ -72,6 +76,23 @@ ENGINE_FLAGS = {
     "kv_lease_s": "--kv-lease",
     "kv_timeout_s": "--kv-timeout",
     "speculative": "--speculative-config/--num-speculative-tokens/--mtp-draft",
+    "kv_pool": "--kv-pool",
+    "kv_pool.dram_mib": "--pool-dram-mib",
+    "kv_pool.ssd_mib": "--pool-ssd-mib",
+    "kv_pool.admit": "--pool-admit",
+    "kv_pool.store": "--pool-store",
+    "kv_pool.min_hit_blocks": "--pool-min-hit-blocks",
+    "kv_pool.load_timeout_s": "--pool-load-timeout",
+}
+# The KV pool's flags (None: not given) -> their PoolConfig field and default
+POOL_FLAGS = {
+    "--pool-dram-mib": ("dram_mib", 256.0),
+    "--pool-ssd-mib": ("ssd_mib", 0.0),
+    "--pool-dir": ("pool_dir", None),
+    "--pool-admit": ("admit", "always"),
+    "--pool-store": ("store", "prompt"),
+    "--pool-min-hit-blocks": ("min_hit_blocks", 1),
+    "--pool-load-timeout": ("load_timeout_s", 2.0),
 }
 
 
@@ -128,6 +149,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     add_split_flags(p, "serve")
     add_pd_flags(p)
+    add_pool_flags(p)
     add_spec_flags(p)
     add_reliability_flags(p)
 
@@ -154,6 +176,97 @@ def add_pd_flags(p: argparse.ArgumentParser) -> None:
     add("--kv-timeout", type=positive_float, default=2.0, metavar="S",
         help="a decode die probes the link of a request waiting S seconds for its KV; no echo"
         " within S more: the link is dead (default 2)")  # fmt: skip
+
+
+def add_pool_flags(p: argparse.ArgumentParser) -> None:
+    """The pod-wide KV pool (runtime.engine.pool_shell; docs/serving.md "KV pool")."""
+    g = p.add_argument_group("KV pool")
+    add = g.add_argument
+    add("--kv-pool", action="store_true",
+        help="a pod-wide KV pool: a prompt prefix any die computed is loaded, not recomputed,"
+        " on every die (a pool server's DRAM tier, optionally an SSD tier)")  # fmt: skip
+    add("--pool-dram-mib", type=positive_float, default=None, metavar="N",
+        help="the pool's DRAM tier, MiB of /dev/shm (default 256)")  # fmt: skip
+    add("--pool-ssd-mib", type=nonneg_float, default=None, metavar="N",
+        help="the pool's SSD tier, MiB of block files (default 0: none)")  # fmt: skip
+    add("--pool-dir", default=None, metavar="DIR",
+        help="the SSD tier's directory, kept and re-indexed at the next start (default: a"
+        " directory in the run directory, removed at exit)")  # fmt: skip
+    add("--pool-admit", default=None, choices=("always", "second_hit"),
+        help="store a block at once (always, default) or once two lookups missed it")  # fmt: skip
+    add("--pool-store", default=None, choices=("prompt", "off"),
+        help="store new full prompt blocks after prefill (prompt, default) or nothing (off:"
+        " loads only)")  # fmt: skip
+    add(
+        "--pool-min-hit-blocks",
+        type=nonneg_int,
+        default=None,
+        metavar="N",
+        help="load a pool hit of N blocks or more, recompute a smaller one (default 1)",
+    )
+    add("--pool-load-timeout", type=positive_float, default=None, metavar="S",
+        help="a load not done in S seconds falls back to recompute (default 2)")  # fmt: skip
+
+
+def pool_of(args: argparse.Namespace) -> PoolConfig | None:
+    """The PoolConfig of --kv-pool and the --pool-* flags (None without --kv-pool);
+    ConfigError naming the flag: a --pool-* flag without --kv-pool, --kv-pool on a pod the pool
+    does not serve yet (--attention-dies, --hosts) or without the prefix cache."""
+    given = {f: getattr(args, f[2:].replace("-", "_"), None) for f in POOL_FLAGS}
+    if not getattr(args, "kv_pool", False):
+        for flag, value in given.items():
+            if value is not None:
+                raise ConfigError(f"argument {flag}: needs --kv-pool")
+        return None
+    if getattr(args, "attention_dies", 0) or getattr(args, "expert_dies", 0):
+        raise ConfigError("argument --kv-pool: not with --attention-dies/--expert-dies: the"
+                          " pool's split-pod path is not built yet")  # fmt: skip
+    if getattr(args, "hosts", None):
+        raise ConfigError("argument --kv-pool: not with --hosts: the pool's multi-host path is"
+                          " not built yet")  # fmt: skip
+    if getattr(args, "no_prefix_cache", False):
+        raise ConfigError("argument --kv-pool: not with --no-prefix-cache: loaded blocks join"
+                          " the prefix cache")  # fmt: skip
+    if given["--pool-dir"] is not None and not given["--pool-ssd-mib"]:
+        raise ConfigError("argument --pool-dir: needs --pool-ssd-mib > 0 (the SSD tier it"
+                          " holds)")  # fmt: skip
+    fields = {POOL_FLAGS[f][0]: POOL_FLAGS[f][1] if v is None else v for f, v in given.items()}
+    if fields["pool_dir"] is not None:  # the pool server may run from another directory
+        fields["pool_dir"] = os.path.abspath(fields["pool_dir"])
+    return PoolConfig(**fields)
+
+
+def check_pool_fits(cfg: EngineConfig) -> None:
+    """What the pool's shell would refuse at start, refused now (ConfigError naming the flag):
+    a DRAM tier holding no block or more than /dev/shm or MemAvailable allows, an SSD tier
+    holding no block, a --pool-dir that cannot be written or holds files not the pool's."""
+    pool = cfg.kv_pool
+    if pool is None:
+        return
+    m = cfg.model_config()
+    dims = (m.kv_layers, cfg.block_size, m.kv_cache_dim)
+    try:
+        pool_layout.slots_for(pool.dram_mib, *dims)
+    except ConfigError as e:
+        raise ConfigError(_named(e, "--pool-dram-mib")) from None
+    block = pool_layout.slot_bytes(*dims)
+    if pool.ssd_mib and int(pool.ssd_mib * (1 << 20)) < block:
+        raise ConfigError(f"argument --pool-ssd-mib: {pool.ssd_mib:g} MiB holds no block of"
+                          f" {block} B")  # fmt: skip
+    if pool.pool_dir is not None:
+        try:
+            pool_layout.check_pool_dir(pool.pool_dir)
+        except ConfigError as e:
+            raise ConfigError(_named(e, "--pool-dir")) from None
+
+
+def _named(err: ConfigError, flag: str) -> str:
+    """A pool_layout message (`--pool-... VALUE: why`) as `argument FLAG VALUE: why`, FLAG
+    this command's spelling."""
+    msg = " ".join(str(err).split())
+    if msg.startswith("--pool-") and " " in msg:
+        return f"argument {flag} {msg.split(' ', 1)[1]}"
+    return f"argument {flag}: {msg}"
 
 
 def add_reliability_flags(p: argparse.ArgumentParser) -> None:
@@ -228,10 +341,12 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
             kv_timeout_s=args.kv_timeout,
             kv_checksum=not args.no_kv_checksum,
             speculative=spec_of(args),
+            kv_pool=pool_of(args),
             **host_cfg,
             **extra,
         )  # fmt: skip
         cfg.pod_config()  # the pod it sizes must be valid too
+        check_pool_fits(cfg)
         if cfg.speculative is not None and cfg.speculative.transcript:
             raise ConfigError(
                 f"speculative: the {cfg.speculative.draft} draft reads a transcript of the same"

@@ -44,7 +44,9 @@ from runtime.cli.argtypes import (
     positive_int,
 )
 from runtime.cli.engine_flags import ENGINE_FLAGS, add_engine_flags, engine_config
+from runtime.cli.generate_report import print_pd_stats, print_split_stats
 from runtime.engine import CompletionOutput, Engine, EngineConfig, EngineError, SamplingParams
+from runtime.engine.cache_stats import cache_lines, cache_summary
 from runtime.engine.pd_shell import pd_summary
 from runtime.engine.spec_stats import spec_line, spec_summary
 from runtime.model import encode
@@ -436,6 +438,8 @@ def summarize(outs: list[CompletionOutput], wall_s: float, eng: Engine) -> dict:
         "tpot_ms": _pcts([o.tpot_s for o in outs if len(o.token_ids) > 1]),
         "e2e_ms": _pcts([o.e2e_s for o in ok]),
         "groups": [_group(g, outs, eng) for g in range(eng.config.dies)],
+        # prompt tokens by source (die-local cache, KV pool, computed); the pool's figures
+        "cache": cache_summary(eng.stats, eng.pool.stats() if eng.pool is not None else None),
         "config": asdict(eng.config),
     }
 
@@ -528,6 +532,8 @@ def print_summary(s: dict) -> None:
             f" {g['kv_peak_usage']:>7.1%} {_ms(g['bubble_p50_ms'], 3):>13}"
             f" {_ms(g['step_p50_ms'], 2):>11}"
         )
+    for line in cache_lines(s["cache"]) if s.get("cache") else ():
+        print(f"  {line}")
     if not all(g["final_stats"] for g in s["groups"]):
         print("  (some group sent no final stats: its numbers are the latest it sent)")
     if s.get("faults"):
@@ -541,32 +547,6 @@ def print_summary(s: dict) -> None:
         print_split_stats(s["split"])
     if s.get("pd"):
         print_pd_stats(s["pd"])
-
-
-def print_pd_stats(pd: dict) -> None:
-    """A PD pod's KV transfers."""
-    print(f"\n  PD pod: prefill dies {pd['prefill_dies']}, decode dies {pd['decode_dies']}:"
-          f" {pd['transfers']} KV transfers, {pd['bytes'] / 1e6:.2f} MB in {pd['copy_s'] * 1e3:.2f}"
-          f" ms of copy ({pd['gbps']:.2f} GB/s), {pd['failed']} failed,"
-          f" {pd['checksum_mismatches']} checksum mismatches")  # fmt: skip
-    for link, v in sorted(pd["links"].items()):
-        print(f"  link {link:>6}: {v['transfers']:>4} transfers {v['bytes'] / 1e6:8.2f} MB"
-              f" {v['gbps']:6.2f} GB/s  {v['state']}")  # fmt: skip
-
-
-def print_split_stats(sp: dict) -> None:
-    """A split pod's roles: time shares, the expert idle share, A2E / E2A per step."""
-    a, e = sp["attention_share"], sp["expert_share"]
-    print(
-        f"\n  split pod: attention dies {sp['attention_dies']} in {sp['domains']} domain(s) x"
-        f" {sp['microbatches']} micro-batch(es), expert dies {sp['expert_dies']}, {sp['steps']}"
-        " steps"
-    )
-    print("  attention dies' forward time: " + ", ".join(f"{k} {v:.0%}" for k, v in a.items()))
-    print("  expert dies' time: " + ", ".join(f"{k} {v:.0%}" for k, v in e.items())
-          + f" (idle = waiting for A2E input: {sp['expert_idle_share']:.0%})")  # fmt: skip
-    print(f"  A2E {sp['a2e_ms_per_step']:.2f} ms, E2A {sp['e2a_ms_per_step']:.2f} ms per step"
-          " (an attention die's calls, all layers)")  # fmt: skip
 
 
 def request_entry(o: CompletionOutput) -> dict:
