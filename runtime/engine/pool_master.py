@@ -68,7 +68,10 @@ class PoolSide:
         self.m = master
         self.n_layers, self.row_bytes = int(pool["n_layers"]), int(pool["row_floats"]) * 4
         self.timeout_s = float(pool.get("timeout_s", 1.0))
-        self.store = pool.get("store", "prompt") != "off"
+        pd = master.spec.pd  # a PD decode die's prompt KV came from its prefill die, which
+        self.store = pool.get("store", "prompt") != "off" and not (  # stored it already
+            pd is not None and pd.get("role") == "decode"
+        )
         self.to_server: dict[int, zmq.Socket] = {}
         for s, addr in pool["servers"].items():
             sock = master.ctx.socket(zmq.PUSH)
@@ -97,6 +100,9 @@ class PoolSide:
         there is no room to load into)."""
         m, kv, bs = self.m, self.m.kv, self.m.spec.block_size
         rid, lease = req.request_id, int(hint.get("lease", 0))
+        for s, kind, body in hint.get("orders") or ():  # room made for the hit's promotions:
+            if int(s) in self.to_server:  # first, on the socket of the load (in order)
+                self.to_server[int(s)].send(pool_frame(kind, body))
         blocks = [list(b) for b in hint.get("blocks", ())]
         local, _ = kv.match_by_prefix(req.prompt)
         hit = min(len(blocks), (len(req.prompt) - 1) // bs)
@@ -207,7 +213,10 @@ class PoolSide:
             self.abort(rid)
 
     def server_dead(self, server: int) -> None:
-        """The shell saw pool server `server` exit: its loads fall back, their blocks free."""
+        """The shell saw pool server `server` exit: its loads fall back, their blocks free; the
+        blocks offered lately are offered again (its DRAM entries are gone: a later block whose
+        parent is not re-offered would be an orphan, never stored)."""
+        self.known.clear()
         for ld in [x for x in self.loads.values() if x.server == server]:
             self._fallback(ld, f"lost its server {server}")
         for rid, (holder, s) in list(self.quarantine.items()):
@@ -233,7 +242,14 @@ class PoolSide:
             new = [i for i in range(start, n) if chain[i] not in self.known]
             if not new:
                 continue
-            table = kv.block_table(rid)
+            # The die-local cache's blocks of the chain, not the request's table: a block it
+            # computed while another request registered the same hash is not hashed (it
+            # cannot be held shared, and the cache serves the other one). One token more:
+            # match_by_prefix leaves out the block of the last token.
+            table, _ = kv.match_by_prefix([*req.prompt[: (new[-1] + 1) * bs], 0])
+            new = [i for i in new if i < len(table)]
+            if not new:
+                continue
             hold = self.next_hold
             self.next_hold += 1
             key = ("put", rid, hold)
