@@ -21,8 +21,9 @@ Layouts (the shared expert and the redundant copies as the papers place them):
 - `shared = "dispatched"`, 000 §4.1 (EP320: 256 routed, 32 redundant, 32 shared-expert copies,
   one per die) and 001 §7.1 (EP288: 256 routed, 32 dies with a shared copy and a redundant
   one): routed expert e on die e, the redundant copies of the `redundant` hottest experts on
-  the dies after 256 (a row of a copied expert goes to the copy when its (die, row) is odd:
-  half the load each), the shared copies on the last `shared` dies; every row is routed to
+  the dies after 256 (given one by one to the expert of the largest expected load per
+  instance, EPLB's replication: `replicas`; a row of a replicated expert goes to its copy
+  (row + die) mod copies), the shared copies on the last `shared` dies; every row is routed to
   its top-8 and to the shared copy of its die (d mod shared): top-9, the `shared_expert` op
   left out (its rows are experts' rows on the shared dies).
 """
@@ -108,6 +109,22 @@ def capture_template(directory: str | Path, microbatches: int = 1, mtp: int = 0,
     return Path(directory) / "raw"
 
 
+def replicas(w: Workload, experts: int = 256, topk: int = 8) -> list[list[int]]:
+    """Each routed expert's instances, the original first: the `redundant` copies go one by
+    one to the expert of the largest expected load per instance (EPLB's replication step;
+    the load counted over 4,096 sampled rows of the workload's routing). Instance ids: the
+    expert itself, then `experts + j` for copy j."""
+    out = [[e] for e in range(experts)]
+    if w.shared == "local" or not w.redundant:
+        return out
+    pt = Point(1, 4096, 1, topk, experts, w.seed, routing=w.routing)
+    load = np.bincount(routing(pt, 1 << 30)[0].ravel(), minlength=experts).astype(float)
+    for j in range(w.redundant):
+        e = int(np.argmax(load / np.array([len(c) for c in out])))
+        out[e].append(experts + j)
+    return out
+
+
 def placement(w: Workload, experts: int = 256) -> tuple[Placement, int]:
     """(The expert instances' placement, top-k) of the workload's layout (module docstring)."""
     n = w.dies
@@ -125,23 +142,20 @@ def placement(w: Workload, experts: int = 256) -> tuple[Placement, int]:
 def scale_load(w: Workload, experts: int = 256, topk: int = 8) -> Load:
     """Every die's load (module docstring)."""
     place, k = placement(w, experts)
-    pop = np.arange(experts)  # the hottest experts first: the copied ones
-    if w.routing == "skew":
-        pop = np.random.default_rng([w.seed, 1 << 20]).permutation(experts).argsort()
-    copy_of = {int(h): experts + j for j, h in enumerate(pop[: w.redundant])}
-    if w.shared == "local":
-        copy_of = {}
+    reps = replicas(w, experts, topk)
+    # the instance of (expert, copy): a row of a replicated expert to copy (row + die) mod n
+    width = max(len(r) for r in reps)
+    inst = np.array([[r[c % len(r)] for c in range(width)] for r in reps], np.int64)
+    ncopy = np.array([len(r) for r in reps], np.int64)
 
     def route(d: int, i: int, rows: int) -> np.ndarray:
-        pt = Point(w.dies, rows, 1, topk, experts, w.seed * 1000003 + i, routing=w.routing)
-        idx = routing(pt, d)[0]
+        # one popularity for every layer (the Point's seed), draws per (layer, die)
+        pt = Point(w.dies, rows, 1, topk, experts, w.seed, routing=w.routing)
+        idx = routing(pt, i * w.dies + d)[0]
         if w.shared == "local":
             return idx
-        odd = ((np.arange(rows) + d) & 1).astype(bool)[:, None]
-        lut = np.arange(experts)
-        for h, c in copy_of.items():
-            lut[h] = c
-        idx = np.where(odd, lut[idx], idx)
+        copy = (np.arange(rows)[:, None] + d) % ncopy[idx]
+        idx = inst[idx, copy]
         shared = experts + w.redundant + d % w.shared_copies
         return np.concatenate([idx, np.full((rows, 1), shared, np.int64)], axis=1)
 
@@ -216,6 +230,12 @@ def _sized(raw, card: ModelCard, out: Path):
     return load_capture(out, LAYOUT_VERSION)
 
 
+def sized_capture(raw, card: ModelCard, out: Path):
+    """A loaded capture's events sized by `card` (§6: the all-to-all's own ops given their
+    widths, every model op and message at the card's sizes), written to `out` and loaded."""
+    return _sized(raw, card, Path(out))
+
+
 def compose(res, w: Workload, card: ModelCard, profile: str, replay_s: float = 0.0) -> ScaleFigures:
     """The card's step from the synthesized template step's replay (module docstring)."""
     n_dense, n_moe = card.n_dense_layers, card.n_layers - card.n_dense_layers
@@ -269,6 +289,31 @@ def template_dir(root: str | Path, microbatches: int, mtp: int) -> Path:
     return raw
 
 
+def capture_split_template(directory: str | Path, microbatches: int = 2, mtp: int = 0,
+                           attention: int = 2, expert: int = 2, seed: int = 0) -> Path:  # fmt: skip
+    """A small split capture pod's decode (`bench.project.synth_decode_split`'s template):
+    `attention` + `expert` dies, one request per attention die and micro-batch, the toy model
+    as `capture_template`'s, every draft accepted with MTP. Returns the raw capture's directory."""
+    from runtime.decode.run import run_decode
+
+    ov = {"seed": seed, "n_layers": TEMPLATE_LAYERS, "n_dense_layers": 1, "num_experts": 256,
+          "topk": 8, "n_group": 8, "topk_group": 4}  # fmt: skip
+    run_decode(DecodeOptions(
+        dies=attention + expert, attention_dies=attention, expert_dies=expert,
+        batch=attention * microbatches, prompt_len=16, steps=3, model=TEMPLATE_MODEL, overrides=ov,
+        project="host", project_dir=str(directory), project_steps=3, microbatches=microbatches,
+        spec=SpecConfig(mtp, "synthetic", (1.0,) * mtp) if mtp else None, seed=seed))  # fmt: skip
+    return Path(directory) / "raw"
+
+
+def split_template_dir(root: str | Path, microbatches: int, mtp: int) -> Path:
+    """A split template capture under `root` (made once: `capture_split_template`)."""
+    raw = Path(root) / f"split-template-mb{microbatches}-mtp{mtp}" / "raw"
+    if not (raw / "meta.json").exists():
+        capture_split_template(raw.parent, microbatches=microbatches, mtp=mtp)
+    return raw
+
+
 def project_workload(w: Workload, profile: Profile, templates: str | Path) -> ScaleFigures:
     """`project_scale` of `w` with its template (from `templates`, captured when missing).
     MTP with two micro-batches (xpod runs MTP on one stream): the verify forward through the
@@ -292,6 +337,6 @@ def project_workload(w: Workload, profile: Profile, templates: str | Path) -> Sc
         )  # fmt: skip
 
 
-__all__ = ["ASSUMPTIONS", "ScaleFigures", "Workload", "capture_template", "compose",
-           "placement", "project_scale", "project_workload", "scale_load",
-           "template_dir"]  # fmt: skip
+__all__ = ["ASSUMPTIONS", "ScaleFigures", "Workload", "capture_split_template",
+           "capture_template", "compose", "placement", "project_scale", "project_workload",
+           "scale_load", "sized_capture", "split_template_dir", "template_dir"]  # fmt: skip

@@ -19,6 +19,7 @@ from bench.project.decode_scale import (
     capture_template,
     placement,
     project_scale,
+    replicas,
     scale_load,
 )
 from bench.project.synth_decode import (
@@ -140,3 +141,17 @@ def test_a_composed_step_on_a_small_pod(tmp_path):
     longer = project_scale(dataclasses.replace(w, context=8192), load_profile("cm384"),
                            tpl, tmp_path / "w3")  # fmt: skip
     assert longer.breakdown_us["attention"] > f.breakdown_us["attention"]
+
+
+def test_redundant_copies_go_to_the_hottest_experts_and_share_their_rows():
+    w = Workload(dies=288, requests=60, context=64, routing="skew")
+    reps = replicas(w)
+    assert sum(len(r) for r in reps) == 256 + w.redundant
+    hot = max(range(256), key=lambda e: len(reps[e]))
+    assert len(reps[hot]) > 2  # the skew's hottest expert gets several copies
+    load = scale_load(w)
+    rows = np.concatenate([load.route(d, 0, 64) for d in range(288)])
+    used = {int(x) for x in rows[np.isin(rows, reps[hot])]}
+    assert used == set(reps[hot])  # every copy takes rows
+    uniform = replicas(Workload(dies=288, requests=60, context=64))
+    assert max(len(r) for r in uniform) <= 2  # balanced: at most one copy each
