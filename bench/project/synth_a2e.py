@@ -34,6 +34,11 @@ and 32 redundant copies on 288 expert dies, one expert per die; `Placement.defau
 experts on 288 dies, so that layout is 288 experts, one per die, routed uniformly (uniform
 routing gives a redundant copy the load of a routed expert, which 001's balancing aims at):
 `Point(448, 96, 7168, 8, 288, seed, attention_dies=160)`, `config_for(pt, "int8")`.
+
+A decode step's calls (`bench.project.synth_decode_split`) are emitted by the same code through
+its public entry points: `A2ERoutes.of` (explicit routings, any expert placement, each attention
+die's micro-batch `slot_base`) and the four bodies `a2e_attention`, `a2e_expert` (with `learn`:
+the expert loop's `_learn_event` acquire), `e2a_expert`, `e2a_attention`.
 """
 
 from __future__ import annotations
@@ -106,6 +111,10 @@ class _Routes:
         self.pos = {d: p for p, d in enumerate(self.placement.dies)}
         self.tramp = [self.split.trampoline(a) for a in range(pt.attention_dies)]
 
+    def base(self, a: int) -> int:
+        """The batch slot of attention die a's first row (its micro-batch's `slot_base`)."""
+        return 0
+
     def span(self, a: int, e: int) -> slice:
         """Attention die a's messages to expert die e (canonical order: by destination)."""
         p = self.pos[e]
@@ -114,7 +123,7 @@ class _Routes:
     def lin(self, a: int, e: int | None = None) -> np.ndarray:
         """slot * topk + k of a's messages (to expert die e only, if given)."""
         lay, s = self.lay[a], slice(None) if e is None else self.span(a, e)
-        return lay.msg_slot[s] * self.pt.topk + lay.msg_k[s]
+        return (lay.msg_slot[s] + self.base(a)) * self.pt.topk + lay.msg_k[s]
 
 
 def _flag_word(lo: L.RegionLayout, op: int) -> int:
@@ -126,7 +135,7 @@ def _a2e_attention(die: SynthDie, r: _Routes, lo: L.RegionLayout, op: int, quant
     """`a2e` on an attention die: quantize, then `_a2e_stage1`."""
     pt, cap, a = r.pt, die.cap, die.d
     if quant == "int8":  # bf16 in, int8 + scale out
-        b, h = pt.batch, pt.hidden
+        b, h = r.idx[a].shape[0], pt.hidden
         cap.op("quantize", 3 * b * h, 2 * b * h, b * h + 4 * b, unit="aiv", rows=b, hidden=h)
     lay, t, stride = r.lay[a], r.tramp[a], lo.pull_disp_stride
     n = lay.num_msgs
@@ -136,8 +145,10 @@ def _a2e_attention(die: SynthDie, r: _Routes, lo: L.RegionLayout, op: int, quant
     cap.pub(t, (_flag_word(lo, op) + G_SEQ,), (op,))  # its one metadata write
 
 
-def _a2e_expert(die: SynthDie, r: _Routes, lo: L.RegionLayout, op: int) -> None:
-    """`a2e` on an expert die: `_a2e_stage2` if it is a trampoline, then `_expert_gather`."""
+def _a2e_expert(die: SynthDie, r: _Routes, lo: L.RegionLayout, op: int,
+                learn: bool = False) -> None:  # fmt: skip
+    """`a2e` on an expert die: `_a2e_stage2` if it is a trampoline, then (`learn`: the die
+    takes the event id from the packets, `_learn_event`) `_expert_gather`."""
     pt, cap, me = r.pt, die.cap, die.d
     half, stride = op & 1, lo.pull_disp_stride
     exp = set(r.placement.dies)
@@ -155,6 +166,9 @@ def _a2e_expert(die: SynthDie, r: _Routes, lo: L.RegionLayout, op: int) -> None:
         for d in order:  # every expert die's flag for a, after every row (its own: a store)
             if d != me:
                 cap.pub(d, (flag,), (op,))
+    if learn:  # the first source's forwarded flag, before the gather's
+        f = lo.fused_flag_word(half, 0)
+        cap.acq((f + G_SEQ,), (op,), (r.tramp[0],), f"fused.flag[{half}] (forwarded)", 0)
     for a in range(pt.attention_dies):  # `fused_gather`: the flags their trampolines wrote
         f = lo.fused_flag_word(half, a)
         cap.acq((f + G_SEQ,), (op,), (r.tramp[a],), f"fused.flag[{half}] (forwarded)", 0)
@@ -212,10 +226,10 @@ def _e2a_attention(die: SynthDie, r: _Routes, lo: L.RegionLayout, op: int) -> No
     cap.acq((_flag_word(lo, op) + G_SEQ,), (op,), (t,), f"e2a'.done[{op & 1}]", 0)
     r_slot, r_k = np.nonzero(r.idx[a] >= 0)
     if len(r_slot):
-        words = (lo.fused_cflag_off // L.WORD + r_slot * pt.topk + r_k).tolist()
+        words = (lo.fused_cflag_off // L.WORD + (r_slot + r.base(a)) * pt.topk + r_k).tolist()
         cap.acq(words, [op] * len(words), [t] * len(words), "e2a'.cflag", 0)
     rows, h = len(r_slot), pt.hidden
-    cap.op("weighted_sum", 2 * rows * h, rows * lo.pull_comb_stride, 2 * pt.batch * h,
+    cap.op("weighted_sum", 2 * rows * h, rows * lo.pull_comb_stride, 2 * r.idx[a].shape[0] * h,
            unit="aiv", rows=rows)  # fmt: skip
 
 
@@ -258,4 +272,55 @@ def synthesize_a2e(cfg: PodConfig, pt: Point, quant: str, directory: str | Path)
     return write_meta(out, entries, config, pt, "a2e", quant, ["a2e", "e2a"])
 
 
-__all__ = ["config_for", "synthesize_a2e", "uncapped"]
+class A2ERoutes(_Routes):
+    """One A2E / E2A call's routes from explicit routings (what `bench.project.
+    synth_decode_split` emits a decode step's calls with): attention die a's routed experts
+    `idx[a]` (int64 [rows, topk], its micro-batch's rows), the expert placement over the
+    expert dies, the batch slot of each attention die's first row (`bases`, its micro-batch's
+    `slot_base`). One DP domain (`Split.make(pt.dies, pt.attention_dies)`); `pt` gives the
+    pod's dies, attention dies, top-k and hidden."""
+
+    @classmethod
+    def of(cls, pt: Point, idx: list[np.ndarray], placement: Placement,
+           bases: list[int] | None = None) -> A2ERoutes:  # fmt: skip
+        r = cls.__new__(cls)
+        r.pt = pt
+        r.split = Split.make(pt.dies, pt.attention_dies)
+        r.placement = placement
+        r.idx = [np.asarray(x, np.int64).reshape(-1, pt.topk) for x in idx]
+        r.lay = [get_dispatch_layout(i, placement) for i in r.idx]
+        r.offs = [lay.dest_offsets.tolist() for lay in r.lay]
+        r.pos = {d: p for p, d in enumerate(placement.dies)}
+        r.tramp = [r.split.trampoline(a) for a in range(pt.attention_dies)]
+        r.bases = list(bases) if bases is not None else [0] * pt.attention_dies
+        return r
+
+    def base(self, a: int) -> int:
+        return int(self.bases[a])
+
+
+def a2e_attention(die: SynthDie, r: A2ERoutes, lo: L.RegionLayout, op: int, quant: str) -> None:
+    """The body of an attention die's `a2e` call of operation `op` (quantize if int8, its
+    rows to its trampoline, the trampoline's flag)."""
+    _a2e_attention(die, r, lo, op, quant)
+
+
+def a2e_expert(die: SynthDie, r: A2ERoutes, lo: L.RegionLayout, op: int,
+               learn: bool = False) -> None:  # fmt: skip
+    """The body of an expert die's `a2e` call: A2E' if it is a trampoline, (`learn`: an
+    expert die of a decode loop, which takes the event id from the packets) the gather."""
+    _a2e_expert(die, r, lo, op, learn)
+
+
+def e2a_expert(die: SynthDie, r: A2ERoutes, lo: L.RegionLayout, op: int) -> None:
+    """The body of an expert die's `e2a` call: its rows to the trampolines, E2A'."""
+    _e2a_expert(die, r, lo, op)
+
+
+def e2a_attention(die: SynthDie, r: A2ERoutes, lo: L.RegionLayout, op: int) -> None:
+    """The body of an attention die's `e2a` call: the done flag, every routed slot, the sum."""
+    _e2a_attention(die, r, lo, op)
+
+
+__all__ = ["A2ERoutes", "a2e_attention", "a2e_expert", "config_for", "e2a_attention",
+           "e2a_expert", "synthesize_a2e", "uncapped"]  # fmt: skip

@@ -9,9 +9,13 @@ step's ratio); `microbatch_layer_change` the per-layer change (%); `stream` each
 stream's busy time per micro-batch and layer (the mean of s0 and s1, µs); `tpot` (step +
 the profile's iteration gap) / tokens per step (ms); `iteration` the step (ms);
 `attention_share` / `comm_share` the attention's and dispatch + combine's share of the
-composed breakdown (%), with the balanced routing's beside it in the row. A workload the
-synthesizer does not build (a split pod: `layout` "split") or a profile that lacks a constant
-the card needs is a row that says so (`refused`), judged a miss: never re-fitted.
+composed breakdown (%), with the balanced routing's beside it in the row. A split pod
+(`layout` "split", 001 §7) is projected by `bench.project.synth_decode_split` (`measure_split`):
+`a2e`, `moe`, `e2a` per steady MoE call (ms) and `iteration` (the composed step + the
+profile's iteration gap, as 001's 93 ms counts 2 ms of scheduler), ONE DP domain synthesized
+and the domains composed (its `ASSUMPTIONS`, in every row's details). A measure or workload
+the synthesizers do not build, or a profile that lacks a constant the card needs, is a row
+that says so (`refused`), judged a miss: never re-fitted.
 """
 
 from __future__ import annotations
@@ -23,12 +27,19 @@ from pathlib import Path
 from bench.project.decode_points import DECODE_POINTS
 from bench.project.decode_scale import ScaleFigures, Workload, project_workload
 from bench.project.points import PubPoint, judge
+from bench.project.synth_decode_split import (
+    ASSUMPTIONS,
+    SplitFigures,
+    SplitWorkload,
+    project_split_workload,
+)
+from runtime.model.card import CARDS
 from runtime.project import Profile, ProjectError
 
+SPLIT_MEASURES = ("a2e", "moe", "e2a", "iteration")
 SPLIT_REFUSAL = (
-    "a split (MoE-attention) pod at 480 + 288 dies is not synthesized: the decode synthesizer"
-    " writes colocated EP pods only (bench.project.synth_a2e writes the A2E / E2A of one"
-    " layer, not a split decode step)"
+    "a split (MoE-attention) pod is projected (bench.project.synth_decode_split) for the"
+    " measures a2e, moe, e2a and iteration only"
 )
 
 
@@ -42,6 +53,7 @@ class Scale:
     def __init__(self, profile: Profile, templates: str | Path):
         self.profile, self.templates = profile, Path(templates)
         self._done: dict[Workload, ScaleFigures] = {}
+        self._split: dict[SplitWorkload, SplitFigures] = {}
 
     def __call__(self, w: Workload) -> ScaleFigures:
         f = self._done.get(w)
@@ -51,6 +63,17 @@ class Scale:
             print(f"    step {f.step_us / 1e3:.3f} ms, MoE layer {f.moe_layer_us:.1f} us"
                   f" ({f.events} events, replay {f.replay_s:.1f} s)",
                   file=sys.stderr, flush=True)  # fmt: skip
+        return f
+
+    def split(self, w: SplitWorkload) -> SplitFigures:
+        """A split workload, projected once (`project_split_workload`)."""
+        f = self._split.get(w)
+        if f is None:
+            print(f"  {w.label(self.profile.name)} ...", file=sys.stderr, flush=True)
+            f = self._split[w] = project_split_workload(w, self.profile, self.templates)
+            print(f"    step {f.step_us / 1e3:.3f} ms, A2E / MoE / E2A {f.calls['a2e']:.1f} /"
+                  f" {f.calls['moe']:.1f} / {f.calls['e2a']:.1f} us ({f.domain.events} events,"
+                  f" replay {f.domain.replay_s:.1f} s)", file=sys.stderr, flush=True)  # fmt: skip
         return f
 
 
@@ -106,6 +129,40 @@ def measure(p: PubPoint, scale: Scale) -> tuple[float, dict]:
     raise ValueError(f"point {p.id}: unknown measure {m!r}")
 
 
+def measure_split(p: PubPoint, scale: Scale) -> tuple[float, dict]:
+    """(A split point's projected figure, details) (module docstring): `a2e` / `moe` / `e2a`
+    the steady calls' figures (`call_figures`, ms), `iteration` the composed step plus the
+    profile's iteration gap (ms)."""
+    m = p.workload["measure"]
+    if m not in SPLIT_MEASURES:
+        raise ProjectError(f"{SPLIT_REFUSAL}; the point asks for {m!r}")
+    w = SplitWorkload.of(p.workload)
+    f = scale.split(w)
+    gap, c, d = _gap_ms(scale.profile), f.calls, f.domain
+    n_moe = CARDS[w.card].n_layers - CARDS[w.card].n_dense_layers
+    details = {
+        "label": f.label, "assumptions": ASSUMPTIONS, "microbatches": w.microbatches,
+        "a2e_ms": round(c["a2e"] / 1e3, 4), "moe_ms": round(c["moe"] / 1e3, 4),
+        "e2a_ms": round(c["e2a"] / 1e3, 4), "a2e_stage1_ms": round(c["stage1"] / 1e3, 4),
+        "round_trip_ms": round(c["round_trip"] / 1e3, 4),
+        "expert_call_us": round(c["x"], 2), "calls_averaged": int(c["calls"]),
+        "step_ms": round(f.step_us / 1e3, 4), "iteration_gap_ms": gap,
+        "one_domain_step_ms": round(d.step_us / 1e3, 4),
+        "moe_layer_us": round(f.moe_layer_us, 2), "domain_moe_layer_us": round(d.moe_layer_us, 2),
+        "dense_layer_us": round(d.dense_layer_us, 2), "rest_ms": round(d.rest_us / 1e3, 4),
+        "mtp_ms": round(d.mtp_us / 1e3, 4),
+        "composition": f"each of the {n_moe} MoE layers max(one domain's replayed"
+        f" {d.moe_layer_us:.1f} us, {w.domains} domains x {w.microbatches} micro-batches x"
+        f" {c['x']:.1f} us per expert call) = {f.moe_layer_us:.1f} us",
+        "breakdown_share_one_domain": {k: round(d.share(k), 2) for k in d.breakdown_us},
+        "paper_accounting": "001 §7 (l.428): 2 ms scheduler + 5 ms MTP + 0.7 x 2 x 61 ms layer"
+        " compute + A2E 0.17 + MoE 0.12 + E2A 0.19 = 92.9 ms",
+    }  # fmt: skip
+    if m == "iteration":
+        return f.step_us / 1e3 + gap, details
+    return c[m] / 1e3, details
+
+
 def decode_rows(
     profile: Profile, templates: str | Path, only: list[PubPoint] | None = None
 ) -> list[dict]:
@@ -118,9 +175,8 @@ def decode_rows(
                "tolerance": p.tolerance, "role": p.role, "source": p.source,
                "capture": "synthesized", "workload": dict(p.workload)}  # fmt: skip
         try:
-            if p.workload.get("layout") == "split":
-                raise ProjectError(SPLIT_REFUSAL)
-            got, details = measure(p, scale)
+            split = p.workload.get("layout") == "split"
+            got, details = measure_split(p, scale) if split else measure(p, scale)
         except (ProjectError, ValueError) as e:
             row.update(projected=None, error=None, ok=False, refused=str(e),
                        published_us=None, projected_us=None)  # fmt: skip
@@ -135,4 +191,5 @@ def decode_rows(
     return rows
 
 
-__all__ = ["SPLIT_REFUSAL", "Scale", "decode_points", "decode_rows", "measure"]
+__all__ = ["SPLIT_MEASURES", "SPLIT_REFUSAL", "Scale", "decode_points", "decode_rows", "measure",
+           "measure_split"]  # fmt: skip
