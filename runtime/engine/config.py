@@ -206,7 +206,8 @@ class EngineConfig:
             from runtime.engine.faults import FaultSpecError, parse_faults
 
             try:
-                parse_faults(self.inject, self.dies, self.output_procs, self.pod_dies)
+                parse_faults(self.inject, self.dies, self.output_procs, self.pod_dies,
+                             self.pool_servers)  # fmt: skip
             except FaultSpecError as e:
                 raise ConfigError(f"inject: {e}") from None
         if self.combine_dtype not in COMBINE_DTYPES:
@@ -278,6 +279,11 @@ class EngineConfig:
     def pod_dies(self) -> int:
         """Dies of the pod: the DP groups, plus the expert dies of a split pod."""
         return self.dies + self.expert_dies
+
+    @property
+    def pool_servers(self) -> int:
+        """KV pool servers (a fault plan's `pool=N` targets): one with `kv_pool`, else none."""
+        return int(self.kv_pool is not None)
 
     @property
     def split(self) -> Split | None:

@@ -150,7 +150,7 @@ class Engine(EngineRecovery):
         cfg = self.config
         if cfg.inject:
             self.first_plan = FaultPlan(parse_faults(cfg.inject, cfg.dies, cfg.output_procs,
-                                                     cfg.pod_dies))  # fmt: skip
+                                                     cfg.pod_dies, cfg.pool_servers))  # fmt: skip
         self._launch_pod()
         self.run_dir = f"/dev/shm/xpod.{self.pod.pod_id}.run"
         os.makedirs(self.run_dir, 0o700, exist_ok=True)  # an MPI pod made it already

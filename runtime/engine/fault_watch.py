@@ -6,7 +6,10 @@ the gates a die waits at), verifying each, and at the end reporting what never f
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
 import time
 
 from runtime.engine.faults import Fault, FaultPlan
@@ -17,8 +20,8 @@ KV_VERIFY_S = 10.0  # a KV fault the die's master has not masked by then did not
 
 class FaultWatch:
     """Fault-plan methods of the supervisor: `plan`, `engine`, `fired`, `kv_pending`,
-    `hits_seen`, `hits_lock`, `max_steps`, `not_fired`, `busy`, `events` and its `_count` /
-    `_log` are the supervisor's."""
+    `hits_seen`, `hits_lock`, `max_steps`, `not_fired`, `busy`, `events`, `log_lock`,
+    `pool_seen` and its `_count` / `_log` / `_cause` are the supervisor's."""
 
     def _inject(self, now: float) -> None:
         plan = self.plan
@@ -40,8 +43,69 @@ class FaultWatch:
                 self.engine.report_kv_fault(f.index, f.block)
                 self.kv_pending.append(f)
                 continue
-            plan.fire(f, self.engine.pid_of(f.target, f.index))
+            plan.fire(f, self._pid(f))
             self._fired(f)
+
+    def _pid(self, f: Fault) -> int:
+        """The pid of f's target now (0 if there is none): a KV pool server is not one of the
+        pod's processes (`Engine.processes`: a stopped one is no hang of the pod)."""
+        if f.target != "pool":
+            return self.engine.pid_of(f.target, f.index)
+        pool = self.engine.pool
+        h = pool.handle if pool is not None and not pool.down else None
+        return int(h.pid or 0) if h is not None else 0
+
+    def _pool_watch(self) -> None:
+        """A KV pool server that exited: handled by the pool's shell side at once (its DRAM
+        entries leave the index, the masters fall back, it restarts), here or by the engine's
+        receiver thread (`Engine._watch`), whichever saw it first; each death logged here as a
+        `pool_exit` detection and a `pool_restart` recovery (or the pool going off), with the
+        plan's kill behind it if any."""
+        eng = self.engine
+        pool = eng.pool
+        if pool is None:
+            return
+        with eng.lock:  # the tracker's: the pool's index and the sockets to the masters
+            try:
+                pool.watch()
+            except Exception as e:  # noqa: BLE001 - a pool that cannot restart costs hits,
+                log.error("kv pool: the server's restart failed: %s: the pool is off", e)
+                pool.down = True  # never requests: every prompt recomputes from now on
+            deaths = pool.counters["pool_server_deaths"]
+            restarts = pool.counters["pool_server_restarts"]
+            pid = pool.handle.pid if pool.handle is not None else 0
+            down = pool.down
+        (dead0, up0), self.pool_seen = self.pool_seen, (deaths, restarts)
+        now = time.monotonic()  # after a kill this tick may have fired (`_inject`)
+        for k in range(deaths - dead0):
+            with self.log_lock:
+                cause = self._cause(now, "pool_exit")
+            if cause is not None:
+                cause.extra["detected"] = True
+            self._count("detected", "pool_exit")
+            fault = cause.text if cause else ""
+            self._log({"event": "detected", "kind": "pool_exit", "gen": eng.gen,
+                       "detail": f"kv pool server 0 exited ({dead0 + k + 1} deaths)",
+                       "fault": fault,
+                       "detect_s": (now - cause.fired_at) if cause else None})  # fmt: skip
+            if k < restarts - up0:
+                self._count("recovered", "pool_restart")
+                self._log({"event": "recovered", "tier": "pool_restart", "kind": "pool_exit",
+                           "gen": eng.gen, "fault": fault, "since_detect_s": 0.0,
+                           "parts": {}, "requests_resumed": 0, "pid": pid})  # fmt: skip
+            elif down:
+                self._log({"event": "pool_off", "kind": "pool_exit", "fault": fault,
+                           "detail": "out of restarts: every prompt recomputes"})  # fmt: skip
+
+    def _release_pool(self) -> None:
+        """SIGCONT to the pool servers the plan stopped (for a while or for good): the engine
+        stops them next, which a stopped one could not answer."""
+        plan = self.plan
+        plan.release("pool")
+        for f in self.fired:
+            if f.target == "pool" and f.kind == "stop" and f.verified:
+                with contextlib.suppress(OSError):
+                    os.kill(f.pid, signal.SIGCONT)
 
     def _die_side(self, now: float) -> None:
         """Faults triggered in the dies (`runtime.engine.fault_hook`): a die records each hit
@@ -189,6 +253,7 @@ class FaultWatch:
                 f.detail = f"die {f.index} reported no masked block before the engine closed"
                 self._fired(f)
             self.not_fired = plan.not_fired(end_s, self.max_steps, self.engine.gen)
+            self._release_pool()
         for f, why in self.not_fired:
             log.warning("planned fault %r did not fire: %s", f.text, why)
             self._log({"event": "not_fired", "fault": f.text, "kind": f.kind,

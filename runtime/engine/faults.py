@@ -17,6 +17,8 @@ drop:die=0,step=40,layer=1   die 0's dispatch writes of layer 1 at step 40 never
                              write: its peers' op deadline passes): an iteration rollback
 delay:die=0,step=40,for=0.2s the same writes 0.2 s late (below the op deadline: nothing happens)
 kill:die=2,step=40,layer=1,phase=combine  die 2 SIGKILLs itself right before that combine
+kill:pool=0,at=10s           SIGKILL KV pool server 0 (needs the pool: EngineConfig.kv_pool)
+stop:pool=0,at=5s,for=2s     SIGSTOP it, SIGCONT 2 s later (its loads time out: recomputed)
 ```
 
 - KIND: `kill` (SIGKILL), `stop` (SIGSTOP; `for=T` sends SIGCONT after T, else never) or
@@ -35,7 +37,13 @@ kill:die=2,step=40,layer=1,phase=combine  die 2 SIGKILLs itself right before tha
   the hook fires at the die's next matching collective). A `kill` of a die with `phase=` is
   die-side too: the die SIGKILLs itself right before that collective (mid-dispatch or
   mid-combine for its peers, a window no signal from outside can hit); verified by its exit.
-- TARGET: `die`, `master` or `output` and its index (a die index = its DP group).
+- TARGET: `die`, `master`, `output` or `pool` and its index (a die index = its DP group; a
+  pool index = a KV pool server, 0..servers-1, with `kv_pool` on only). A pool server is
+  outside the pod (KVPOOL.md §4.8): `kill` / `stop` at `at=T` only (it has no steps, and no
+  incarnation: it outlives the pod's restarts); the shell sees a killed one exit and restarts
+  it (`runtime.engine.pool_shell.PoolShell.watch`, logged as a `pool_exit` detection and a
+  `pool_restart` recovery), a stopped one costs its loads their timeout (recomputed), never
+  a pod restart.
 - WHEN: `step=S` and / or `at=T` (seconds since the engine launched); with both, the later
   one. `gen=G`: only in incarnation G (0 = as launched, +1 per restart; default any). Each
   fault fires once; a fault due while a restart is under way waits.
@@ -77,7 +85,8 @@ from dataclasses import dataclass, field
 KINDS = ("kill", "stop", "kvfault", "err", "drop", "delay")
 DIE_SIDE = ("err", "drop", "delay")  # fired inside the die, by a hook
 PHASES = ("dispatch", "combine", "kv")  # the collectives a die-side fault may hit
-TARGETS = ("die", "master", "output")
+TARGETS = ("die", "master", "output", "pool")
+POOL_KINDS = ("kill", "stop")  # what a plan may do to a KV pool server
 NOT_BUILT = ("random",)
 VERIFY_S = 0.5  # a fired fault must show (process gone / stopped) within this
 _TIME = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)(ms|s)?$")
@@ -158,10 +167,11 @@ def read_plan(text: str) -> str:
 
 
 def parse_faults(text: str, num_groups: int, output_procs: bool = False,
-                 num_dies: int | None = None) -> list[Fault]:  # fmt: skip
+                 num_dies: int | None = None, pool_servers: int = 0) -> list[Fault]:  # fmt: skip
     """The faults of a plan (see the module docstring; `@FILE` reads it from a file);
     FaultSpecError names a bad one. `num_dies`: the pod's dies when more than the groups (a
-    split pod's expert dies, which a plan may kill or stop)."""
+    split pod's expert dies, which a plan may kill or stop); `pool_servers`: the engine's KV
+    pool servers (0: no pool, and a `pool=N` target is refused)."""
     num_dies = num_groups if num_dies is None else num_dies
     text = read_plan(text or "")
     faults = []
@@ -187,7 +197,10 @@ def parse_faults(text: str, num_groups: int, output_procs: bool = False,
             if key in TARGETS:
                 if f.target:
                     raise FaultSpecError(f"fault {part!r}: two targets ({f.target}, {key})")
-                top = num_dies if key == "die" else num_groups
+                if key == "pool" and not pool_servers:
+                    raise FaultSpecError(f"fault {part!r}: pool={val}: the engine has no KV pool"
+                                         " (kv_pool / --kv-pool is off)")  # fmt: skip
+                top = {"die": num_dies, "pool": pool_servers}.get(key, num_groups)
                 if not val.isdigit() or int(val) >= top:
                     raise FaultSpecError(f"fault {part!r}: {key}={val}: must be an index in"
                                          f" [0, {top})")  # fmt: skip
@@ -223,10 +236,13 @@ def parse_faults(text: str, num_groups: int, output_procs: bool = False,
                 f.phase = val
             else:
                 raise FaultSpecError(f"fault {part!r}: unknown key {key!r} (die, master,"
-                                     " output, step, at, for, gen, block, layer, phase,"
+                                     " output, pool, step, at, for, gen, block, layer, phase,"
                                      " times)")  # fmt: skip
         if not f.target:
-            raise FaultSpecError(f"fault {part!r}: no target (die=N, master=N or output=N)")
+            raise FaultSpecError(f"fault {part!r}: no target (die=N, master=N, output=N or"
+                                 " pool=N)")  # fmt: skip
+        if f.target == "pool":
+            _check_pool(f, part)
         expert = f.target == "die" and f.index >= num_groups
         if expert and (kind not in ("kill", "stop") or f.phase or f.layer >= 0):
             raise FaultSpecError(f"fault {part!r}: die {f.index} is an expert die of a split"
@@ -262,6 +278,18 @@ def parse_faults(text: str, num_groups: int, output_procs: bool = False,
         for k, f in enumerate(timed):
             f.ordinal = k + 1
     return faults
+
+
+def _check_pool(f: Fault, part: str) -> None:
+    """A KV pool server's fault: kill or stop, at a time (module docstring)."""
+    if f.kind not in POOL_KINDS:
+        raise FaultSpecError(f"fault {part!r}: a pool server can be killed or stopped, not"
+                             f" {f.kind}")  # fmt: skip
+    if f.step or f.gen is not None or f.phase or f.layer >= 0 or f.times != 1:
+        raise FaultSpecError(f"fault {part!r}: a pool server has no steps, incarnations or"
+                             " collectives: say when with at=T only")  # fmt: skip
+    if not f.at_s:
+        raise FaultSpecError(f"fault {part!r}: say when with at=T (seconds since launch)")
 
 
 def proc_state(pid: int) -> str:
@@ -343,12 +371,14 @@ class FaultPlan:
             with contextlib.suppress(OSError):  # killed by a restart meanwhile
                 os.kill(f.pid, signal.SIGCONT)
 
-    def release(self) -> None:
-        """SIGCONT to every process still stopped by a plan (teardown must not leave one)."""
-        for f in self.resume:
+    def release(self, target: str | None = None) -> None:
+        """SIGCONT to every process still stopped by a plan (teardown must not leave one);
+        `target`: only those of that target ("pool": before the engine stops its pool server,
+        which a stopped one could not answer)."""
+        for f in [f for f in self.resume if target in (None, f.target)]:
+            self.resume.remove(f)
             with contextlib.suppress(OSError):
                 os.kill(f.pid, signal.SIGCONT)
-        self.resume = []
 
     def due_die_side(self, since_launch_s: float) -> list[Fault]:
         """Die-side at=T faults whose time has come and that have not fired: (re)armed."""
@@ -381,6 +411,9 @@ class FaultPlan:
                     f" {gen} restart(s))")  # fmt: skip
         if f.at_s and f.at_s > end_s:
             return f"the time at={f.at_s:g}s was after the end (the engine ran {end_s:.2f} s)"
+        if f.target == "pool":
+            return (f"{who} was off when it was due (out of restarts), or the engine closed"
+                    " first")  # fmt: skip
         if f.phase == "kv" and f.step:
             return (f"transfer {f.step} was never reached: {who} made fewer KV transfers"
                     " (is it a prefill die of a PD pod?)")  # fmt: skip

@@ -54,6 +54,7 @@ IDLE_PING_S = 1.0  # an idle engine: a heartbeat a second (each ping wakes every
 CAUSES = {  # detection -> the injected kinds it can be the detection of
     "exit": ("kill",), "stall": ("stop",), "hang": ("stop",), "heartbeat": ("stop",),
     "link": ("err",), "deadline": ("drop", "stop"), "rollbacks": ("drop", "err"),
+    "pool_exit": ("kill",),  # a KV pool server exited (restarted by the pool, not the pod)
 }  # fmt: skip
 RECENT_FAULT_S = 30.0  # an injected fault this recent is the cause of what is detected
 
@@ -97,6 +98,7 @@ class Supervisor(FaultWatch):
         self._stopped_since: dict[int, float] = {}  # pid -> first seen stopped
         self.max_steps: dict[tuple[str, int], int] = {}  # (target, index) -> steps its part ran
         self.not_fired: list[tuple[Fault, str]] | None = None  # set by finish()
+        self.pool_seen = (0, 0)  # KV pool server deaths and restarts logged (`_pool_watch`)
 
     # -- thread ---------------------------------------------------------------------------------
 
@@ -146,12 +148,14 @@ class Supervisor(FaultWatch):
                     os.read(self.wake_r, 4096)
                 continue
             sentinels = eng.sentinels()
+            pool_s = eng.pool.sentinel() if eng.pool is not None else None
             # idle: the progress words need no sampling (exits still wake the wait at once);
             # a tick every 20 ms was ~2 % of a core for an idle server
             pending = self.plan is not None and (self.plan.armed or self.plan.die_side)
             tick = TICK_S if pending or self.recovering or eng.busy() else PING_EVERY_S
             try:
-                ready = mp_wait([*sentinels, self.wake_r], tick)
+                waits = [*sentinels, self.wake_r, *([pool_s] if pool_s is not None else [])]
+                ready = mp_wait(waits, tick)
             except OSError:  # a sentinel closed under us (a restart): look again
                 ready = []
             if self.wake_r in ready:
@@ -165,6 +169,7 @@ class Supervisor(FaultWatch):
                     if eng.closing:
                         continue
                     self._inject(now)
+                    self._pool_watch()
                     self._kv_masked(now)
                     self._die_side(now)
                     incident = self._from_reports() or self._exits(ready, sentinels)
@@ -235,7 +240,7 @@ class Supervisor(FaultWatch):
     def _stalled(self, now: float):
         """A hang under load: no die's progress word changed for `stall_timeout_s`."""
         words = self.engine.progress_words()
-        busy = self.engine.busy()
+        busy = self.engine.busy() and not self._pool_waits_only()
         if not words or words != self._progress or not busy:
             self._progress, self._changed = words, now
             return None
@@ -301,6 +306,18 @@ class Supervisor(FaultWatch):
             out.append(f"{what} {i} (pid {pid}) is stopped{where}")
         return "; ".join(out)
 
+    def _pool_waits_only(self) -> bool:
+        """Is every request the masters hold waiting for a KV pool load (by their latest
+        stats)? The dies then have nothing to run: no progress is no hang (a stopped pool
+        server costs its loads their timeout, then they are recomputed: KVPOOL.md §4.8)."""
+        eng = self.engine
+        if eng.pool is None:
+            return False
+        t = eng.tracker
+        waiting = sum(int((eng.stats.get(g) or {}).get("pool_waiting", 0))
+                      for g in range(eng.config.dies))  # fmt: skip
+        return waiting > 0 and len(t.reqs) - len(t.pending) <= waiting
+
     @staticmethod
     def _oldest(words: list[int]) -> str:
         i = min(range(len(words)), key=lambda k: words[k])
@@ -312,9 +329,10 @@ class Supervisor(FaultWatch):
         """The injected fault behind a detection of kind `how` at `when`: the latest recent one
         of a kind that detection can see (`CAUSES`; a delay is never a cause: a detection it
         provokes has none, and counts as a false recovery)."""
-        kinds = CAUSES.get(how, ())
+        kinds, pool = CAUSES.get(how, ()), how.startswith("pool")
         recent = [f for f in self.fired if f.verified and 0 <= when - f.fired_at < RECENT_FAULT_S
-                  and not f.extra.get("detected") and f.kind in kinds]  # fmt: skip
+                  and not f.extra.get("detected") and f.kind in kinds
+                  and (f.target == "pool") == pool]  # fmt: skip
         return recent[-1] if recent else None
 
     def _recover(self, kind: str, detail: str, when: float) -> None:
