@@ -128,8 +128,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     add(
         "--lb",
         default="least_kv",
-        choices=("least_kv", "round_robin"),
-        help="DP load balancing (default least_kv)",
+        choices=("least_kv", "round_robin", "prefix"),
+        help="DP load balancing (default least_kv; prefix: KV-centric, the group whose recent"
+        " prompts share the most leading blocks, less its reserved KV: a baseline for the KV"
+        " pool's load-only routing)",
     )
     add_alltoall_flags(p)
     add(

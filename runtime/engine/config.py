@@ -15,6 +15,7 @@ from runtime.engine.pool_config import PoolConfig
 from runtime.model import EPLBConfig, ModelConfig, pod_config_for
 from runtime.model.mtp import SpecConfig
 from runtime.pod import PodConfig
+from sched.lb import POLICIES as LB_POLICIES
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,8 @@ class EngineConfig:
         block_size, num_blocks: KV blocks per die (0: enough for max_num_seqs full contexts).
         async_depth: 2 = plan step n+1 while step n runs; 1 = synchronous.
         prefix_cache: reuse the KV of prompt prefixes (full blocks).
-        lb_policy: "least_kv" or "round_robin".
+        lb_policy: "least_kv", "round_robin" or "prefix" (`sched.lb`: KV-centric, a baseline
+            for the KV pool's load-only routing).
         protocol, quant: the MoE all-to-all ("fused" | "pull", None | "int8").
         combine_dtype: combine rows in "bfloat16" (the paper's 16 bits) or "float32".
         gc_every: 0 = automatic GC; N = freeze after warm-up, collect every N steps (001 §4.4).
@@ -214,8 +216,9 @@ class EngineConfig:
             raise ConfigError(f"combine_dtype: {self.combine_dtype!r} must be bfloat16 or float32")
         if self.async_depth not in (1, 2):
             raise ConfigError(f"async_depth: {self.async_depth!r} must be 1 or 2")
-        if self.lb_policy not in ("least_kv", "round_robin"):
-            raise ConfigError(f"lb_policy: {self.lb_policy!r} must be least_kv or round_robin")
+        if self.lb_policy not in LB_POLICIES:
+            raise ConfigError(f"lb_policy: {self.lb_policy!r} must be one of"
+                              f" {', '.join(LB_POLICIES)}")  # fmt: skip
         if self.pin not in ("auto", "on", "off"):
             raise ConfigError(f"pin: {self.pin!r} must be auto, on or off")
         if self.num_blocks and self.num_blocks < self.blocks_per_seq:

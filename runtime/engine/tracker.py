@@ -238,12 +238,14 @@ class RequestTracker:
                 t.prefill_group, t.group = pair
                 self.pd.on_dispatch(t.id, *pair, t.tokens + t.out, t.params.max_tokens - base)
             else:
-                g = t.pin if t.pin is not None else self.lb.pick(len(t.tokens),
-                                                                 t.params.max_tokens)  # fmt: skip
+                hs = self.lb.prefix_hashes(t.tokens + t.out)  # lb "prefix" only, else []
+                g = t.pin
+                if g is None:
+                    g = self.lb.pick(len(t.tokens), t.params.max_tokens, hs)
                 if g is None:
                     return
                 self.pending.popleft()
-                self.lb.on_dispatch(g, t.id, len(t.tokens), t.params.max_tokens)
+                self.lb.on_dispatch(g, t.id, len(t.tokens), t.params.max_tokens, hs)
                 t.group = g
             p = t.params
             # A resumed request (token recomputation): its prompt is the prompt and the tokens
