@@ -31,6 +31,19 @@ and mean 1 / `--request-rate`, scaled so the last request goes at num_prompts / 
 way); `--ramp-up-strategy` moves the rate from `--ramp-up-start-rps` to `--ramp-up-end-rps`;
 `--max-concurrency` caps the requests in flight (a semaphore, as vLLM's).
 
+Multi-turn (`--dataset multi-turn`, `bench.serve.multiturn`): `--mt-conversations` C of
+`--mt-turns` T, each turn resending the whole history as token ids (a system prompt of
+`--mt-system-len` S tokens shared by all or by one of `--mt-system-prompts` G families,
+`--mt-skew` giving family 0 half of them; every earlier turn's `--mt-user-len` U user tokens and
+the server's own reply ids, `return_token_ids`), replies of `--random-output-len` O tokens
+(default 32, ignore_eos), a closed loop (a turn goes when the previous reply is complete plus an
+exponential think time of mean `--mt-think-time`; starts `--mt-stagger` s apart); the JSON adds
+the trace's ideal hit rate (`ideal_hit_rate`, prompt blocks sent before; `_replies` with the
+replies) and the prompt tokens per group (`load_imbalance`: max / mean). `--compare-pool
+local,affinity,pool` (`bench.serve.mt_compare`) runs the same workload against one server per
+layout (die-local cache with `least_kv`, `--lb prefix`, `--kv-pool` with `least_kv`) and
+evaluates the KV pool's bars over them.
+
 Extras, from `/metrics` (scraped every 0.2 s while the run goes, as deltas over the run): KV
 balance (time-averaged max/mean KV usage over groups, over the scrapes whose mean is > 0),
 dummy-step share (dummy steps over all die steps: with rows or dummy), scheduling bubble per

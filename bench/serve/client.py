@@ -60,7 +60,7 @@ class Client:
             b["messages"] = [{"role": "user", "content": req.prompt}]
             b["max_completion_tokens"] = req.max_tokens
         else:
-            b["prompt"] = req.prompt
+            b["prompt"] = list(req.token_ids) if req.token_ids else req.prompt
             b["max_tokens"] = req.max_tokens
         self.sent += 1
         return b
@@ -72,10 +72,12 @@ class Client:
         ignore_eos: bool | None = None,
         first=None,
         stamps: list[float] | None = None,
+        ids: list[int] | None = None,
     ) -> RequestResult:
         """One streamed request; never raises (but for cancellation): errors go in the result.
         `first`: an asyncio.Event set at the first token; `stamps`: a list that gets the
-        perf_counter of every chunk with tokens as it comes (kept if the request is cancelled)."""
+        perf_counter of every chunk with tokens as it comes (kept if the request is cancelled);
+        `ids`: a list that gets the output token ids as they come."""
         import aiohttp
 
         body = self.body(req, self.opts.ignore_eos if ignore_eos is None else ignore_eos)
@@ -124,9 +126,11 @@ class Client:
                         text = (
                             c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
                         )
-                        ids = c.get("token_ids") or ()
-                        if not text and not ids:
+                        got = c.get("token_ids") or ()
+                        if not text and not got:
                             continue
+                        if ids is not None:
+                            ids.extend(got)
                         now = time.perf_counter()
                         if stamps is not None:
                             stamps.append(now)
@@ -138,7 +142,7 @@ class Client:
                             res.itl.append(now - last)
                         last = now
                         if bar is not None:
-                            bar.add_tokens(len(ids))
+                            bar.add_tokens(len(got))
             res.latency = time.perf_counter() - st
             if not done:
                 res.error = "the stream ended without [DONE]"

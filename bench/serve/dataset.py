@@ -1,5 +1,6 @@
 """The requests of a run and when they go: the datasets `random`, `prefix-repetition` and
-`file` (nothing is downloaded), their fit in the model's context, and vLLM's gamma arrivals."""
+`file` (nothing is downloaded), their fit in the model's context, and vLLM's gamma arrivals.
+The `multi-turn` dataset is `bench.serve.multiturn` (a closed loop: no arrival times)."""
 
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ CHAT_OVERHEAD = len(encode("<|user|>\n\n<|assistant|>\n", bos=False))  # openai_
 
 @dataclass(frozen=True)
 class Request:
-    """One request of a dataset: its prompt text, prompt tokens (BOS included) and max_tokens."""
+    """One request of a dataset: its prompt text, prompt tokens (BOS included) and max_tokens;
+    `token_ids`: the prompt as token ids instead of text (multi-turn: sent as they are)."""
 
     prompt: str
     prompt_len: int
     max_tokens: int
+    token_ids: tuple[int, ...] = ()
 
 
 def read_jsonl(path: str) -> tuple[tuple[str, int | None], ...]:

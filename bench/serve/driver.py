@@ -18,6 +18,7 @@ from dataclasses import replace
 from bench.common import progress, run_info
 from bench.serve.client import RequestResult
 from bench.serve.flags import parse_options
+from bench.serve.mt_compare import compare_pool_result, print_compare_pool, run_compare_pool
 from bench.serve.options import PROG, BenchError, Options
 from bench.serve.pd import (
     DECODE_BAR,
@@ -209,7 +210,8 @@ def run_layout(opts: Options, capacity: float | None = None) -> tuple[dict, list
         for i in range(opts.repeat):
             # xpod decode with the server up and idle (its dies parked: ~1 % of a core), and
             # with this process's default policy (its dies are forked from here)
-            dec = decode_baseline(opts, i, opts.repeat) if opts.launch else {}
+            # (not for multi-turn: its prompts and replies are no decode batch)
+            dec = decode_baseline(opts, i, opts.repeat) if opts.launch and not opts.mt else {}
             part = dict(res)
             policies: dict[int, int] = {}
             if opts.client_batch and hasattr(os, "SCHED_BATCH"):  # after every fork of ours
@@ -353,7 +355,9 @@ def run(opts: Options) -> int:
     for note in opts.notes:
         progress(f"  {PROG}: {note}")
     try:
-        if opts.compare_colocated:
+        if opts.compare_pool:
+            per, results, status = run_compare_pool(opts, run_layout)
+        elif opts.compare_colocated:
             n = opts.prefill_dies + opts.decode_dies
             progress(f"  PD layout: {opts.prefill_dies} prefill + {opts.decode_dies} decode dies")
             pd, results, status = run_layout(opts)
@@ -366,7 +370,14 @@ def run(opts: Options) -> int:
     except BenchError as e:
         progress(f"{PROG}: error: {e}")
         return 1
-    if not opts.compare_colocated:
+    if opts.compare_pool:
+        for name, r in per.items():
+            print_title(f"layout {name}: {r['server_args']}")
+            print_report(r, opts)
+        res = compare_pool_result(opts, _base(opts), per)
+        print_compare_pool(res)
+        sweeps = []
+    elif not opts.compare_colocated:
         res.update(run_info())
         print_report(res, opts)
         if opts.layout == "pd":

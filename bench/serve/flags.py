@@ -10,6 +10,7 @@ import shlex
 
 from bench.serve.dataset import CHAT_OVERHEAD, check_context, make_requests, read_jsonl
 from bench.serve.interference import BURST_MAX_TOKENS
+from bench.serve.mt_compare import POOL_FLAGS, add_mt_args, fit_context, layout_argvs, mt_spec
 from bench.serve.options import PROG, Options
 from bench.serve.pd_flags import (
     add_pd_args,
@@ -17,6 +18,7 @@ from bench.serve.pd_flags import (
     check_pd_flags,
     launch_only,
     pd_server_argvs,
+    without,
 )
 from bench.serve.stats import METRICS
 from memory.errors import ConfigError
@@ -33,6 +35,7 @@ from runtime.cli.argtypes import (
 )
 from runtime.model import PRESETS
 
+DATASETS = ("random", "prefix-repetition", "prefix_repetition", "file", "multi-turn", "multi_turn")
 TTFT_PROBES = 20
 QUICK_MAX_PROMPTS, QUICK_MAX_LEN, QUICK_PROBES = 32, 32, 5
 
@@ -175,8 +178,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add(
         "--dataset",
         default="random",
-        choices=("random", "prefix-repetition", "prefix_repetition", "file"),
-        help="random (default), prefix-repetition, or file (--dataset-path)",
+        choices=DATASETS,
+        help="random (default), prefix-repetition, file (--dataset-path), or multi-turn"
+        " (conversations resending their history: --mt-*)",
     )
     add(
         "--random-input-len",
@@ -184,7 +188,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=64,
         help="prompt tokens, BOS included (default 64)",
     )
-    add("--random-output-len", type=positive_int, default=64, help="max_tokens (default 64)")
+    add(
+        "--random-output-len",
+        type=positive_int,
+        default=None,
+        help="max_tokens (default 64; multi-turn: a reply's tokens, default 32)",
+    )
     add(
         "--random-range-ratio",
         type=float_range(0.0),
@@ -304,6 +313,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     add("--quick", action="store_true", help="short run (CI smoke test)")
     add_pd_args(p)
+    add_mt_args(p)
 
 
 def parse_options(args: argparse.Namespace) -> Options:
@@ -324,6 +334,7 @@ def parse_options(args: argparse.Namespace) -> Options:
             ("--lb-compare", args.lb_compare or None),
             ("--output-procs", args.output_procs or None),
             ("--server-args", args.server_args or None),
+            ("--compare-pool", args.compare_pool),
             *launch_only(args),
         ):
             if value is not None:
@@ -331,7 +342,12 @@ def parse_options(args: argparse.Namespace) -> Options:
                     f"argument {flag}: only with --launch (the server at --url has its own)"
                 )
     pd = check_pd_flags(args)
-    n, in_len, out_len = args.num_prompts, args.random_input_len, args.random_output_len
+    dataset = args.dataset.replace("_", "-")
+    mt = mt_spec(args, dataset)
+    if args.compare_pool and (args.lb or args.lb_compare):
+        flag = "--lb" if args.lb else "--lb-compare"
+        raise ConfigError(f"argument {flag}: not with --compare-pool (each layout has its own)")
+    n, in_len, out_len = args.num_prompts, args.random_input_len, args.random_output_len or 64
     pr_pre, pr_suf, pr_out = (
         args.prefix_repetition_prefix_len,
         args.prefix_repetition_suffix_len,
@@ -352,7 +368,6 @@ def parse_options(args: argparse.Namespace) -> Options:
         raise ConfigError(f"argument --random-range-ratio: {args.random_range_ratio} must be < 1")
     if args.temperature > 2:
         raise ConfigError(f"argument --temperature: {args.temperature} must be in [0, 2]")
-    dataset = args.dataset.replace("_", "-")
     if (dataset == "file") != (args.dataset_path is not None):
         raise ConfigError("argument --dataset-path: give it with --dataset file (and only then)")
     file_rows = read_jsonl(args.dataset_path) if args.dataset_path else ()
@@ -386,7 +401,7 @@ def parse_options(args: argparse.Namespace) -> Options:
         if key in goodput:
             raise ConfigError(f"argument --goodput: {key} given twice")
         goodput[key] = ms
-    ttft = args.launch and not args.quick if args.ttft is None else args.ttft
+    ttft = args.launch and not args.quick and not mt if args.ttft is None else args.ttft
     if ttft and not args.launch and args.max_concurrency is None:
         raise ConfigError(
             "argument --ttft: with --url give --max-concurrency (the loaded part"
@@ -399,6 +414,8 @@ def parse_options(args: argparse.Namespace) -> Options:
     colo_argv: tuple[str, ...] = ()
     overrides: dict = {}
     notes: tuple[str, ...] = ()
+    layouts: tuple = ()
+    block_size = 16
     burst_n, burst_len = burst_sizes(args)
     if args.launch:
         dies = args.dies or 4
@@ -422,7 +439,19 @@ def parse_options(args: argparse.Namespace) -> Options:
             )  # fmt: skip
         else:
             server_argv = ("--dies", str(dies), *base, *user)
-            engine = check_server_args(server_argv)
+            check = check_server_args
+            if args.compare_pool:  # the --pool-* flags go to the pool layout only
+
+                def check(argv: tuple[str, ...]):
+                    return check_server_args(without(argv, POOL_FLAGS))
+
+            engine = check(server_argv)
+            if mt is not None:
+                server_argv, engine, notes = fit_context(mt, engine, server_argv, check)
+            if args.compare_pool:
+                layouts = layout_argvs(args.compare_pool, server_argv, user, check_server_args)
+                server_argv = layouts[0][1]
+        block_size = engine.block_size
         dies, max_seqs, model = engine.dies, engine.max_num_seqs, engine.model
         protocol, quant = engine.protocol, engine.quant
         overrides = dict(engine.model_overrides)
@@ -438,7 +467,7 @@ def parse_options(args: argparse.Namespace) -> Options:
         quant=quant,
         max_model_len=max_len,
         endpoint=args.endpoint,
-        num_prompts=n,
+        num_prompts=mt.requests if mt else n,
         request_rate=args.request_rate,
         burstiness=args.burstiness,
         ramp=ramp,
@@ -481,10 +510,13 @@ def parse_options(args: argparse.Namespace) -> Options:
         burst_prompts=burst_n,
         burst_len=burst_len,
         notes=notes,
+        mt=mt,
+        block_size=block_size,
+        compare_pool=layouts,
     )
     if opts.repeat > 1 and not opts.launch:
         raise ConfigError("argument --repeat: needs --launch (pairs with xpod decode)")
-    if max_len:
+    if max_len and mt is None:
         check_context(opts, make_requests(opts, opts.num_prompts, 0), max_len)
     return opts
 

@@ -13,6 +13,30 @@ class BenchError(Exception):
 
 
 @dataclass(frozen=True)
+class MTSpec:
+    """The shape of a multi-turn workload (KVPOOL.md §5.1's defaults for the small model)."""
+
+    conversations: int = 32
+    turns: int = 6
+    system_len: int = 256
+    families: int = 1
+    user_len: int = 48
+    output_len: int = 32
+    think_s: float = 1.0
+    stagger_s: float = 0.25
+    skew: bool = False
+
+    @property
+    def requests(self) -> int:
+        return self.conversations * self.turns
+
+    @property
+    def max_context(self) -> int:
+        """Tokens of the longest conversation's last turn with its reply: BOS + S + T (U + O)."""
+        return 1 + self.system_len + self.turns * (self.user_len + self.output_len)
+
+
+@dataclass(frozen=True)
 class Options:
     url: str | None
     launch: bool
@@ -69,6 +93,10 @@ class Options:
     burst_prompts: int = 8
     burst_len: int = 1024
     notes: tuple[str, ...] = ()  # what the flags changed on their own (progress lines)
+    # --dataset multi-turn (bench.serve.multiturn) and --compare-pool (bench.serve.mt_compare)
+    mt: MTSpec | None = None
+    block_size: int = 16  # the server's KV block (the ideal hit rate's unit)
+    compare_pool: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (layout, its server flags)
 
     @property
     def decode_groups(self) -> int:

@@ -21,6 +21,7 @@ from bench.serve.dataset import (
     random_text,
 )
 from bench.serve.interference import interference_phase
+from bench.serve.multiturn import MultiTurnRun, load_figures
 from bench.serve.options import PROG, BenchError, Options
 from bench.serve.pd import idle_split, pd_figures
 from bench.serve.scrape import by_label, kv_balance, server_figures, total
@@ -134,18 +135,23 @@ async def measure(
     label: str,
     seed: int,
     ramp=None,
+    runner: MultiTurnRun | None = None,
 ) -> tuple[dict, list[RequestResult]]:
-    """One run with /metrics scraped and CPU counted: (result dict, per-request results)."""
+    """One run with /metrics scraped and CPU counted: (result dict, per-request results).
+    `runner`: the multi-turn closed loop plays the run instead of `reqs` at their arrivals."""
     me = psutil.Process()
     await asyncio.sleep(IDLE_LAG_S)  # the steps before this run are all in
     s0 = await client.scrape()
     cpu0 = sum(me.cpu_times()[:2])
     client.peak = client.inflight
-    bar = Bar(label, len(reqs), opts.show_progress)
+    bar = Bar(label, runner.num_requests if runner else len(reqs), opts.show_progress)
     with Scraper(client, bar) as sc:
-        results, duration, last_sent = await run_requests(
-            client, reqs, rate, opts, max_concurrency, bar, seed, ramp
-        )
+        if runner is None:
+            results, duration, last_sent = await run_requests(
+                client, reqs, rate, opts, max_concurrency, bar, seed, ramp
+            )
+        else:
+            results, duration, last_sent = await runner(client, bar, max_concurrency)
     cpu_client = sum(me.cpu_times()[:2]) - cpu0
     await asyncio.sleep(IDLE_LAG_S)
     s1 = await client.scrape()
@@ -156,6 +162,9 @@ async def measure(
     res["cpu_ms_per_token_client"] = cpu_client * 1e3 / n_out if n_out else 0.0
     res.update(server_figures(s0, s1, sc.snaps, n_out))
     res.update(pd_figures(s0, s1, n_out))
+    res.update(load_figures(s0, s1))  # prompt tokens per group: load imbalance
+    if runner is not None:
+        res.update(runner.figures(opts.block_size, results))
     # while requests arrive (the tail, where the last requests end one group at a time, is left
     # out: with a concurrency cap the last request goes out near the end anyway)
     arriving = [snap for t, snap in zip(sc.times, sc.snaps, strict=True) if t <= last_sent]
@@ -240,8 +249,14 @@ async def bench_async(
             raise BenchError(f"GET {base}/v1/models: {type(e).__name__}: {e}") from None
         res["model_id"] = client.model_id
         res["max_model_len"] = max_len
-        reqs = make_requests(opts, opts.num_prompts, 0)
-        if max_len:
+        runner = MultiTurnRun(opts.mt, opts.seed) if opts.mt else None
+        reqs = make_requests(opts, 1 if runner else opts.num_prompts, 0)  # multi-turn: a test
+        if max_len and runner is not None and opts.mt.max_context > max_len:
+            raise BenchError(
+                f"a conversation needs {opts.mt.max_context} tokens of context, the server's"
+                f" model has {max_len} (fewer --mt-turns, shorter --mt-* lengths)"
+            )
+        if max_len and runner is None:
             try:
                 check_context(opts, reqs, max_len)
             except ConfigError as e:
@@ -260,10 +275,19 @@ async def bench_async(
         if opts.interference and first:
             res.update(await interference_phase(client, opts, max_len or 256))
         conc = opts.max_concurrency or "no limit"
-        progress(
-            f"  main run: {opts.num_prompts} requests, rate {opts.request_rate:g}"
-            f" req/s, burstiness {opts.burstiness:g}, concurrency {conc} ..."
-        )
+        if runner is not None:
+            m = opts.mt
+            progress(
+                f"  main run: {m.conversations} conversations x {m.turns} turns (system"
+                f" {m.system_len} x {m.families}{', skewed' if m.skew else ''}, user"
+                f" {m.user_len}, output {m.output_len}), think {m.think_s:g} s, closed loop,"
+                f" concurrency {conc} ..."
+            )
+        else:
+            progress(
+                f"  main run: {opts.num_prompts} requests, rate {opts.request_rate:g}"
+                f" req/s, burstiness {opts.burstiness:g}, concurrency {conc} ..."
+            )
         main, results = await measure(
             client,
             opts,
@@ -273,6 +297,7 @@ async def bench_async(
             "main",
             opts.seed,
             opts.ramp,
+            runner,
         )
         res.update(main)
         if opts.rate_sweep and last:
