@@ -198,11 +198,11 @@ class PoolShell:
         hit = self.index.lookup(tokens, ns)
         orders = self.index.take_orders()
         promote = {(o[2], o[3]) for o in orders if o[0] == "promote"}
-        self._send_orders([o for o in orders if o[0] != "promote"])
-        if not hit.blocks:
-            return None
-        if len(hit.blocks) < self.cfg.min_hit_blocks:
-            self._undo(hit, promote)
+        rest = [o for o in orders if o[0] != "promote"]
+        if not hit.blocks or len(hit.blocks) < self.cfg.min_hit_blocks:
+            self._send_orders(rest)
+            if hit.blocks:
+                self._undo(hit, promote)
             return None
         blocks = []
         for b in hit.blocks:
@@ -210,7 +210,15 @@ class PoolShell:
             blocks.append([b.h, b.server, slot, b.crc, (b.h, slot) in promote])
         self.counters["pool_hints"] += 1
         self.counters["pool_hint_blocks"] += len(blocks)
-        return {"lease": hit.lease, "ns": ns, "blocks": blocks}
+        hint = {"lease": hit.lease, "ns": ns, "blocks": blocks}
+        if promote:
+            # The demotions that made room for the promotions go with the hint: its master
+            # sends them before its load, on the same socket (sent from here, they could reach
+            # the server after the load's promotions overwrote their slots).
+            hint["orders"] = self._frames(rest)
+        else:
+            self._send_orders(rest)
+        return hint
 
     def _undo(self, hit, promote: set) -> None:
         for b in hit.blocks:
@@ -310,21 +318,28 @@ class PoolShell:
     def _send_orders(self, orders: list[tuple]) -> None:
         if self.sock is None or self.down:
             return
+        for _server, kind, body in self._frames(orders):
+            self.sock.send(pool_frame(kind, body))
+
+    def _frames(self, orders: list[tuple]) -> list[list]:
+        """[server, kind, body] of the index's orders."""
+        out = []
         for o in orders:
-            kind, _server, h = o[0], o[1], o[2]
+            kind, server, h = o[0], o[1], o[2]
             if kind == "demote":
                 e = self.index.entry(h)
                 if e is None:
                     continue
-                self.sock.send(pool_frame("demote", {
+                out.append([server, "demote", {
                     "h": h, "slot": o[3], "ns": e.ns, "parent": e.parent,
-                    "tokens": list(e.tokens), "crc": e.crc}))  # fmt: skip
+                    "tokens": list(e.tokens), "crc": e.crc}])  # fmt: skip
             elif kind == "delete":
-                self.sock.send(pool_frame("delete", {"h": h, "ns": None}))
+                out.append([server, "delete", {"h": h, "ns": None}])
             elif kind == "promote":  # not part of a hit's load: its own order
                 e = self.index.entry(h)
-                self.sock.send(pool_frame("promote", {"h": h, "slot": o[3],
-                                                      "ns": e.ns if e else None}))  # fmt: skip
+                out.append([server, "promote", {"h": h, "slot": o[3],
+                                                "ns": e.ns if e else None}])  # fmt: skip
+        return out
 
     # -- figures -------------------------------------------------------------------------------
 
