@@ -7,6 +7,13 @@ batches (request, tokens, positions) and the same KV block tables as the pod ran
 `PagedKV` stores, so every matmul sees the same rows as on the dies. A global step in which a
 die ran no rows is an empty batch for it (a dummy step); steps in which no die had rows were
 idle votes and ran nothing.
+
+A run with the KV pool (`EngineConfig.kv_pool`) has requests whose prefix blocks were loaded
+from the pool, not computed on their die: given the requests' prompts, the replay lands them
+(`_PoolLanding`): a full prompt block's bytes are snapshotted, keyed by its chained hash, right
+after the replayed step that completed it (in default mode they depend on that step's batch),
+and written into a row's prefix blocks that no replayed computation on its die left there,
+before the step of that row.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from runtime.model.reference import ReferencePod
 from runtime.model.sampler import sample_rows
 from runtime.model.split_reference import SplitReference
 from runtime.pod.proc import blas_threads, limit_blas_threads
+from sched.kv import block_hash
 
 
 @dataclass
@@ -45,6 +53,8 @@ class ReplayReport:
     logit_mismatches: list = field(default_factory=list)
     drafts_compared: int = 0  # MTP: the drafts each die made for the next row
     draft_mismatches: list = field(default_factory=list)  # (step, group, request, served, replayed)
+    pool_landed: int = 0  # KV pool: prefix blocks landed from a replayed store (`prompts`)
+    pool_missing: int = 0  # prefix blocks neither computed on their die nor stored in the replay
 
     @property
     def bit_equal(self) -> bool:
@@ -63,6 +73,7 @@ def replay(
     expert_maps: list | None = None,
     split: Split | None = None,
     spec=None,
+    prompts: dict[int, list[int]] | None = None,
 ) -> ReplayReport:
     """Replay every logged step (logs: group -> the master's step records); combine_dtype:
     the served pod's (`EngineConfig.combine_dtype`); expert_maps: an EPLB pod's
@@ -71,7 +82,8 @@ def replay(
     (`EngineConfig.split`: the groups are its attention dies), replayed by `SplitReference`;
     spec: MTP (`runtime.model.mtp.SpecConfig`): each step's verify rows, MTP sub-forwards and
     drafts replayed with `spec_step` and compared (tokens, every verify row's logits, the
-    drafts each die made)."""
+    drafts each die made); prompts: request id -> prompt token ids, to land the prefix blocks
+    a KV pool run loaded (module docstring; None: nothing is landed)."""
     kv = [PagedKV.zeros(cfg.kv_layers, num_blocks, block_size, cfg.kv_cache_dim)
           for _ in range(num_dies)]  # fmt: skip
     if split is not None:
@@ -79,7 +91,8 @@ def replay(
     else:
         pod = ReferencePod(cfg, num_dies, quant, kv, combine_dtype, expert_maps=expert_maps)
     report = ReplayReport()
-    _replay_steps(pod, kv, logs, report, spec=spec)
+    pool = _PoolLanding(block_size, prompts, report) if prompts is not None else None
+    _replay_steps(pod, kv, logs, report, pool and pool.before, pool and pool.after, spec=spec)
     return report
 
 
@@ -93,6 +106,7 @@ def replay_pd(
     logs: dict[int, list[dict]],
     combine_dtype: str = "bfloat16",
     spec=None,
+    prompts: dict[int, list[int]] | None = None,
 ) -> ReplayReport:
     """A PD pod's replay: the prefill part (its dies' logged steps, a P-die reference), then
     the decode part (a D-die reference). The KV a request's prefill left in its blocks, right
@@ -100,7 +114,8 @@ def replay_pd(
     the replay writes it into the decode die's blocks (the table of the request's first row
     there) before the step of that row, so a transfer that moved anything else shows as a
     logit or token mismatch. spec: MTP (as `replay`'s); the KV moved includes the MTP
-    module's layer, and the drafts of each prefill die and decode die are compared."""
+    module's layer, and the drafts of each prefill die and decode die are compared. prompts:
+    as `replay`'s (a PD request's pool hit loads into its prefill die)."""
     p_dies, d_dies = list(topo.prefill), list(topo.decode)
     report = ReplayReport()
     snaps: dict[int, np.ndarray] = {}
@@ -127,13 +142,104 @@ def replay_pd(
                     pool[:, b, : rows.shape[1]] = rows
 
     d_blocks = decode_blocks or num_blocks
-    parts = ((p_dies, num_blocks, None, snapshot), (d_dies, d_blocks, land, None))
+    pre, post = None, snapshot
+    if prompts is not None:
+        pool = _PoolLanding(block_size, prompts, report)
+
+        def post(kv: list[PagedKV], recs: dict[int, dict]) -> None:
+            snapshot(kv, recs)
+            pool.after(kv, recs)
+
+        pre = pool.before
+    parts = ((p_dies, num_blocks, pre, post), (d_dies, d_blocks, land, None))
     for dies, blocks, before, after in parts:
         kv = [PagedKV.zeros(cfg.kv_layers, blocks, block_size, cfg.kv_cache_dim) for _ in dies]
         pod = ReferencePod(cfg, len(dies), quant, kv, combine_dtype)
         part = {dies.index(g): recs for g, recs in logs.items() if g in dies}
         _replay_steps(pod, kv, part, report, before, after, offset=dies[0], spec=spec)
     return report
+
+
+class _PoolLanding:
+    """The KV pool's loads in a replay (module docstring): `before` / `after` hooks of the steps.
+
+    Per die, which block holds which block hash in the replay's stores (`held`: set when a
+    replayed row completes a full block of its request's tokens, cleared when a row writes a
+    block it does not complete); per hash, the bytes of the first replayed computation of a full
+    prompt block (`snaps`: what the pool stored, the first put of a hash being the one kept).
+    Before a step, each row's prefix blocks (those below its start) whose block does not hold
+    their hash in the replay were not computed there: they came from the pool, and the snapshot
+    is written into them. Not modelled: a hash computed twice in different batches (two dies at
+    once, or stored again after the pool dropped it) lands its first replayed version.
+    """
+
+    def __init__(self, block_size: int, prompts: dict[int, list[int]], report: ReplayReport):
+        self.bs, self.report = block_size, report
+        self.prompts = {int(k): list(v) for k, v in prompts.items()}
+        self.tokens: dict[int, list[int]] = {}  # request -> its tokens so far (prompt first)
+        self.hashes: dict[int, list[int]] = {}  # request -> its full blocks' chained hashes
+        self.held: dict[int, dict[int, int]] = {}  # die -> block -> hash it holds
+        self.snaps: dict[int, np.ndarray] = {}
+        self.seen: dict[tuple[int, int], tuple[int, ...]] = {}  # (die, request) -> checked
+
+    def _chain(self, rid: int, n: int) -> list[int]:
+        """The hashes of request rid's first n full blocks (fewer if its tokens are unknown)."""
+        hs, toks, bs = self.hashes.setdefault(rid, []), self.tokens.get(rid), self.bs
+        if toks is None:
+            toks = self.tokens[rid] = list(self.prompts.get(rid, ()))
+        while len(hs) < n and (len(hs) + 1) * bs <= len(toks):
+            i = len(hs)
+            hs.append(block_hash(hs[-1] if hs else None, tuple(toks[i * bs : (i + 1) * bs])))
+        return hs[:n]
+
+    def before(self, kv: list[PagedKV], recs: dict[int, dict]) -> None:
+        bs = self.bs
+        for d, rec in recs.items():
+            held = self.held.setdefault(d, {})
+            for r in rec["rows"]:
+                rid, start, table = r[0], r[2], r[3]
+                n = start // bs
+                done = self.seen.get((d, rid), ())  # its blocks checked at an earlier row
+                if len(done) > n or tuple(table[: len(done)]) != done:
+                    done = ()  # a new table (preempted, recomputed)
+                self.seen[(d, rid)] = tuple(table[:n])
+                hs = self._chain(rid, n) if n > len(done) else []
+                for i in range(len(done), n):
+                    b = table[i]
+                    if i < len(hs) and held.get(b) == hs[i]:
+                        continue  # computed (or landed) on this die
+                    s = self.snaps.get(hs[i]) if i < len(hs) else None
+                    if s is None:
+                        self.report.pool_missing += 1
+                        held.pop(b, None)
+                        continue
+                    kv[d].pool[:, b] = s
+                    held[b] = hs[i]
+                    self.report.pool_landed += 1
+
+    def after(self, kv: list[PagedKV], recs: dict[int, dict]) -> None:
+        bs = self.bs
+        for d, rec in recs.items():
+            held = self.held.setdefault(d, {})
+            for r in rec["rows"]:
+                rid, fed, start, table = r[0], r[1], r[2], r[3]
+                end = start + len(fed)
+                toks = self.tokens.setdefault(rid, list(self.prompts.get(rid, ())))
+                known = len(toks) >= start  # the tokens before this row's are known
+                if known:
+                    del toks[start:]
+                    toks.extend(fed)  # (an MTP row's rejected drafts: cut by the next row)
+                    self.hashes[rid] = self.hashes.get(rid, [])[: start // bs]
+                n_prompt = len(self.prompts.get(rid, ())) // bs
+                hs = self._chain(rid, end // bs) if known else []
+                for i in range(start // bs, -(-end // bs)):
+                    b = table[i]
+                    if (i + 1) * bs > end or i >= len(hs):
+                        held.pop(b, None)  # written, not a known full block
+                        continue
+                    held[b] = hs[i]
+                    if i < n_prompt and hs[i] not in self.snaps:
+                        self.snaps[hs[i]] = kv[d].pool[:, b].copy()
 
 
 def _replay_steps(pod, kv: list[PagedKV], logs: dict[int, list[dict]], report: ReplayReport,
@@ -285,11 +391,15 @@ def _compare(report: ReplayReport, step: int, group: int, rec: dict, logits: np.
                 report.logit_mismatches.append((step, group, rows[i][0], diff))
 
 
-def replay_engine(cfg, logs: dict[int, list[dict]]) -> ReplayReport:
-    """Replay what an engine of `EngineConfig` cfg served (`Engine.step_log`, after close)."""
+def replay_engine(cfg, logs: dict[int, list[dict]],
+                  prompts: dict[int, list[int]] | None = None) -> ReplayReport:  # fmt: skip
+    """Replay what an engine of `EngineConfig` cfg served (`Engine.step_log`, after close).
+    prompts: request id -> prompt token ids; with `cfg.kv_pool` the replay needs them to land
+    the pool's loads (without them a loaded prefix replays as zeros: a mismatch)."""
     m = cfg.model_config()
     if cfg.pd is not None:
         return replay_pd(m, cfg.pd, cfg.quant, cfg.blocks, cfg.decode_blocks, cfg.block_size,
-                         logs, cfg.combine_dtype, spec=cfg.speculative)  # fmt: skip
+                         logs, cfg.combine_dtype, spec=cfg.speculative,
+                         prompts=prompts)  # fmt: skip
     return replay(m, cfg.dies, cfg.quant, cfg.blocks, cfg.block_size, logs, cfg.combine_dtype,
-                  split=cfg.split, spec=cfg.speculative)  # fmt: skip
+                  split=cfg.split, spec=cfg.speculative, prompts=prompts)  # fmt: skip
