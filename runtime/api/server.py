@@ -434,7 +434,7 @@ def write_replay(engine: Engine, path: str) -> None:
 
     say(f"replaying {sum(len(v) for v in engine.step_log.values())} logged steps ...")
     t0 = time.monotonic()
-    rep = replay_engine(engine.config, engine.step_log)
+    rep = replay_engine(engine.config, engine.step_log, engine.tracker.prompts)
     out = {"bit_equal": rep.bit_equal, "steps": rep.steps, "rows": rep.rows,
            "sampled": rep.sampled, "logits_compared": rep.logits_compared,
            "token_mismatches": rep.token_mismatches[:20],

@@ -96,6 +96,8 @@ class Engine(EngineRecovery):
         self.tracker.pd = PDRouter(config) if config.pd is not None else None
         self.pool = PoolShell(self) if config.kv_pool is not None else None
         self.tracker.pool = self.pool
+        if self.pool is not None and config.log_steps:
+            self.tracker.prompts = {}
         self.lock = self.tracker.lock  # also guards the sockets to the masters
         self.stats: dict[int, dict] = {}
         self.stats_log: list[dict] = []

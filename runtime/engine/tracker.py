@@ -154,6 +154,9 @@ class RequestTracker:
         self.gen = 0  # the engine's incarnation: `out` messages of an older one are dropped
         self.pd = None  # a PD pod's router (runtime.engine.pd_shell.PDRouter)
         self.pool = None  # the KV pool's shell side (runtime.engine.pool_shell.PoolShell)
+        # request id -> the prompt its master got (kept when the engine logs its steps with
+        # the pool on: the schedule replay lands the pool's loads from them)
+        self.prompts: dict[int, list[int]] | None = None
         # The ledger's counters: tokens a stream had already (trimmed: never sent twice), gaps
         # (a bug: must stay 0), requests re-admitted after a restart, stale messages dropped.
         self.ledger = {"tokens_replayed": 0, "token_gaps": 0, "requests_recomputed": 0,
@@ -258,6 +261,8 @@ class RequestTracker:
             if t.transcript is not None:
                 body["transcript"] = t.transcript
             hint = self.pool.hint(body["prompt"]) if self.pool is not None else None
+            if self.prompts is not None:
+                self.prompts[t.id] = body["prompt"]
             if hint is not None and t.prefill_group < 0:  # the pod-wide prefix lookup
                 body["pool"] = hint
             if t.render is not None:
