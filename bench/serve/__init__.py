@@ -42,7 +42,8 @@ the trace's ideal hit rate (`ideal_hit_rate`, prompt blocks sent before; `_repli
 replies) and the prompt tokens per group (`load_imbalance`: max / mean). `--compare-pool
 local,affinity,pool` (`bench.serve.mt_compare`) runs the same workload against one server per
 layout (die-local cache with `least_kv`, `--lb prefix`, `--kv-pool` with `least_kv`) and
-evaluates the KV pool's bars over them.
+evaluates the KV pool's bars over them (`--repeat R`: R rounds, every other one in reverse
+order, medians of the rounds' ratios).
 
 Extras, from `/metrics` (scraped every 0.2 s while the run goes, as deltas over the run): KV
 balance (time-averaged max/mean KV usage over groups, over the scrapes whose mean is > 0),

@@ -356,7 +356,7 @@ def run(opts: Options) -> int:
         progress(f"  {PROG}: {note}")
     try:
         if opts.compare_pool:
-            per, results, status = run_compare_pool(opts, run_layout)
+            rounds, results, status = run_compare_pool(opts, run_layout)
         elif opts.compare_colocated:
             n = opts.prefill_dies + opts.decode_dies
             progress(f"  PD layout: {opts.prefill_dies} prefill + {opts.decode_dies} decode dies")
@@ -371,10 +371,11 @@ def run(opts: Options) -> int:
         progress(f"{PROG}: error: {e}")
         return 1
     if opts.compare_pool:
-        for name, r in per.items():
-            print_title(f"layout {name}: {r['server_args']}")
-            print_report(r, opts)
-        res = compare_pool_result(opts, _base(opts), per)
+        for i, rnd in enumerate(rounds):
+            for name, r in rnd.items():
+                print_title(f"round {i + 1}, layout {name}: {r['server_args']}")
+                print_report(r, opts)
+        res = compare_pool_result(opts, _base(opts), rounds)
         print_compare_pool(res)
         sweeps = []
     elif not opts.compare_colocated:

@@ -15,6 +15,13 @@ Layouts (each a fresh `xpod serve` with the run's flags and `--server-args`):
 - `pool`: `--kv-pool` with `--lb least_kv`: the hit is pod-wide, the routing load-only. The
   `--pool-*` flags of `--server-args` go to this layout only.
 
+`--repeat R`: R rounds of the layouts, the order reversed every other round (the machine
+drifts: a ratio is taken within a round, between runs minutes apart at most); the JSON has
+each round (`rounds`, `runs`), each layout's medians over its rounds (`layouts`) and each bar's
+median over the rounds' ratios (`bars`, with `values`). A run whose engine restarted
+(`engine_restarts` > 0: a die declared dead, its counters and caches started over) is left out
+of the medians, and said.
+
 Per layout (`layouts` in the JSON): `completed`, `failed`, `output_throughput`,
 `median_ttft_ms`, `p99_ttft_ms`, `hit_rate` (local + pool prompt tokens over all, from
 `/metrics`), `local_hit_rate`, `pool_hit_rate`, `ideal_hit_rate` (the trace's, as sent:
@@ -33,6 +40,8 @@ import dataclasses
 import shlex
 from collections.abc import Callable
 
+import numpy as np
+
 from bench.common import print_table, progress, run_info
 from bench.serve.options import MTSpec, Options
 from bench.serve.pd_flags import flag_given, without
@@ -49,7 +58,7 @@ LAYOUT_KEYS = ("completed", "failed", "duration", "output_throughput", "median_t
                "pool_hit_rate", "ideal_hit_rate", "ideal_hit_rate_replies",
                "local_prompt_tokens", "pool_prompt_tokens", "computed_prompt_tokens",
                "load_imbalance", "computed_imbalance", "prompt_tokens_by_group",
-               "median_ttft_ms_by_turn", "server_args")  # fmt: skip
+               "median_ttft_ms_by_turn", "engine_restarts", "server_args")  # fmt: skip
 POOL_KEYS = ("pool_loads", "pool_fallbacks", "pool_crc_mismatches", "pool_load_gbps",
              "pool_load_ms_mean", "pool_stored_blocks", "pool_evictions")  # fmt: skip
 # (name, what, layout, over layout or None, key, op, bar)
@@ -130,7 +139,7 @@ def mt_spec(args: argparse.Namespace, dataset: str) -> MTSpec | None:
         ("--rate-sweep", bool(args.rate_sweep)),
         ("--ramp-up-strategy", args.ramp_up_strategy is not None),
         ("--request-rate", args.request_rate != float("inf")),
-        ("--repeat", args.repeat > 1),
+        ("--repeat", args.repeat > 1 and not args.compare_pool),
         ("--prefill-dies", args.prefill_dies is not None),
     ):
         if bad:
@@ -226,21 +235,30 @@ def _only(argv: tuple[str, ...], flags: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def run_compare_pool(opts: Options, run_layout: Callable) -> tuple[dict[str, dict], list, int]:
-    """Each layout's run (`run_layout(opts) -> (result, results, status)`), in turn: (results
-    by layout, the first layout's per-request results, the worst status)."""
-    per: dict[str, dict] = {}
+def run_compare_pool(opts: Options, run_layout: Callable) -> tuple[list[dict], list, int]:
+    """`--repeat` R rounds of every layout's run (`run_layout(opts) -> (result, results,
+    status)`), the order reversed every other round (local, affinity, pool, then pool,
+    affinity, local, ...: a drift of the machine hits both ends of a ratio alike): (per round
+    {layout: result}, the first run's per-request results, the worst status)."""
+    rounds: list[dict] = []
     first: list = []
     status = 0
-    for i, (name, argv) in enumerate(opts.compare_pool):
-        progress(f"  layout {i + 1}/{len(opts.compare_pool)}: {name}")
-        res, results, st = run_layout(dataclasses.replace(opts, server_argv=argv))
-        res["layout"] = name
-        res["server_args"] = shlex.join(argv)
-        per[name] = res
-        first = first or results
-        status = max(status, st)
-    return per, first, status
+    names = list(opts.compare_pool)
+    for r in range(opts.repeat):
+        rnd: dict[str, dict] = {}
+        for i, (name, argv) in enumerate(names if r % 2 == 0 else names[::-1]):
+            progress(
+                f"  round {r + 1}/{opts.repeat}, layout {i + 1}/{len(names)}: {name}"
+                if opts.repeat > 1
+                else f"  layout {i + 1}/{len(names)}: {name}"
+            )
+            res, results, st = run_layout(dataclasses.replace(opts, server_argv=argv, repeat=1))
+            res["layout"], res["server_args"] = name, shlex.join(argv)
+            rnd[name] = res
+            first = first or results
+            status = max(status, st)
+        rounds.append({name: rnd[name] for name, _ in names})
+    return rounds, first, status
 
 
 def layout_figures(name: str, r: dict) -> dict:
@@ -254,6 +272,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def _median(values: list) -> float | None:
+    v = [x for x in values if isinstance(x, int | float) and not isinstance(x, bool)]
+    return float(np.median(v)) if v else None
+
+
 def evaluate_bars(layouts: dict[str, dict]) -> dict[str, dict]:
     """{bar name: {what, value, bar, ok}} of the layouts present (ok None: not evaluated)."""
     out = {}
@@ -263,8 +286,52 @@ def evaluate_bars(layouts: dict[str, dict]) -> dict[str, dict]:
             a = layouts[lay].get(key)
             b = layouts[lay].get("ideal_hit_rate") if over is None else layouts[over].get(key)
             value = _ratio(a, b)
-        ok = None if value is None else (value >= bar if op == ">=" else value <= bar)
+        ok = _ok(value, op, bar)
         out[name] = {"what": what, "value": value, "bar": f"{op} {bar:g}", "ok": ok}
+    return out
+
+
+def _ok(value: float | None, op: str, bar: float) -> bool | None:
+    return None if value is None else (value >= bar if op == ">=" else value <= bar)
+
+
+def _clean(rnd: dict[str, dict], names: tuple[str, ...]) -> bool:
+    """No engine restart in these layouts' runs of a round (their counters cover it all)."""
+    return all(not rnd[n].get("engine_restarts") for n in names if n in rnd)
+
+
+def round_bars(rounds: list[dict[str, dict]]) -> dict[str, dict]:
+    """The bars over rounds: each round's ratio (its layouts ran next to each other), the
+    median over the rounds without an engine restart in the layouts it compares (over all
+    rounds if every one had one, and said: `clean` false)."""
+    per = [evaluate_bars(rnd) for rnd in rounds]
+    out = {}
+    for name, what, lay, over, _, op, bar in BARS:
+        involved = (lay,) if over is None else (lay, over)
+        values = [b[name]["value"] for b in per]
+        clean = [v for v, rnd in zip(values, rounds, strict=True) if _clean(rnd, involved)]
+        value = _median(clean if clean else values)
+        out[name] = {"what": what, "value": value, "values": values, "bar": f"{op} {bar:g}",
+                     "ok": _ok(value, op, bar), "clean": bool(clean)}  # fmt: skip
+    return out
+
+
+def median_layouts(rounds: list[dict[str, dict]]) -> dict[str, dict]:
+    """Each layout's figures: numbers the median over its rounds without a restart (all, if
+    every one had one), lists those of its first such round."""
+    out = {}
+    for name in rounds[0]:
+        rows = [rnd[name] for rnd in rounds if _clean(rnd, (name,))] or [r[name] for r in rounds]
+        fig = {}
+        for k in rows[0]:
+            vals = [r.get(k) for r in rows]
+            num = _median(vals)
+            fig[k] = num if num is not None and not isinstance(rows[0][k], list) else rows[0][k]
+        for k in ("completed", "failed"):
+            fig[k] = sum(rnd[name].get(k) or 0 for rnd in rounds)
+        fig["engine_restarts"] = sum(rnd[name].get("engine_restarts") or 0 for rnd in rounds)
+        fig["rounds"] = len(rounds)
+        out[name] = fig
     return out
 
 
@@ -290,19 +357,44 @@ def reported(layouts: dict[str, dict]) -> dict:
     return out
 
 
-def compare_pool_result(opts: Options, base: dict, per: dict[str, dict]) -> dict:
-    """The --json object of --compare-pool: the options, `layouts` (the keys above), `bars`,
-    `reported`, every layout's whole result under `runs`, the run info."""
-    layouts = {name: layout_figures(name, r) for name, r in per.items()}
-    res = {**base, "compare_pool": list(per), "mt": dataclasses.asdict(opts.mt),
-           "layouts": layouts, "bars": evaluate_bars(layouts), "reported": reported(layouts),
-           "runs": per, **run_info()}  # fmt: skip
-    res["failed"] = sum(r.get("failed") or 0 for r in per.values())
+def compare_pool_result(opts: Options, base: dict, rounds: list[dict[str, dict]]) -> dict:
+    """The --json object of --compare-pool: the options, `layouts` (the keys above; medians
+    over the rounds), `bars` (median of the rounds' ratios), `reported`, each round's figures
+    under `rounds` and its whole results under `runs`, the run info."""
+    per_round = [{n: layout_figures(n, r) for n, r in rnd.items()} for rnd in rounds]
+    layouts = median_layouts(per_round)
+    res = {**base, "compare_pool": list(rounds[0]), "mt": dataclasses.asdict(opts.mt),
+           "repeat": len(rounds), "layouts": layouts, "bars": round_bars(per_round),
+           "reported": reported(layouts), "rounds": per_round, "runs": rounds,
+           **run_info()}  # fmt: skip
+    res["failed"] = sum(r.get("failed") or 0 for rnd in rounds for r in rnd.values())
     return res
 
 
 def _f(v, spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec)
+
+
+ROUND_COLUMNS = [
+    ("layout", "layout", ""),
+    ("output_throughput", "out tok/s", ".1f"),
+    ("median_ttft_ms", "TTFT p50", ".1f"),
+    ("p99_ttft_ms", "p99", ".1f"),
+    ("hit_rate", "hit", ".3f"),
+    ("pool_hit_rate", "pool hit", ".3f"),
+    ("ideal_hit_rate", "ideal", ".3f"),
+    ("load_imbalance", "imbalance", ".3f"),
+    ("engine_restarts", "restarts", "d"),
+]
+
+
+def print_rounds(res: dict) -> None:
+    """Each round's layouts, in the order they ran."""
+    rows = []
+    for i, rnd in enumerate(res["rounds"]):
+        order = list(rnd) if i % 2 == 0 else list(rnd)[::-1]
+        rows += [{"layout": f"{i + 1}: {n}", **rnd[n]} for n in order]
+    print_table(rows, ROUND_COLUMNS)
 
 
 def print_compare_pool(res: dict) -> None:
@@ -314,6 +406,9 @@ def print_compare_pool(res: dict) -> None:
         f" x {m['families']}{' (skewed)' if m['skew'] else ''}, user {m['user_len']}, output"
         f" {m['output_len']}, think {m['think_s']:g} s, stagger {m['stagger_s']:g} s"
     )
+    if res.get("repeat", 1) > 1:
+        print_rounds(res)
+        print(f"each layout: median of {res['repeat']} rounds (order reversed every other one)")
     rows = [{"layout": k, **v} for k, v in res["layouts"].items()]
     print_table(
         rows,
@@ -332,10 +427,22 @@ def print_compare_pool(res: dict) -> None:
             ("computed_imbalance", "computed imb.", ".3f"),
         ],
     )
-    print("bars (KVPOOL.md E1):")
+    for name, lay in res["layouts"].items():
+        if lay.get("engine_restarts"):
+            print(
+                f"WARNING: the {name} layout's engine restarted {lay['engine_restarts']} time(s)"
+                " (a die declared dead): its /metrics figures of that round cover part of it"
+                " and are left out of the medians"
+            )
+    rounds = res.get("repeat", 1)
+    print(f"bars (KVPOOL.md E1){f'; median of {rounds} rounds (each)' if rounds > 1 else ''}:")
     for b in res["bars"].values():
         verdict = "n/a" if b["ok"] is None else ("met" if b["ok"] else "MISSED")
-        print(f"  {b['what']:<36} {_f(b['value']):>7}  (bar {b['bar']}: {verdict})")
+        each = ", ".join(_f(v) for v in b.get("values") or ()) if rounds > 1 else ""
+        print(
+            f"  {b['what']:<36} {_f(b['value']):>7}  (bar {b['bar']}: {verdict})"
+            + (f"  rounds {each}" if each else "")
+        )
     rep = res["reported"]
     if rep.get("pool_hit_over_ideal_replies") is not None:
         print(

@@ -37,6 +37,7 @@ import numpy as np
 from bench.serve.client import Client, RequestResult
 from bench.serve.dataset import Request
 from bench.serve.options import MTSpec
+from bench.serve.scrape import total
 from runtime.model import BOS
 
 PRINTABLE = (32, 127)  # the bytes of the generated text: printable ASCII
@@ -220,8 +221,9 @@ class MultiTurnRun:
 def load_figures(s0: dict | None, s1: dict | None) -> dict:
     """Prompt tokens served per group over a run (`xpod_prompt_tokens_by_source_total`, every
     source; a counter that went down was reset and counts from 0) and their max / mean
-    (`load_imbalance`), and the same of the computed ones (`computed_imbalance`); {} from a
-    server without the counter."""
+    (`load_imbalance`), and the same of the computed ones (`computed_imbalance`); the engine's
+    restarts in between (`xpod_engine_incarnation`: the pod restarted after a die was declared
+    dead, its counters and caches started over); {} from a server without the counter."""
     name = "xpod_prompt_tokens_by_source_total"
     before = {tuple(sorted(lab.items())): v for lab, v in (s0 or {}).get(name, ())}
     served: dict[str, float] = {}
@@ -239,7 +241,9 @@ def load_figures(s0: dict | None, s1: dict | None) -> dict:
         mean = sum(v) / len(v)
         return max(v) / mean if mean else None
 
+    restarts = total(s1, "xpod_engine_incarnation") - total(s0, "xpod_engine_incarnation")
     return {
+        "engine_restarts": int(restarts),  # > 0: the counters were reset during the run
         "prompt_tokens_by_group": [int(served[g]) for g in order],
         "computed_tokens_by_group": [int(computed[g]) for g in order],
         "load_imbalance": imbalance([served[g] for g in order]),

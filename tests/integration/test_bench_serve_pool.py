@@ -39,8 +39,8 @@ def test_compare_pool_two_layouts(tmp_path, capsys):
             assert lay[key] is not None, (name, key)
         assert lay["completed"] == 9 and lay["failed"] == 0
         assert 0 < lay["ideal_hit_rate"] < 1 and lay["hit_rate"] <= lay["ideal_hit_rate_replies"]
-        assert lay["load_imbalance"] >= 1
-        run = res["runs"][name]
+        assert lay["load_imbalance"] >= 1 and lay["engine_restarts"] == 0
+        run = res["runs"][0][name]  # one round
         assert run["server_exit_status"] == 0 and run["total_input_tokens"] == prompt_tokens
         assert sum(lay["prompt_tokens_by_group"]) == prompt_tokens
         assert run["total_output_tokens"] == 9 * 8

@@ -19,7 +19,12 @@ pytest.importorskip("uvloop")
 from bench import serve as bs  # noqa: E402
 from bench.common import Bar  # noqa: E402
 from bench.serve.client import RequestResult  # noqa: E402
-from bench.serve.mt_compare import compare_pool_result, evaluate_bars  # noqa: E402
+from bench.serve.mt_compare import (  # noqa: E402
+    compare_pool_result,
+    evaluate_bars,
+    median_layouts,
+    round_bars,
+)
 from bench.serve.multiturn import (  # noqa: E402
     MultiTurnRun,
     ideal_hit_rate,
@@ -180,6 +185,9 @@ def test_load_figures_per_group():
     reset = load_figures(s1, _snap({("0", "computed"): 40, ("1", "computed"): 160}))
     assert reset["prompt_tokens_by_group"] == [40, 10]
     assert load_figures(s0, {}) == {} and load_figures(None, None) == {}
+    assert f["engine_restarts"] == 0
+    gen = parse_prometheus("# TYPE xpod_engine_incarnation gauge\nxpod_engine_incarnation 1\n")
+    assert load_figures(s0, {**s1, **gen})["engine_restarts"] == 1  # a restart in between
 
 
 def _layout(ttft: float, tput: float, hit: float, ideal: float, imb: float) -> dict:
@@ -203,6 +211,30 @@ def test_bars_are_evaluated():
     assert only_pool["pool_hit_over_ideal"]["ok"] is False
     assert only_pool["pool_ttft_p50_over_local"] == {
         "what": "pool TTFT p50 / local's", "value": None, "bar": "<= 0.8", "ok": None}  # fmt: skip
+
+
+def test_rounds_give_medians_without_restarted_runs():
+    def rnd(local_ttft: float, pool_ttft: float, restarts: int = 0) -> dict:
+        local = _layout(local_ttft, 500, 0.6, 0.8, 1.0)
+        pool = _layout(pool_ttft, 500, 0.8, 0.8, 1.0)
+        local.update(engine_restarts=0, prompt_tokens_by_group=[1, 2], failed=0, completed=10)
+        pool.update(engine_restarts=restarts, prompt_tokens_by_group=[3, 4], failed=1, completed=9)
+        return {"local": local, "pool": pool}
+
+    # the machine slowed down in round 2 (both layouts): the ratio holds; round 3 restarted
+    rounds = [rnd(100, 50), rnd(300, 180), rnd(100, 400, restarts=1)]
+    b = round_bars(rounds)["pool_ttft_p50_over_local"]
+    assert b["values"] == pytest.approx([0.5, 0.6, 4.0])
+    assert b["value"] == pytest.approx(0.55) and b["ok"] is True and b["clean"] is True
+    lay = median_layouts(rounds)
+    assert lay["local"]["median_ttft_ms"] == 100  # median of 100, 300, 100
+    assert lay["pool"]["median_ttft_ms"] == pytest.approx(115)  # the restarted round left out
+    assert lay["pool"]["prompt_tokens_by_group"] == [3, 4]
+    assert (lay["pool"]["failed"], lay["pool"]["completed"]) == (3, 27)  # sums over rounds
+    assert lay["pool"]["engine_restarts"] == 1 and lay["local"]["engine_restarts"] == 0
+    # every round restarted: the median of them all, said
+    b = round_bars([rnd(100, 50, 1), rnd(100, 70, 2)])["pool_ttft_p50_over_local"]
+    assert b["value"] == pytest.approx(0.6) and b["clean"] is False
 
 
 # -- flags -----------------------------------------------------------------------------------------
@@ -233,7 +265,7 @@ def test_layouts_get_their_own_flags():
     res = compare_pool_result(
         o,
         {"dataset": "multi-turn"},
-        {"local": {"failed": 0, "hit_rate": 0.5}, "pool": {"failed": 1, "hit_rate": 0.75}},
+        [{"local": {"failed": 0, "hit_rate": 0.5}, "pool": {"failed": 1, "hit_rate": 0.75}}],
     )
     assert set(res["layouts"]["pool"]) >= {
         "completed",
@@ -272,7 +304,7 @@ BAD = [
     (["--launch", *MT, "--endpoint", "chat"], "--endpoint"),
     (["--launch", *MT, "--request-rate", "5"], "--request-rate"),
     (["--launch", *MT, "--rate-sweep", "0.5,1"], "--rate-sweep"),
-    (["--launch", *MT, "--repeat", "3"], "--repeat"),
+    (["--launch", *MT, "--repeat", "3"], "--repeat"),  # (with --compare-pool: rounds)
     (["--launch", *MT, "--mt-skew"], "--mt-skew"),
     (["--launch", *MT, "--compare-pool", "local,pool", "--lb", "round_robin"], "--lb"),
     (["--launch", *MT, "--compare-pool", "pool", "--server-args=--kv-pool"], "--kv-pool"),
