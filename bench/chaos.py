@@ -28,6 +28,11 @@ Also the server's own ledger (`xpod_token_gaps_total` must be 0) and leaks (proc
 
 Throughput: output tokens over the span from the first send to the last end; the ratio chaos
 over baseline per pair, the median over pairs. Not built (reported as null): rollback stalls.
+
+With `--kv-pool` both servers serve with the pod-wide KV pool and the plan may kill or stop its
+server (`kill-pool`, `stop-pool`, or `--inject` with `pool=0` targets); `--dataset multi-turn`
+sends conversations that share prefixes; the pool's fallbacks, restarts and hit rate around
+each restart are reported (`bench.chaos_pool`).
 """
 
 from __future__ import annotations
@@ -47,13 +52,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import psutil
 
+from bench import chaos_pool
 from bench.common import print_table, progress, run_info, write_jsonl
 from bench.serve.scrape import parse_prometheus
 from bench.serve.server import LaunchedServer
 from runtime.cli.argtypes import choice_list, output_file, positive_float, positive_int
 
 KINDS = ("kill-die", "stop-die", "kill-master", "stop-master", "kvfault-die", "err-die",
-         "drop-die", "delay-die", "kill-output")  # fmt: skip
+         "drop-die", "delay-die", "kill-output", "kill-pool", "stop-pool")  # fmt: skip
+POOL_STOP_S = 2.0  # a drawn stop-pool's length (KVPOOL.md §5.2 E5: longer than a load timeout)
 DEFAULT_KINDS = "kill-die,err-die,stop-die,drop-die,kill-master,kvfault-die,stop-master"
 
 
@@ -87,6 +94,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="both servers in batch-invariant mode: every complete stream must then equal the"
         " baseline's bit for bit (streams_differing 0)")  # fmt: skip
     add("--json", type=output_file, default=None, help="write the summary (and faults) as JSON")
+    chaos_pool.add_args(p)
 
 
 @dataclass(frozen=True)
@@ -108,14 +116,28 @@ class Options:
     hog: int
     batch_invariant: bool
     json: str | None
+    pool: chaos_pool.PoolOptions = chaos_pool.OFF
 
 
 def parse_options(args: argparse.Namespace) -> Options:
-    return Options(args.dies, args.model, args.duration, args.fault_every, tuple(args.kinds),
-                   args.request_rate, args.max_concurrency, args.max_tokens, args.input_len,
-                   args.seed, args.repeat, args.stall_timeout, args.op_timeout,
-                   args.abort_fraction, args.hog,
-                   args.batch_invariant, args.json)  # fmt: skip
+    from runtime.engine.faults import parse_faults
+    from runtime.model import ModelConfig
+
+    pool = chaos_pool.parse_options(args, args.max_concurrency, args.max_tokens,
+                                    ModelConfig.preset(args.model).max_seq_len)  # fmt: skip
+    o = Options(args.dies, args.model, args.duration, args.fault_every, tuple(args.kinds),
+                args.request_rate, args.max_concurrency, args.max_tokens, args.input_len,
+                args.seed, args.repeat, args.stall_timeout, args.op_timeout,
+                args.abort_fraction, args.hog,
+                args.batch_invariant, args.json, pool)  # fmt: skip
+    for k in range(o.repeat):  # refused now, not by the server (FaultSpecError: a ValueError)
+        plan = fault_plan(o, np.random.default_rng([o.seed, 2, k]))
+        parse_faults(plan, o.dies, _output_procs(o), o.dies, int(pool.kv_pool))
+    return o
+
+
+def _output_procs(o: Options) -> bool:
+    return any(k.endswith("output") for k in o.kinds)
 
 
 # -- the load ---------------------------------------------------------------------------------
@@ -224,11 +246,18 @@ def _event(s: Seen, frame: bytes, start: float) -> None:
 
 
 def fault_plan(o: Options, rng: np.random.Generator) -> str:
+    if o.pool.inject:
+        from runtime.engine.faults import read_plan
+
+        return read_plan(o.pool.inject).strip()
     out, k, t = [], 0, o.fault_every
     while t < o.duration:
         kind, target = o.kinds[k % len(o.kinds)].split("-")
         extra = ",for=0.2s" if kind == "delay" else ""  # below the op deadline: no recovery
-        out.append(f"{kind}:{target}={int(rng.integers(0, o.dies))},at={t:g}s{extra}")
+        index = int(rng.integers(0, o.dies))
+        if target == "pool":  # its one server; a stop longer than a load's timeout
+            index, extra = 0, f",for={POOL_STOP_S:g}s" if kind == "stop" else ""
+        out.append(f"{kind}:{target}={index},at={t:g}s{extra}")
         k, t = k + 1, t + o.fault_every
     return "; ".join(out)
 
@@ -242,6 +271,8 @@ class Run:
     events: list[dict]
     leaks: list[str]
     exit: int
+    turns: dict | None = None  # multi-turn: {(conversation, turn): Seen}
+    scrapes: list | None = None  # the chaos run with the pool: /metrics over time
 
 
 def one_run(o: Options, reqs: list[Req], plan: str) -> Run:
@@ -250,10 +281,11 @@ def one_run(o: Options, reqs: list[Req], plan: str) -> Run:
     argv = ["--dies", str(o.dies), "--model", o.model, "--max-num-seqs", str(o.concurrency),
             "--stall-timeout", str(o.stall_timeout), "--op-timeout", str(o.op_timeout),
             "--fault-log", log.name]  # fmt: skip
-    if any(k.endswith("output") for k in o.kinds):
+    if _output_procs(o):
         argv.append("--output-procs")
     if o.batch_invariant:
         argv.append("--batch-invariant")
+    argv += chaos_pool.server_argv(o.pool)
     if plan:  # the restart-storm guard must let the planned faults through
         path = log.name + ".plan"
         with open(path, "w") as fh:
@@ -266,7 +298,7 @@ def one_run(o: Options, reqs: list[Req], plan: str) -> Run:
         url = srv.start()
         model = f"xpod-{o.model}"
         pods = pods_of(srv.proc.pid)
-        seen, t0 = asyncio.run(drive(url, model, reqs, o))
+        seen, t0, turns, scrapes = asyncio.run(_load(url, model, reqs, o, bool(plan)))
         import urllib.error
         import urllib.request
 
@@ -289,7 +321,30 @@ def one_run(o: Options, reqs: list[Req], plan: str) -> Run:
     os.unlink(log.name)
     with contextlib.suppress(OSError):
         os.unlink(log.name + ".plan")
-    return Run(bool(plan), seen, t0, metrics, events, leaks, code)
+    return Run(bool(plan), seen, t0, metrics, events, leaks, code, turns, scrapes)
+
+
+async def _load(url: str, model: str, reqs: list[Req], o: Options, chaos: bool):
+    """(seen, t0, the multi-turn requests by key or None, /metrics scrapes or None): the
+    arrivals of `reqs` or `--dataset multi-turn`'s conversations, with the chaos run of a pool
+    scraped meanwhile."""
+    po = o.pool
+    scrapes: list | None = [] if chaos and po.kv_pool else None
+    stop = asyncio.Event()
+    task = None
+    if scrapes is not None:
+        task = asyncio.ensure_future(chaos_pool.scrape(url, stop, scrapes))
+    try:
+        if po.dataset == "multi-turn":
+            turns, t0 = await chaos_pool.drive_conversations(url, model, o, po, _event, Seen)
+            seen = [turns[k] for k in sorted(turns)]
+        else:
+            (seen, t0), turns = await drive(url, model, reqs, o), None
+    finally:
+        stop.set()
+        if task is not None:
+            await task
+    return seen, t0, turns, scrapes
 
 
 def pods_of(pid: int) -> set[str]:
@@ -390,9 +445,20 @@ def run(o: Options) -> int:
 
 
 def _run(o: Options) -> int:
-    reqs = arrivals(o)
-    progress(f"chaos: {len(reqs)} requests over {o.duration:g} s, a fault every"
-             f" {o.fault_every:g} s ({', '.join(o.kinds)}), {o.repeat} pair(s)")  # fmt: skip
+    reqs = arrivals(o) if o.pool.dataset == "random" else []
+    po = o.pool
+    load = f"{len(reqs)} requests"
+    if po.dataset == "multi-turn":
+        load = f"multi-turn conversations ({po.conversations} at a time, {po.turns} turns)"
+    what = f"a fault every {o.fault_every:g} s ({', '.join(o.kinds)})"
+    if po.inject:
+        what = f"the plan {po.inject!r}"
+    progress(f"chaos: {load} over {o.duration:g} s, {what}, {o.repeat} pair(s)"
+             f"{', KV pool on' if po.kv_pool else ''}")  # fmt: skip
+    if po.max_seq_len is not None:
+        progress(f"  --max-seq-len {po.max_seq_len} given to the servers: a conversation needs"
+                 f" {chaos_pool.needs_context(po, o.max_tokens)} tokens (1 + S + T x (U + O)),"
+                 f" the {o.model} model's context is shorter")  # fmt: skip
     pairs = []
     for k in range(o.repeat):
         plan = fault_plan(o, np.random.default_rng([o.seed, 2, k]))
@@ -410,6 +476,9 @@ def _run(o: Options) -> int:
     for c, b in pairs:
         faults += faults_of(c)
         ratios.append(throughput(c) / max(1e-9, throughput(b)))
+        if c.turns is not None:  # the same conversation turns, where both runs had them
+            c.seen, b_seen = chaos_pool.align(c.turns, b.turns or {}, Seen)
+            b = Run(b.chaos, b_seen, b.t0, b.metrics, b.events, b.leaks, b.exit)
         accs.append(account(c, b, o.max_tokens))
         leaks += c.leaks + b.leaks
         gaps += sum(v for _, v in c.metrics.get("xpod_token_gaps_total", []))
@@ -452,7 +521,10 @@ def _run(o: Options) -> int:
     summary = {
         "bench": "chaos", **run_info(), "dies": o.dies, "model": o.model,
         "duration_s": o.duration, "fault_every_s": o.fault_every, "kinds": list(o.kinds),
-        "pairs": o.repeat, "requests": len(reqs),
+        "pairs": o.repeat, "requests": len(reqs) or sum(len(c.seen) for c, _ in pairs),
+        "requests_sent": sum(len(c.seen) for c, _ in pairs),
+        "requests_completed": sum(s.status == 200 and s.reason == "length" and not s.error
+                                  for c, _ in pairs for s in c.seen),
         "faults_injected": len(faults),
         "faults_not_fired": len(not_fired), "not_fired": not_fired,
         "faults_verified": sum(f["verified"] for f in faults),
@@ -474,17 +546,19 @@ def _run(o: Options) -> int:
         "rollback_stall_max_steps": max(stalls) / step_s if stalls and step_s else None,
         "baseline_tpot_p50_s": step_s,
         "leaks": leaks, "faults": faults,
+        **chaos_pool.summary([c for c, _ in pairs], o.pool),
     }  # fmt: skip
     for nf in not_fired:
         progress(f"  planned fault {nf['fault']!r} did not fire: {nf['reason']}")
     for key in ("faults_injected", "faults_not_fired", "faults_verified", "faults_detected",
-                "faults_recovered",
+                "faults_recovered", "requests_sent", "requests_completed",
                 "requests_accepted", "requests_lost", "client_aborts", "tokens_duplicated",
                 "tokens_skipped", "false_recoveries",
                 "streams_differing", "throughput_ratio", "detect_kill_p50_s", "restart_p50_s",
                 "restart_max_s", "rollback_stall_max_s", "rollback_stall_max_steps",
                 "lost_write_stall_max_s",
-                "ttft_p50_s", "baseline_ttft_p50_s"):  # fmt: skip
+                "ttft_p50_s", "baseline_ttft_p50_s",
+                *(chaos_pool.KEYS if o.pool.kv_pool else ())):  # fmt: skip
         v = summary[key]
         print(f"  {key:22s} {v:.3f}" if isinstance(v, float) else f"  {key:22s} {v}")
     print(f"  leaks                  {len(leaks)}{': ' + ', '.join(leaks) if leaks else ''}")

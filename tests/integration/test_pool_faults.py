@@ -15,6 +15,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +28,7 @@ from runtime.engine.pool_config import PoolConfig
 from sched import SamplingParams
 from tests.waiting import wait_for
 
+ROOT = Path(__file__).resolve().parents[2]
 BS = 8
 TINY = dict(dies=2, model="tiny", timeout_s=20.0, max_num_batched_tokens=64, block_size=BS,
             model_overrides={"batch_invariant": True})  # fmt: skip
@@ -216,6 +220,29 @@ def test_a_stopped_pool_server_times_its_loads_out_then_serves_again(reference, 
     assert f.text == "kill:pool=0,at=900s" and "after the end" in why, why
     (nf,) = [e for e in _log(tmp_path) if e["event"] == "not_fired"]
     assert nf["target"] == "pool" and "after the end" in nf["reason"], nf
+
+
+@pytest.mark.timeout(150)
+def test_bench_chaos_kills_and_stops_the_pool_under_conversations(tmp_path):
+    out = tmp_path / "chaos.json"
+    cmd = [sys.executable, "-m", "runtime.cli", "bench", "chaos", "--dies", "2", "--model",
+           "tiny", "--kv-pool", "--pool-dram-mib", "1", "--pool-ssd-mib", "16",
+           "--dataset", "multi-turn", "--mt-turns", "3", "--max-tokens", "16",
+           "--request-rate", "8", "--duration", "9", "--batch-invariant",
+           "--inject", "kill:pool=0,at=3s; stop:pool=0,at=6s,for=1.5s",
+           "--op-timeout", "2", "--stall-timeout", "3",  # margin for a busy host
+           "--json", str(out)]  # fmt: skip
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=140)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    s = json.loads(out.read_text().splitlines()[-1])
+    assert s["requests_sent"] == s["requests_completed"] == s["requests_accepted"] > 0, s
+    assert s["requests_lost"] == s["token_gaps_server"] == s["streams_differing"] == 0, s
+    assert s["faults_injected"] == s["faults_verified"] == 2 and s["leaks"] == [], s
+    assert s["pool_kills"] == s["pool_stops"] == s["pool_restarts"] == 1, s
+    assert s["pool_restarts_server"] == 1 and s["fallbacks"] >= 0, s  # from /metrics
+    (row,) = s["pool_recoveries"]
+    assert row["fault"] == "kill:pool=0,at=3s" and row["restart_s"] >= 0, row
+    assert "hit_rate_recovery_s" in row and "pool_kills" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize(
