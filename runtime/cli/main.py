@@ -64,6 +64,8 @@ BENCHES: dict[str, tuple[str, str]] = {
                 " costs, per EP degree."),
     "chaos": ("bench.chaos", "`xpod bench chaos`: HTTP load while faults fire, against a"
               " fault-free baseline."),
+    "pool": ("bench.pool", "`xpod bench pool`: TTFT and prefill throughput by reuse rate, KV pool"
+             " hits against recompute."),
 }  # fmt: skip
 
 

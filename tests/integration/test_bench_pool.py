@@ -1,0 +1,87 @@
+"""`xpod bench pool`: a small sweep (2 dies, the small model, short prompts, r in {0, 0.5}) writes
+every key the issue names, its r = 0.5 hits come from the pool (blocks loaded, load time > 0) and
+its r = 0 has no pool hit at all; bad flags are refused in one line before anything starts.
+Speed is the benchmark's to measure, never asserted here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from runtime import cli
+
+ROW_KEYS = (
+    "reuse", "hit_tokens", "ttft_ms_nocache", "ttft_ms_pool", "ttft_ms_local", "ttft_reduction",
+    "load_ms", "load_gbps", "prefill_tok_s_nocache", "prefill_tok_s_pool", "throughput_gain",
+    "ttft_ms_nocache_p99", "ttft_ms_pool_p99", "ttft_ms_local_p99", "pool_minus_local_ms",
+    "bar_ms", "ok", "p2p_gbps", "pool_hit_tokens", "load_bytes", "ttft_ms_local_die_a",
+)  # fmt: skip
+TOP_KEYS = ("model", "block_size", "prompt_len", "plane", "reuse_sweep", "p2p_zero_copy_gbps",
+            "bars", "noise", "nocache_control", "local_control", "load_fit")  # fmt: skip
+SMALL = ["bench", "pool", "--dies", "2", "--model", "small", "--max-seq-len", "256", "--prompt-len",
+         "128", "--reuse", "0,0.5", "--prompts", "2", "--concurrency", "2"]  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_small_sweep_has_every_key_pool_hits_at_half_and_none_at_zero(tmp_path, capsys):
+    out = tmp_path / "pool.json"
+    assert cli.main([*SMALL, "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    for key in TOP_KEYS:
+        assert key in res, key
+    rows = {r["reuse"]: r for r in res["reuse_sweep"]}
+    assert sorted(rows) == [0.0, 0.5]
+    for r in rows.values():
+        for key in ROW_KEYS:
+            assert key in r, key
+        assert r["ttft_ms_nocache"] > 0 and r["ttft_ms_pool"] > 0 and r["ttft_ms_local"] > 0
+        assert r["ttft_ms_pool_p99"] >= r["ttft_ms_pool"]
+        assert r["local_pool_blocks"] == 0  # die A's own cache covers its prefix: no load
+    half, zero = rows[0.5], rows[0.0]
+    # r = 0.5 of 128 tokens = 4 blocks of 16, loaded from the pool into die B
+    assert half["hit_tokens"] == 64 and half["pool_hit_tokens"] == 64
+    assert half["load_ms"] > 0 and half["load_bytes"] > 0 and half["load_gbps"] > 0
+    assert half["local_cached_tokens"] == 64  # die B's own hit once the pool landed P there
+    assert half["local_die_a_cached_tokens"] == 64  # die A's: from the warm request
+    assert half["batch_hit_tokens"] == 64
+    assert half["p2p_gbps"] > 0 and half["bar_ms"] > 1.0 and isinstance(half["ok"], bool)
+    assert res["p2p_zero_copy_gbps"][str(half["load_bytes"])] == half["p2p_gbps"]
+    # r = 0: nothing shared, not one pool hit token (the master's counter and the landings)
+    assert zero["pool_hit_tokens"] == 0 and zero["hit_tokens"] == 0
+    assert zero["batch_hit_tokens"] == 0 and zero["load_ms"] == 0 and zero["bar_ms"] is None
+    bars = res["bars"]
+    for name in ("ttft_reduction_monotone_worst_drop", "ttft_reduction_r0.5", "pool_overhead_r0",
+                 "throughput_gain_r0.5", "pool_minus_local_ms_r0.5"):  # fmt: skip
+        assert set(bars[name]) == {"value", "bar", "ok"}, name
+    assert res["noise"]["nocache_samples"] == 4
+    assert "pool-local ms" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--reuse", "0,1.0"], "argument --reuse: 1.0 is outside [0, 1)"),
+        (["--reuse", "-0.1"], "argument --reuse: -0.1 is outside [0, 1)"),
+        (["--reuse", "0,half"], "argument --reuse: half is not a number"),
+        (["--reuse", ","], "argument --reuse: ',' is empty"),
+        (["--prompt-len", "2048"], "argument --prompt-len: 2048 tokens + 4 generated exceed"),
+        (["--prompt-len", "253"], "argument --prompt-len: 253 tokens + 4 generated exceed"),
+        (["--prompt-len", "16"], "argument --prompt-len: 16 tokens is less than two blocks"),
+        (["--dies", "1"], "argument --dies: 1 is not an integer >= 2"),
+        (["--dies", "3"], "argument --dies/--model/--max-seq-len/--block-size:"),
+        (["--prompts", "0"], "argument --prompts: 0 is not an integer >= 1"),
+        (["--concurrency", "-1"], "argument --concurrency: -1 is not an integer >= 0"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(flags, says, capsys):
+    argv = ["bench", "pool", "--model", "small", "--max-seq-len", "256", "--prompt-len", "128",
+            *flags]  # fmt: skip
+    try:
+        status = cli.main(argv)
+    except SystemExit as e:  # argparse's own refusals
+        status = e.code
+    assert status == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("xpod bench pool: error: "), err
+    assert says in err, err
