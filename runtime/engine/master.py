@@ -283,6 +283,8 @@ class Master:
         (CLOCK_MONOTONIC, shared by the processes) of its first token. The tokens of a request
         that is not streamed go with it, in this flush's deltas."""
         rid = req.request_id
+        if self.pool is not None:  # before a PD prefill's lease takes its table
+            self.pool.finished(req)
         if isinstance(self.pd, PrefillSide) and self.pd.finished(req):
             for d in (self.held, self.deltas, self.first, self.sched_at, self.transcripts):
                 d.pop(rid, None)
@@ -294,8 +296,7 @@ class Master:
         self.streamed.discard(rid)
         self.started.discard(rid)
         self.transcripts.pop(rid, None)
-        if self.pool is not None:
-            self.pool.finished(rid)
+
         first = self.first.pop(rid, 0.0)
         self.done.append([rid, reason, len(req.prompt), req.num_cached, "", first,
                           self.sched_at.pop(rid, 0.0)])  # fmt: skip

@@ -42,6 +42,7 @@ from runtime.engine.pool_server import pack as pool_frame
 from runtime.engine.wire import master_socket
 from sched import Request
 from sched.kv import KVFull
+from sched.pool import chain as pool_chain
 from sched.request import FinishReason
 
 log = logging.getLogger(__name__)
@@ -228,50 +229,57 @@ class PoolSide:
 
     def offer(self) -> None:
         """New full prompt blocks of running requests, held and reported for storing."""
-        if not self.store:
-            return
+        if self.store:
+            for req in self.m.sched.running:
+                self._offer(req.request_id, req.prompt, self.m.kv.chain(req.request_id))
+
+    def _offer(self, rid: int, prompt: list[int], chain: list[int]) -> None:
         kv, bs = self.m.kv, self.m.spec.block_size
-        for req in self.m.sched.running:
-            rid = req.request_id
-            chain = kv.chain(rid)
-            n = min(len(chain), len(req.prompt) // bs)
-            start = self.offered.get(rid, 0)
-            if n <= start:
-                continue
-            self.offered[rid] = n
-            new = [i for i in range(start, n) if chain[i] not in self.known]
-            if not new:
-                continue
-            # The die-local cache's blocks of the chain, not the request's table: a block it
-            # computed while another request registered the same hash is not hashed (it
-            # cannot be held shared, and the cache serves the other one). One token more:
-            # match_by_prefix leaves out the block of the last token.
-            table, _ = kv.match_by_prefix([*req.prompt[: (new[-1] + 1) * bs], 0])
-            new = [i for i in new if i < len(table)]
-            if not new:
-                continue
-            hold = self.next_hold
-            self.next_hold += 1
-            key = ("put", rid, hold)
-            try:
-                kv.alloc_blocks(key, (new[-1] + 1) * bs, table[: new[-1] + 1])
-            except (KVFull, ValueError):
-                continue
-            self.holds[hold] = key
-            out = []
-            for i in new:
-                self._know(chain[i])
-                out.append([chain[i], chain[i - 1] if i else None,
-                            req.prompt[i * bs : (i + 1) * bs], table[i]])  # fmt: skip
-            self.counters["pool_put_blocks"] += len(out)
-            self.events.append(["put", hold, out])
+        n = min(len(chain), len(prompt) // bs)
+        start = self.offered.get(rid, 0)
+        if n <= start:
+            return
+        self.offered[rid] = n
+        new = [i for i in range(start, n) if chain[i] not in self.known]
+        if not new:
+            return
+        # The die-local cache's blocks of the chain, not the request's table: a block it
+        # computed while another request registered the same hash is not hashed (it cannot
+        # be held shared, and the cache serves the other one). One token more:
+        # match_by_prefix leaves out the block of the last token.
+        table, _ = kv.match_by_prefix([*prompt[: (new[-1] + 1) * bs], 0])
+        new = [i for i in new if i < len(table)]
+        if not new:
+            return
+        hold = self.next_hold
+        self.next_hold += 1
+        key = ("put", rid, hold)
+        try:
+            kv.alloc_blocks(key, (new[-1] + 1) * bs, table[: new[-1] + 1])
+        except (KVFull, ValueError):
+            return
+        self.holds[hold] = key
+        out = []
+        for i in new:
+            self._know(chain[i])
+            out.append([chain[i], chain[i - 1] if i else None,
+                        prompt[i * bs : (i + 1) * bs], table[i]])  # fmt: skip
+        self.counters["pool_put_blocks"] += len(out)
+        self.events.append(["put", hold, out])
 
     def on_release(self, body: dict) -> None:
         key = self.holds.pop(body.get("hold"), None)
         if key is not None:
             self.m.kv.free(key)
 
-    def finished(self, rid: int) -> None:
+    def finished(self, req: Request) -> None:
+        """A request ends: its prompt blocks not offered yet are (one that ends at its first
+        token, e.g. a PD prefill, was never seen running after its prefill's result), from
+        the die-local cache where they still are."""
+        rid = req.request_id
+        if self.store and req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            chain = [h for h, _, _ in pool_chain(req.prompt, self.m.spec.block_size)]
+            self._offer(rid, req.prompt, chain)
         self.offered.pop(rid, None)
 
     def _know(self, h: int) -> None:
