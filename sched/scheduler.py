@@ -143,10 +143,6 @@ class Scheduler:
         # PD prefill (runtime.engine.pd): requests whose blocks outlive them, under a lease
         # key, when they finish normally (their KV goes to a decode die); request -> key
         self.lease: dict[int, object] = {}
-        # KV pool loads (runtime.engine.pool_master): request -> the holder key of blocks
-        # loaded for it (hashed, so its admission matches them); freed once it is admitted
-        # (its own table then holds them) or when it ends before that
-        self.holds: dict[int, object] = {}
         self._seeded: dict[int, list[int]] = {}  # PD decode + MTP: drafts of its first row
 
     def add(self, req: Request) -> None:
@@ -363,9 +359,6 @@ class Scheduler:
             except KVFull:
                 return
             self.waiting.popleft()
-            hold = self.holds.pop(rid, None)
-            if hold is not None:
-                self.kv.free(hold)
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             req.num_computed = req.num_scheduled = hit
@@ -464,9 +457,6 @@ class Scheduler:
             self.running.remove(req)
             del self._target[req.request_id]
         del self._live[req.request_id]
-        hold = self.holds.pop(req.request_id, None)
-        if hold is not None:
-            self.kv.free(hold)
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
         self._released[req.request_id] = None
 

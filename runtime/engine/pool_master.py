@@ -14,8 +14,10 @@ the server process: the emulated DMA engine, no die spends a cycle on it), and t
 here (data before its completion). `land`: the crc32 of each landed block (its layer spans,
 layer-major, in the die's region) is compared with the crc the block was stored with; the
 blocks up to the first mismatch are registered in the die-local prefix cache
-(`KVManager.cache_blocks`), the request is queued with the holder as its `Scheduler.holds`
-entry (freed at its admission, whose prefix match now finds them), and the lease goes back.
+(`KVManager.cache_blocks`: hashed, then freed most recently, so evicted last), the request is
+queued (its admission's prefix match finds them), and the lease goes back. Every order names
+the server's epoch and this die's segment (its inode): the server refuses one meant for a
+predecessor or for a die restarted since, so a late order never writes into the wrong blocks.
 A load not complete within `timeout_s` (or whose server the shell reports dead) falls back:
 the request is queued without it (its prefix recomputed) and the blocks stay quarantined until
 the late completion arrives or the server is gone (a stopped server may still write them).
@@ -39,6 +41,7 @@ import zmq
 from comm.kvlink import checksum, scatter_spans
 from memory import layout as L
 from runtime.engine.pool_server import pack as pool_frame
+from runtime.engine.pool_shell import segment_inode
 from runtime.engine.wire import master_socket
 from sched import Request
 from sched.kv import KVFull
@@ -80,6 +83,7 @@ class PoolSide:
             sock.connect(addr)
             self.to_server[int(s)] = sock
         self.reply_to = master_socket(master.spec.run_dir, master.spec.group)
+        self.seg = segment_inode(master.region.name)  # this incarnation's die segment
         self.loads: dict[int, _Load] = {}
         self.quarantine: dict[int, tuple[object, int]] = {}  # request -> (holder, server)
         self.offered: dict[int, int] = {}  # request -> prompt blocks offered (or skipped)
@@ -130,7 +134,8 @@ class PoolSide:
                 for layer in range(self.n_layers) for b in new]  # fmt: skip
         self.loads[rid] = _Load(req, lease, server, todo, len(local), offs)
         self.to_server[server].send(pool_frame("load", {
-            "id": rid, "die": m.spec.group, "gen": m.spec.gen,
+            "id": rid, "die": m.spec.group, "gen": m.spec.gen, "seg": self.seg,
+            "epoch": hint.get("epoch"),
             "slots": [int(b[2]) for b in todo], "dst_offs": offs, "n_tokens": len(todo) * bs,
             "reply_to": self.reply_to,
             "promote": [[int(b[0]), int(b[2]), hint.get("ns")]
@@ -173,9 +178,10 @@ class PoolSide:
             kv.cache_blocks(("pool", rid), req.prompt, (ld.local + ok) * bs)
             for b in ld.blocks[:ok]:
                 self._know(int(b[0]))
-            self.m.sched.holds[rid] = ("pool", rid)
-        else:
-            kv.free(("pool", rid))
+        # No hold until admission: the landed blocks join the cache (hashed, freed most
+        # recently: evicted last) and the request's admission matches them; holding them for
+        # every queued request could leave no room to admit any (a small KV pool stalled).
+        kv.free(("pool", rid))
         dt = time.monotonic() - ld.since
         self.counters["pool_hit_tokens"] += ok * bs
         self.counters["pool_load_bytes"] += int(body.get("bytes", 0))

@@ -148,6 +148,8 @@ class PoolServerConfig:
     ssd_blocks: int = 0  # files the SSD tier may hold (0: no limit)
     ssd_fsync: bool = False
     pin_cpu: int = -1
+    epoch: int = 0  # the shell's count of this server's (re)starts: a load or store of another
+    # (sent to a predecessor, queued here) is refused, never executed
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -290,6 +292,21 @@ class PoolServer:
             dest = body.get("reply_to") if kind == "load" else None
             return dest if isinstance(dest, str) else None, REPLY_OF[kind], reply
 
+    def _checked(self, b: dict, kind: str) -> _DieMap:
+        """The order's die region, after its guards: the order was meant for this server (its
+        `epoch`) and for the die's segment as it is now (its `seg`: the segment's inode when
+        the sender chose the blocks; a die restarted since has a new segment at the name)."""
+        epoch = b.get("epoch")
+        if epoch is not None and int(epoch) != self.cfg.epoch:
+            raise ProtocolError(f"{kind}: an order of epoch {epoch}, this server is epoch"
+                                f" {self.cfg.epoch} (sent to a predecessor)")  # fmt: skip
+        m = self.die(_int(b, "die"), _int(b, "gen", 0))
+        seg = b.get("seg")
+        if seg is not None and int(seg) != m.ino:
+            raise ProtocolError(f"{kind}: die {m.spec.die}'s segment changed since the order"
+                                f" was made (inode {seg}, now {m.ino})")  # fmt: skip
+        return m
+
     def die(self, die: int, gen: int) -> _DieMap:
         """Die `die`'s region, (re-)attached when its incarnation `gen` or its segment changed."""
         m = self.maps.get(die)
@@ -327,7 +344,7 @@ class PoolServer:
             raise ProtocolError(f"store of {len(blocks)} die blocks into {len(slots)} slots"
                                 f" (each slot once)")  # fmt: skip
         n = self._n_tokens(b, len(slots))
-        m = self.die(_int(b, "die"), _int(b, "gen", 0))
+        m = self._checked(b, "store")
         spans = segments(m.geo, blocks, self.geo.offsets(slots), n)  # both checked in range
         nbytes, ns = self._copy(m.arr, self.seg.array, spans)
         return None, "stored", {"server": self.cfg.server, "id": b.get("id"), "status": OK,
@@ -340,7 +357,7 @@ class PoolServer:
             raise ProtocolError(f"load: reply_to {reply_to!r} is not an address")
         slots, dst = _ints(b, "slots"), _ints(b, "dst_offs")
         n = self._n_tokens(b, len(slots))
-        m = self.die(_int(b, "die"), _int(b, "gen", 0))
+        m = self._checked(b, "load")
         promoted = []  # SSD blocks of this load, read into their slots first (one order: no
         for p in b.get("promote") or ():  # other sender can come between the two)
             if not (isinstance(p, list) and len(p) == 3):

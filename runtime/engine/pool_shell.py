@@ -24,6 +24,7 @@ default None leaves every hash as the die-local prefix cache computes it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -54,6 +55,15 @@ log = logging.getLogger(__name__)
 KV_FORMAT = 1  # the pool's block format (a change makes old SSD files foreign)
 REPLIES = frozenset({"inventory", "stored", "demoted", "promoted", "deleted", "dropped", "echo",
                      "error"})  # fmt: skip
+
+
+def segment_inode(name: str) -> int | None:
+    """The inode of POSIX shared-memory segment `name` now (None: not there): an order names
+    the die segment it was made for (a restarted die has a new one at the same name)."""
+    try:
+        return os.stat(os.path.join("/dev/shm", name.lstrip("/"))).st_ino
+    except OSError:
+        return None
 
 
 def fingerprint(model, cfg) -> bytes:
@@ -92,6 +102,7 @@ class PoolShell:
         self.ssd_dir: str | None = None
         self.own_dir = False
         self.down = False  # out of restarts: the pool is off
+        self.epoch = 0
         self.restarts = 0
         self.next_store = 0
         self.stores: dict[int, tuple[int, int, list[int]]] = {}  # id -> group, hold, hashes
@@ -136,6 +147,8 @@ class PoolShell:
 
     def _spawn(self) -> None:
         cleanup_pool_segment(self.e.pod_id, 0)
+        self.epoch += 1  # orders queued for a predecessor are refused by this one
+        self.server_cfg = dataclasses.replace(self.server_cfg, epoch=self.epoch)
         self.handle = start_pool_server(self.server_cfg)
         if self.ctx is None:
             self.ctx = zmq.Context()
@@ -273,7 +286,8 @@ class PoolShell:
         self.stores[sid] = (group, hold, [int(b[0]) for b, _ in granted])
         self.counters["pool_stores"] += 1
         self._send_orders(self.index.take_orders())  # demotions before the slots are reused
-        body = {"id": sid, "die": group, "gen": self.e.gen,
+        body = {"id": sid, "die": group, "gen": self.e.gen, "epoch": self.epoch,
+                "seg": segment_inode(region_name(self.e.pod_id, group)),
                 "die_blocks": [int(b[3]) for b, _ in granted],
                 "slots": [st.slot for _, st in granted],
                 "n_tokens": len(granted) * self.bs}  # fmt: skip
@@ -349,4 +363,4 @@ class PoolShell:
                 "slot_bytes": self.slot_bytes, "up": not self.down}  # fmt: skip
 
 
-__all__ = ["REPLIES", "PoolConfig", "PoolShell", "fingerprint"]
+__all__ = ["REPLIES", "PoolConfig", "PoolShell", "fingerprint", "segment_inode"]

@@ -382,3 +382,27 @@ def test_server_follows_its_parent(rig):
     wait_for(gone, RECV_S, "the orphaned server to exit")
     with contextlib.suppress(OSError):
         os.unlink(S.order_socket(rig.tmp, 0)[len("ipc://") :])
+
+
+def test_orders_for_a_predecessor_or_an_old_segment_are_refused(rig):
+    from runtime.engine.pool_shell import segment_inode
+
+    a, b = rig.dies
+    rig.start(epoch=3)
+    seg = segment_inode(b.name)
+    assert rig.ask("store", {"id": 1, "die": 0, "die_blocks": [0], "slots": [1], "epoch": 3,
+                             "seg": segment_inode(a.name)}, "stored")["status"] == S.OK  # fmt: skip
+    before = b.kv().copy()
+    body = {"id": 2, "die": 1, "slots": [1], "n_tokens": BS, "reply_to": rig.inbox_addr,
+            "dst_offs": b.geo.offsets([3]), "epoch": 2, "seg": seg}  # fmt: skip
+    ld = rig.ask("load", body, "loaded")  # meant for the server before this one
+    assert ld["status"] == S.ERROR and "epoch" in ld["error"]
+    b.recreate(fill=7)  # the die restarted since the master chose its blocks
+    fresh = b.kv().copy()
+    ld = rig.ask("load", {**body, "epoch": 3}, "loaded")
+    assert ld["status"] == S.ERROR and "segment changed" in ld["error"]
+    np.testing.assert_array_equal(b.kv(), fresh)  # nothing written into the new incarnation
+    assert not np.array_equal(fresh, before)
+    ok = rig.ask("load", {**body, "epoch": 3, "seg": segment_inode(b.name)}, "loaded")
+    assert ok["status"] == S.OK
+    np.testing.assert_array_equal(b.kv()[:, 3], a.kv()[:, 0])
