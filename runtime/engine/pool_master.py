@@ -137,7 +137,7 @@ class PoolSide:
             "id": rid, "die": m.spec.group, "gen": m.spec.gen, "seg": self.seg,
             "epoch": hint.get("epoch"),
             "slots": [int(b[2]) for b in todo], "dst_offs": offs, "n_tokens": len(todo) * bs,
-            "reply_to": self.reply_to,
+            "reply_to": self.reply_to, "crcs": False,
             "promote": [[int(b[0]), int(b[2]), hint.get("ns")]
                         for b in todo if len(b) > 4 and b[4]]}))  # fmt: skip
         self.counters["pool_loads"] += 1

@@ -378,9 +378,10 @@ class PoolServer:
                 raise ProtocolError(f"load: bytes [{d}, {d + k}) of die {m.spec.die} are outside"
                                     f" its KV pool [{m.lo}, {m.hi})")  # fmt: skip
         nbytes, ns = self._copy(self.seg.array, m.arr, spans)
+        crcs = self._crcs(slots) if b.get("crcs", True) else []  # a master checks what landed
         return reply_to, "loaded", {"server": self.cfg.server, "id": b.get("id"), "status": OK,
-                                    "error": "", "crcs": self._crcs(slots), "bytes": nbytes,
-                                    "ns": ns, "promoted": promoted}  # fmt: skip
+                                    "error": "", "crcs": crcs, "bytes": nbytes, "ns": ns,
+                                    "promoted": promoted}  # fmt: skip
 
     def _slot_views(self, slot: int) -> list[np.ndarray]:
         return [self.seg.array[o : o + self.slot_bytes // self.cfg.n_layers]
