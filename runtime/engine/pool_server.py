@@ -22,7 +22,9 @@ before use; nothing is pickled. Orders (a body's missing `gen` is 0, `n_tokens` 
   (`KVGeometry.offsets`); a partial last block copies its first rows only. `promote` [[h, slot,
   ns]...]: SSD blocks of the hit read into their slots first, in the same order (a promotion
   the shell ordered could otherwise reach the server after the master's load); the reply's
-  `promoted` [[h, ok, crc]...]; a failed one fails the load (status ERROR).
+  `promoted` [[h, ok, crc]...]; a failed one fails the load (status ERROR). `crcs` false: no
+  crc of the source slots in the reply (a master checks the landed blocks against the stored
+  crcs itself: one crc pass on the critical path, not two).
 - `demote {h, slot, ns, parent, tokens, crc}` -> `demoted {server, h, ok, crc, path, error}`:
   the slot to its block file (refused when the slot's crc is not `crc`, or the tier is full).
 - `promote {h, slot, path | ns}` -> `promoted {server, h, slot, ok, crc, error}`: a block file
