@@ -61,6 +61,7 @@ class _Load:
     local: int  # blocks the die-local cache had
     offs: list[int]  # the scatter list: per (layer, loaded block), layer-major
     since: float = field(default_factory=time.monotonic)
+    t_ns: int = field(default_factory=time.perf_counter_ns)  # the trace's clock
     aborted: bool = False
 
 
@@ -183,6 +184,8 @@ class PoolSide:
         # every queued request could leave no room to admit any (a small KV pool stalled).
         kv.free(("pool", rid))
         dt = time.monotonic() - ld.since
+        if self.m.spec.trace:  # the master's "kv pool" track
+            self.m.spans.append([ld.t_ns, time.perf_counter_ns() - ld.t_ns, "kv pool load", ok])
         self.counters["pool_hit_tokens"] += ok * bs
         self.counters["pool_load_bytes"] += int(body.get("bytes", 0))
         self.counters["pool_load_ns"] += int(dt * 1e9)

@@ -4,6 +4,7 @@
  master g   (process -1 - g, sorted above the dies)
    track "plan"      spans: planning and publishing step commands
    track "results"   spans: taking results (scheduler updates, outputs)
+   track "kv pool"   spans: each KV pool load, from its order to its landing (blocks)
    counters          running, waiting, KV blocks in use, output tokens, dummy steps,
                      preemptions, prefix-hit tokens
  die d      (process d)  as comm.trace exports it: the "serve" track (wait command = the
@@ -49,9 +50,11 @@ def serving_trace(dies: dict[int, list], masters: dict[int, dict]) -> dict:
         events.append(_meta("process_sort_index", pid, 0, {"sort_index": -100 + int(g)}))
         events.append(_meta("thread_name", pid, 0, {"name": "plan"}))
         events.append(_meta("thread_name", pid, 1, {"name": "results"}))
+        events.append(_meta("thread_name", pid, 2, {"name": "kv pool"}))
         for t, dur, name, n in m.get("spans", []):
             events.append({"name": f"{name} ({n})", "cat": "master", "ph": "X", "pid": pid,
-                           "tid": 0 if name == "plan" else 1, "ts": (t - t0) / 1e3,
+                           "tid": {"plan": 0, "kv pool load": 2}.get(name, 1),
+                           "ts": (t - t0) / 1e3,
                            "dur": max(dur, 1) / 1e3, "args": {"n": n}})  # fmt: skip
         for t, *vals in m.get("counters", []):
             events.append({"name": f"group {g}", "cat": "master", "ph": "C", "pid": pid,

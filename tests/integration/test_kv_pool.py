@@ -481,3 +481,24 @@ def test_replay_of_a_pool_run_is_bit_equal(pd):
     assert rep.pool_landed == 8 and rep.pool_missing == 0, (rep.pool_landed, rep.pool_missing)
     blind = replay_engine(eng.config, eng.step_log)
     assert not blind.bit_equal and blind.pool_landed == 0
+
+
+def test_a_pool_load_is_a_span_on_the_masters_kv_pool_track(tmp_path):
+    import json
+
+    path = str(tmp_path / "trace.json")
+    p = prompt_of(41)
+    eng = Engine.launch(**BASE, kv_pool=PoolConfig(dram_mib=8, **SLOW_OK), trace=path)
+    try:
+        ok(run(eng, [p], 0))
+        wait_in_pool(eng, p)
+        ok(run(eng, [p[:-1] + [7]], 1))  # the same prefix on the other die: a pool load
+    finally:
+        eng.close()
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    tracks = {(e["pid"], e["args"]["name"]) for e in events if e.get("name") == "thread_name"}
+    loads = [e for e in events if str(e.get("name", "")).startswith("kv pool load")]
+    assert len(loads) == 1 and loads[0]["args"]["n"] == 4 and loads[0]["dur"] > 0
+    assert (loads[0]["pid"], "kv pool") in tracks
