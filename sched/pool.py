@@ -28,105 +28,37 @@ Time is the injectable clock `now`; leases and timeouts expire lazily at every p
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from sched.kv import block_hash
-
-WRITING, COMPLETE = "writing", "complete"
-Block = tuple[int, "int | None", tuple[int, ...]]  # (hash, parent, tokens)
-
-
-class PoolIndexError(AssertionError):
-    """A broken PoolIndex invariant (`check`) or an impossible internal state."""
-
-
-def ns_root(ns: str | None) -> int | None:
-    """The first block's parent in namespace ns: blake2b-64(b"xpod-ns" + ns) (little endian);
-    None for the default namespace, which keeps every `block_hash` computed today."""
-    if ns is None:
-        return None
-    if not isinstance(ns, str):
-        raise TypeError(f"ns must be a str or None, got {ns!r}")
-    digest = hashlib.blake2b(b"xpod-ns" + ns.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
-
-
-def chain(tokens: Sequence[int], block_size: int, ns: str | None = None) -> list[Block]:
-    """(hash, parent, tokens) of every full block of tokens, chained from ns_root(ns)."""
-    return _chain_tail(tokens, block_size, 0, ns_root(ns))
+from sched.pool_evict import Eviction
+from sched.pool_types import (
+    COMPLETE,
+    COUNTERS,
+    WRITING,
+    AlreadyStored,
+    Block,
+    Dropped,
+    Entry,
+    Granted,
+    Hit,
+    HitBlock,
+    PoolIndexError,
+    PutState,
+    Writing,
+    chain,
+    chain_tail,
+    expect,
+    ns_root,
+    validate_index,
+)
 
 
-@dataclass
-class Entry:
-    h: int
-    ns: str | None
-    parent: int | None
-    tokens: tuple[int, ...]
-    crc: int
-    state: str  # WRITING | COMPLETE
-    server: int
-    dram_slot: int | None
-    on_ssd: bool = False
-    pins: int = 0  # live leases holding it
-    hits: int = 0
-    last_use: float = 0.0
-    promoting: bool = False  # SSD -> dram_slot copy ordered, not yet `promoted`
-    since: float = 0.0  # start of the put (writing) or of the promotion
-    tick: int = 0  # recency: the index's touch counter at its last touch
-    epoch: int = 0  # bumped when its pins are dropped (server_dead) or it leaves the index
-
-
-@dataclass(frozen=True)
-class HitBlock:
-    h: int
-    server: int
-    slot: int | None  # DRAM slot to load from; None: not there yet (see promote_slot)
-    crc: int
-    on_ssd: bool
-    promote_slot: int | None = None  # a promotion into this slot is ordered (or pending)
-
-
-@dataclass(frozen=True)
-class Hit:
-    lease: int  # 0: nothing pinned
-    blocks: list[HitBlock]
-    tokens: int
-
-
-@dataclass(frozen=True)
-class Granted:
-    server: int
-    slot: int
-
-
-@dataclass(frozen=True)
-class AlreadyStored:
-    pass
-
-
-@dataclass(frozen=True)
-class Writing:
-    pass
-
-
-@dataclass(frozen=True)
-class Dropped:
-    reason: str  # admission | orphan | quota | full | collision
-
-
-PutState = Granted | AlreadyStored | Writing | Dropped
-_COUNTERS = ("lookups", "hits", "misses", "query_blocks", "hit_blocks", "evictions", "demotions",
-             "drops", "removals", "ssd_deletes", "promotions", "admissions_dropped",
-             "quota_dropped", "full_dropped", "orphan_dropped", "collisions", "leases_expired",
-             "puts_reclaimed", "promotions_reclaimed", "bad_drops")  # fmt: skip
-
-
-class PoolIndex:
+class PoolIndex(Eviction):
     """The pool's index over `servers` (server id -> DRAM slots) and their SSD tiers."""
 
     def __init__(
@@ -140,7 +72,7 @@ class PoolIndex:
         quotas: dict[str, int] | None = None,
         now: Callable[[], float] = time.monotonic,
     ):
-        _validate(block_size, servers, ssd_blocks, admit, lease_s, put_timeout_s, quotas)
+        validate_index(block_size, servers, ssd_blocks, admit, lease_s, put_timeout_s, quotas)
         self.block_size = block_size
         self.servers = dict(sorted(servers.items()))
         self.ssd_blocks = {s: int((ssd_blocks or {}).get(s) or 0) for s in self.servers}
@@ -166,7 +98,7 @@ class PoolIndex:
         self.ghost_capacity = 4 * sum(self.servers.values())
         self._orders: list[tuple] = []
         self._down: set[int] = set()
-        self._c = dict.fromkeys(_COUNTERS, 0)
+        self._c = dict.fromkeys(COUNTERS, 0)
 
     # ---- read path ------------------------------------------------------------------------
 
@@ -221,7 +153,7 @@ class PoolIndex:
         c["hits" if found else "misses"] += 1
         if self.admit == "second_hit" and len(found) < len(tokens) // bs:
             parent = found[-1].h if found else ns_root(ns)
-            for h, _, _ in _chain_tail(tokens, bs, len(found), parent):
+            for h, _, _ in chain_tail(tokens, bs, len(found), parent):
                 self._ghost[h] = min(2, self._ghost.get(h, 0) + 1)
                 self._ghost.move_to_end(h)
             while len(self._ghost) > self.ghost_capacity:
@@ -466,48 +398,48 @@ class PoolIndex:
         ssd = dict.fromkeys(self.servers, 0)
         ns_used: dict[str | None, int] = {}
         for h, e in es.items():
-            _expect(e.h == h and e.state in (WRITING, COMPLETE), f"entry {h:x}: key or state")
-            _expect(len(e.tokens) == self.block_size, f"entry {h:x}: {len(e.tokens)} tokens")
-            _expect(e.server in self.servers, f"entry {h:x}: unknown server {e.server}")
-            _expect(e.parent in es or e.parent == ns_root(e.ns), f"entry {h:x} is an orphan")
-            _expect(e.parent not in es or es[e.parent].ns == e.ns, f"entry {h:x}: parent's ns")
-            _expect(e.pins == pins.get(h, 0), f"entry {h:x}: pins {e.pins} != leases")
+            expect(e.h == h and e.state in (WRITING, COMPLETE), f"entry {h:x}: key or state")
+            expect(len(e.tokens) == self.block_size, f"entry {h:x}: {len(e.tokens)} tokens")
+            expect(e.server in self.servers, f"entry {h:x}: unknown server {e.server}")
+            expect(e.parent in es or e.parent == ns_root(e.ns), f"entry {h:x} is an orphan")
+            expect(e.parent not in es or es[e.parent].ns == e.ns, f"entry {h:x}: parent's ns")
+            expect(e.pins == pins.get(h, 0), f"entry {h:x}: pins {e.pins} != leases")
             kids.setdefault(e.parent, set()).add(h)
             if e.state == WRITING:
-                _expect(e.dram_slot is not None, f"writing entry {h:x} has no slot")
-                _expect(self._writing.get(h) is e, f"writing entry {h:x} not tracked")
-                _expect(not e.on_ssd and not e.pins, f"writing entry {h:x} on SSD or pinned")
-            _expect(e.dram_slot is not None or e.on_ssd, f"entry {h:x} in no tier")
-            _expect(e.promoting == (self._promoting.get(h) is e), f"entry {h:x}: promoting")
-            _expect(not e.promoting or (e.on_ssd and e.dram_slot is not None), f"promote {h:x}")
+                expect(e.dram_slot is not None, f"writing entry {h:x} has no slot")
+                expect(self._writing.get(h) is e, f"writing entry {h:x} not tracked")
+                expect(not e.on_ssd and not e.pins, f"writing entry {h:x} on SSD or pinned")
+            expect(e.dram_slot is not None or e.on_ssd, f"entry {h:x} in no tier")
+            expect(e.promoting == (self._promoting.get(h) is e), f"entry {h:x}: promoting")
+            expect(not e.promoting or (e.on_ssd and e.dram_slot is not None), f"promote {h:x}")
             if e.dram_slot is not None:
-                _expect(e.server not in self._down, f"entry {h:x}: a slot on a down server")
-                _expect(0 <= e.dram_slot < self.servers[e.server], f"entry {h:x}: slot range")
-                _expect(e.dram_slot not in used[e.server], f"slot {e.dram_slot} held twice")
+                expect(e.server not in self._down, f"entry {h:x}: a slot on a down server")
+                expect(0 <= e.dram_slot < self.servers[e.server], f"entry {h:x}: slot range")
+                expect(e.dram_slot not in used[e.server], f"slot {e.dram_slot} held twice")
                 used[e.server].add(e.dram_slot)
                 dram_kids[e.parent] = dram_kids.get(e.parent, 0) + 1
                 ns_used[e.ns] = ns_used.get(e.ns, 0) + 1
             ssd[e.server] += e.on_ssd
         for s, n in self.servers.items():
             free = self._free[s]
-            _expect(len(set(free)) == len(free), f"server {s}: a free slot twice")
-            _expect(set(free) | used[s] == set(range(n)), f"server {s}: a slot lost")
-            _expect(not set(free) & used[s], f"server {s}: a used slot is free")
-            _expect(ssd[s] == self._ssd_used[s], f"server {s}: SSD count {self._ssd_used[s]}")
-            _expect(ssd[s] <= self.ssd_blocks[s], f"server {s}: SSD over capacity")
-        _expect(kids == self._kids, "child sets differ from the entries")
-        _expect(dram_kids == {k: v for k, v in self._dram_kids.items() if v}, "DRAM child counts")
-        _expect(ns_used == {k: v for k, v in self._ns_used.items() if v}, "ns DRAM counts")
+            expect(len(set(free)) == len(free), f"server {s}: a free slot twice")
+            expect(set(free) | used[s] == set(range(n)), f"server {s}: a slot lost")
+            expect(not set(free) & used[s], f"server {s}: a used slot is free")
+            expect(ssd[s] == self._ssd_used[s], f"server {s}: SSD count {self._ssd_used[s]}")
+            expect(ssd[s] <= self.ssd_blocks[s], f"server {s}: SSD over capacity")
+        expect(kids == self._kids, "child sets differ from the entries")
+        expect(dram_kids == {k: v for k, v in self._dram_kids.items() if v}, "DRAM child counts")
+        expect(ns_used == {k: v for k, v in self._ns_used.items() if v}, "ns DRAM counts")
         for ns, n in ns_used.items():
-            _expect(n <= self.quotas.get(ns, n), f"ns {ns!r}: {n} DRAM blocks over its quota")
-        _expect(all(w.state == WRITING and es.get(h) is w for h, w in self._writing.items()),
+            expect(n <= self.quotas.get(ns, n), f"ns {ns!r}: {n} DRAM blocks over its quota")
+        expect(all(w.state == WRITING and es.get(h) is w for h, w in self._writing.items()),
                 "a tracked put is not a writing entry")  # fmt: skip
-        _expect(len(self._ghost) <= self.ghost_capacity, "ghost set over capacity")
+        expect(len(self._ghost) <= self.ghost_capacity, "ghost set over capacity")
         for (tier, s), heap in self._heap.items():
             items = set(heap)
             for e in es.values():
                 if e.server == s and self._in_tier(e, tier):
-                    _expect((e.tick, e.h) in items, f"entry {e.h:x} not in the {tier} LRU of {s}")
+                    expect((e.tick, e.h) in items, f"entry {e.h:x} not in the {tier} LRU of {s}")
 
     # ---- internals ------------------------------------------------------------------------
 
@@ -602,105 +534,6 @@ class PoolIndex:
             del self._writing[e.h]
         e.epoch += 1
 
-    def _alloc(self, ns: str | None, hint: int | None, only: int | None = None):
-        """A free DRAM slot (server, slot), evicting if needed; else "quota" or "full"."""
-        up = [s for s in self.servers if s not in self._down]
-        quota = self.quotas.get(ns) if ns is not None else None
-        if quota is not None and self._ns_used.get(ns, 0) >= quota and not self._evict(up, ns):
-            return "quota"
-        if only is not None:
-            if not self._free[only] and not self._evict([only], None):
-                return "full"
-            s = only
-        elif hint is not None and hint in up and self._free[hint]:
-            s = hint
-        else:
-            if not up or (not any(self._free[s] for s in up) and not self._evict(up, None)):
-                return "full"
-            s = max(up, key=lambda s: (len(self._free[s]), -s))
-        return s, heapq.heappop(self._free[s])
-
-    def _evict(self, servers: list[int], ns: str | None) -> bool:
-        """Evict the least recently used DRAM victim of servers (of ns if given)."""
-        found = [v for v in (self._victim(s, ns) for s in servers) if v is not None]
-        if not found:
-            return False
-        e = min(found, key=lambda v: v.tick)
-        if self._dram_kids.get(e.h):
-            raise PoolIndexError(f"victim {e.h:x} has a child in DRAM (leaf-first)")
-        s, slot = e.server, e.dram_slot
-        if e.on_ssd:
-            self._clear_slot(e)
-            self._orders.append(("drop", s, e.h, slot))
-            self._c["drops"] += 1
-        elif self.ssd_blocks[s] and (self._ssd_used[s] < self.ssd_blocks[s] or self._ssd_evict(s)):
-            e.on_ssd = True  # the SSD victim (if any) is deleted before this copy
-            self._ssd_used[s] += 1
-            self._clear_slot(e)
-            self._orders.append(("demote", s, e.h, slot))
-            self._c["demotions"] += 1
-        else:
-            self._remove(e)
-            self._c["removals"] += 1
-        self._c["evictions"] += 1
-        return True
-
-    def _victim(self, s: int, ns: str | None) -> Entry | None:
-        """The least recently used evictable DRAM entry of s (of ns if given)."""
-        room: list[bool] = []  # computed once, if needed: can s's SSD tier take a demotion?
-
-        def ok(e: Entry) -> bool:
-            if e.state != COMPLETE or e.promoting or e.pins or self._dram_kids.get(e.h):
-                return False
-            if ns is not None and e.ns != ns:
-                return False
-            if e.on_ssd or not self._kids.get(e.h):
-                return True  # a drop, or a demotion / removal
-            if not room:
-                cap = self.ssd_blocks[s]
-                room.append(
-                    cap > 0 and (self._ssd_used[s] < cap or self._ssd_victim(s) is not None)
-                )
-            return room[0]
-
-        return self._first("dram", s, ok)
-
-    def _ssd_victim(self, s: int) -> Entry | None:
-        """The least recently used SSD-only entry of s with no child at all, unpinned."""
-        return self._first("ssd", s, lambda e: not e.pins and not self._kids.get(e.h))
-
-    def _ssd_evict(self, s: int) -> bool:
-        e = self._ssd_victim(s)
-        if e is None:
-            return False
-        self._remove(e)
-        self._orders.append(("delete", s, e.h))
-        self._c["ssd_deletes"] += 1
-        return True
-
-    def _first(self, tier: str, s: int, ok: Callable[[Entry], bool]) -> Entry | None:
-        """The least recently used entry of a tier on s passing ok; stale heap items dropped."""
-        heap, seen, aside, found = self._heap[tier, s], set(), [], None
-        while heap and found is None:
-            tick, h = heapq.heappop(heap)
-            e = self._e.get(h)
-            if e is None or e.tick != tick or e.server != s or h in seen:
-                continue
-            if not self._in_tier(e, tier):
-                continue
-            seen.add(h)
-            aside.append((tick, h))
-            if ok(e):
-                found = e
-        for item in aside:
-            heapq.heappush(heap, item)
-        return found
-
-    @staticmethod
-    def _in_tier(e: Entry, tier: str) -> bool:
-        """In the DRAM LRU (holds a slot) or the SSD LRU (on SSD only)."""
-        return e.dram_slot is not None if tier == "dram" else e.dram_slot is None and e.on_ssd
-
     def _validate_blocks(self, blocks: list[Block]) -> list[Block]:
         out = []
         for b in blocks:
@@ -714,31 +547,5 @@ class PoolIndex:
         return out
 
 
-def _chain_tail(tokens: Sequence[int], bs: int, start: int, parent: int | None) -> list[Block]:
-    out: list[Block] = []
-    for i in range(start, len(tokens) // bs):
-        chunk = tuple(int(t) for t in tokens[i * bs : (i + 1) * bs])
-        h = block_hash(parent, chunk)
-        out.append((h, parent, chunk))
-        parent = h
-    return out
-
-
-def _validate(block_size, servers, ssd_blocks, admit, lease_s, put_timeout_s, quotas) -> None:
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-    if not servers or any(not isinstance(n, int) or n < 0 for n in servers.values()):
-        raise ValueError(f"servers must map server ids to DRAM slots >= 0, got {servers!r}")
-    if any(s not in servers or (n or 0) < 0 for s, n in (ssd_blocks or {}).items()):
-        raise ValueError(f"ssd_blocks must map known servers to blocks >= 0, got {ssd_blocks!r}")
-    if admit not in ("always", "second_hit"):
-        raise ValueError(f"admit must be 'always' or 'second_hit', got {admit!r}")
-    if not lease_s > 0 or not put_timeout_s > 0:
-        raise ValueError(f"lease_s and put_timeout_s must be > 0, got {lease_s}, {put_timeout_s}")
-    if any(not isinstance(n, int) or n < 0 for n in (quotas or {}).values()):
-        raise ValueError(f"quotas must be ints >= 0, got {quotas!r}")
-
-
-def _expect(ok: bool, what: str) -> None:
-    if not ok:
-        raise PoolIndexError(f"PoolIndex invariant: {what}")
+__all__ = ["COMPLETE", "WRITING", "AlreadyStored", "Dropped", "Entry", "Granted", "Hit",
+           "HitBlock", "PoolIndex", "PoolIndexError", "Writing", "chain", "ns_root"]  # fmt: skip
