@@ -12,7 +12,7 @@ without the GIL), no die spends a cycle on it. The index (which block is where) 
                     <ssd_dir>/<fingerprint hex>/<ns>/<hash:016x>.blk
 ```
 
-Frames are `runtime.engine.wire`'s: msgpack `["xpod", kind, WIRE_VERSION, body]`, checked
+Frames (`runtime.engine.pool_wire`) are `runtime.engine.wire`'s: msgpack `["xpod", kind, WIRE_VERSION, body]`, checked
 before use; nothing is pickled. Orders (a body's missing `gen` is 0, `n_tokens` all rows):
 - `store {id, die, gen, die_blocks, slots, n_tokens}` -> `stored {server, id, crcs, bytes, ns,
   status, error}`: the die's blocks, every layer, gathered into the slots.
@@ -49,9 +49,8 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass, fields
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-import msgpack
 import numpy as np
 import posix_ipc
 import zmq
@@ -60,65 +59,25 @@ from comm.alltoall.state import kernels
 from comm.kvlink import KVGeometry, segments
 from memory import pool_layout as P
 from memory.errors import ConfigError, ProtocolError, ShmError
-from runtime.engine import wire
+from runtime.engine.pool_wire import (
+    ERROR,
+    OK,
+    ORDER_KINDS,
+    REPLY_KINDS,
+    REPLY_OF,
+    frame_id,
+    order_socket,
+    pack,
+    unpack,
+)
 from runtime.engine.wire import WireError
 from runtime.pod.proc import batch_scheduling, follow_parent
 
 log = logging.getLogger(__name__)
-OK, ERROR = 0, 1
 POLL_MS = 200  # how often an idle server checks that its parent lives
 STOP_TIMEOUT_S = 5.0
 SHM_DIR = "/dev/shm"
-ORDER_KINDS = frozenset({"store", "load", "demote", "promote", "delete", "drop", "probe", "stop"})
-REPLY_KINDS = frozenset({"inventory", "stored", "loaded", "demoted", "promoted", "deleted",
-                         "dropped", "echo", "error"})  # fmt: skip
-REPLY_OF = {"store": "stored", "load": "loaded", "demote": "demoted", "promote": "promoted",
-            "delete": "deleted", "drop": "dropped", "probe": "echo"}  # fmt: skip
 _POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-
-
-# -- frames ------------------------------------------------------------------------------------
-
-
-def pack(kind: str, body: dict | None = None) -> bytes:
-    """A pool frame: `wire`'s format, with the pool's kinds."""
-    if kind not in ORDER_KINDS | REPLY_KINDS:
-        raise WireError(f"pack: unknown pool message kind {kind!r}")
-    return msgpack.packb([wire.MARKER, kind, wire.WIRE_VERSION, body or {}], use_bin_type=True)
-
-
-def unpack(frame: bytes, expect: frozenset[str] = ORDER_KINDS) -> tuple[str, dict]:
-    """(kind, body) of a pool frame; WireError if it is not one of `expect` at this version."""
-    try:
-        msg = msgpack.unpackb(frame, raw=False, strict_map_key=False)
-    except (msgpack.UnpackException, ValueError, TypeError) as e:
-        raise WireError(f"unpack: not msgpack ({len(frame)} bytes): {e}") from None
-    if not (isinstance(msg, list) and len(msg) == 4 and msg[0] == wire.MARKER):
-        raise WireError(f"unpack: not an xpod frame: {str(msg)[:80]}")
-    _, kind, version, body = msg
-    if version != wire.WIRE_VERSION:
-        raise WireError(f"unpack: {kind!r} frame of version {version}, this code speaks"
-                        f" {wire.WIRE_VERSION}")  # fmt: skip
-    if kind not in expect:
-        raise WireError(f"unpack: unexpected pool message kind {kind!r}")
-    if not isinstance(body, dict):
-        raise WireError(f"unpack: {kind!r} body is {type(body).__name__}, not a dict")
-    return kind, body
-
-
-def _frame_id(frame: bytes) -> Any:
-    """The `id` of a frame that is not a valid order, if it has one (for its error reply)."""
-    with contextlib.suppress(Exception):
-        msg = msgpack.unpackb(frame, raw=False, strict_map_key=False)
-        if isinstance(msg, list) and len(msg) == 4 and isinstance(msg[3], dict):
-            v = msg[3].get("id")
-            return v if isinstance(v, int | str) else None
-    return None
-
-
-def order_socket(run_dir: str, server: int) -> str:
-    """The PULL socket of pool server `server` (in the pod's run directory)."""
-    return f"ipc://{os.path.join(run_dir, f'pool{server}.sock')}"
 
 
 # -- configuration -----------------------------------------------------------------------------
@@ -503,7 +462,7 @@ def _serve(server: PoolServer, cfg: PoolServerConfig, parent_pid: int) -> None:
             try:
                 kind, body = unpack(frame)
             except WireError as e:
-                send(None, "error", {"server": cfg.server, "id": _frame_id(frame),
+                send(None, "error", {"server": cfg.server, "id": frame_id(frame),
                                      "error": str(e)})  # fmt: skip
                 continue
             if kind == "stop":
