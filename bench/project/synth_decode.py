@@ -90,10 +90,42 @@ class Template:
 
     def toy_card(self) -> ModelCard:
         """The template model's own card (the sizes its capture recorded)."""
-        w = self.workload
-        cfg = ModelConfig.preset(w["model"], n_layers=w["layers"], n_dense_layers=w["dense_layers"],
-                                 num_experts=w["experts"], topk=w["topk"])  # fmt: skip
-        return card_of(cfg)
+        return toy_card(self.workload)
+
+
+def cut_bodies(events: list[list], calls: tuple[str, ...], where: str) -> tuple[list, list]:
+    """`events` (one die's step) with the body of every call of `calls` left out: a marker
+    `["body", name, op, n events]` before its `end`; and each body's operation number (its
+    first guard word's value; None: none). SynthError for another call, or a transfer or guard
+    outside a call."""
+    out, body, ops = [], None, []  # body: [stream, name, op, events] of the open call
+    for e in events:
+        if body is not None and e[1] == body[0]:
+            if e[0] == "end" and e[4] == body[1]:
+                out += [["body", body[1], body[2], body[3]], e]
+                ops.append(body[2])
+                body = None
+            else:
+                if body[2] is None and e[0] in ("pub", "acq"):
+                    body[2] = int(e[6 if e[0] == "pub" else 5][0])
+                body[3] += 1
+            continue
+        if e[0] == "begin" and e[4] in calls:
+            body = [e[1], e[4], None, 0]
+        elif e[0] == "begin" and e[4] != STEP:
+            raise SynthError(f"{where}: call {e[4]!r}: only {' / '.join(calls)} in a step")
+        elif e[0] in ("put", "get", "pub", "acq", "copy"):
+            raise SynthError(f"{where}: a {e[0]} outside a call")
+        out.append(e)
+    return out, ops
+
+
+def toy_card(workload: dict) -> ModelCard:
+    """The card of a template pod's toy model (the sizes its capture recorded)."""
+    w = workload
+    cfg = ModelConfig.preset(w["model"], n_layers=w["layers"], n_dense_layers=w["dense_layers"],
+                             num_experts=w["experts"], topk=w["topk"])  # fmt: skip
+    return card_of(cfg)
 
 
 def template_of(directory: str | Path, die: int = 0, step: int | None = None) -> Template:
@@ -124,26 +156,7 @@ def template_of(directory: str | Path, die: int = 0, step: int | None = None) ->
     seq0 = [0] * len(streams)
     for e in events[:start]:
         seq0[e[1]] += 1
-    out, body = [], None  # body: [stream, name, op, events] of the open collective
-    for e in events[start : end + 1]:
-        if body is not None and e[1] == body[0]:
-            if e[0] == "end" and e[4] == body[1]:
-                out.append(["body", body[1], body[2], body[3]])
-                out.append(e)
-                body = None
-            else:
-                if body[2] is None and e[0] in ("pub", "acq"):
-                    body[2] = int(e[6 if e[0] == "pub" else 5][0])
-                body[3] += 1
-            continue
-        if e[0] == "begin" and e[4] in CALLS:
-            body = [e[1], e[4], None, 0]
-        elif e[0] == "begin" and e[4] != STEP:
-            raise SynthError(f"template {directory}: call {e[4]!r}: only fused dispatch / combine")
-        elif e[0] in ("put", "get", "pub", "acq", "copy"):
-            raise SynthError(f"template {directory}: a {e[0]} outside a collective")
-        out.append(e)
-    ops = [b[2] for b in out if b[0] == "body"]
+    out, ops = cut_bodies(events[start : end + 1], CALLS, f"template {directory}")
     if any(o is None for o in ops):
         raise SynthError(f"template {directory}: a collective without a guard word (1 die?)")
     first_op = min(ops) if ops else 0
@@ -408,8 +421,8 @@ def _write(dies: list[_Die], cfg: PodConfig, tpl: Template, load: Load, out: Pat
     return out
 
 
-__all__ = ["Load", "SynthError", "Template", "captured_load", "pod_config_for_load",
-           "synthesize_decode", "template_of"]  # fmt: skip
+__all__ = ["Load", "SynthError", "Template", "captured_load", "cut_bodies", "pod_config_for_load",
+           "synthesize_decode", "template_of", "toy_card"]  # fmt: skip
 
 
 def captured_load(directory: str | Path, step: int | None = None) -> Load:

@@ -59,13 +59,12 @@ from bench.project.synth_a2e import (
     uncapped,
 )
 from bench.project.synth_common import write_die
-from bench.project.synth_decode import SynthError
+from bench.project.synth_decode import SynthError, cut_bodies, toy_card
 from comm.capture import Capture
 from comm.routing import Placement
 from memory import layout as L
 from runtime import PodConfig
-from runtime.model import ModelConfig
-from runtime.model.card import CARDS, MODEL_OPS, ModelCard, card_of, op_size
+from runtime.model.card import CARDS, MODEL_OPS, ModelCard, op_size
 from runtime.model.forward import attention_dims
 from runtime.model.split import microbatches, parse_event
 from runtime.pod.capture import FORMAT, VERSION
@@ -105,35 +104,14 @@ class SplitTemplate:
     step: int
 
     def toy_card(self) -> ModelCard:
-        w = self.workload
-        cfg = ModelConfig.preset(w["model"], n_layers=w["layers"], n_dense_layers=w["dense_layers"],
-                                 num_experts=w["experts"], topk=w["topk"])  # fmt: skip
-        return card_of(cfg)
+        return toy_card(self.workload)
 
 
 def _cut(events: list[list], lo: int, hi: int, where: str) -> tuple[list[list], list[int]]:
     """events[lo..hi] with every a2e / e2a body left out (a marker instead); the calls' ops."""
-    out, body, ops = [], None, []
-    for e in events[lo : hi + 1]:
-        if body is not None and e[1] == body[0]:
-            if e[0] == "end" and e[4] == body[1]:
-                if body[2] is None:
-                    raise SynthError(f"{where}: a call {body[1]} without a guard word")
-                out += [["body", body[1], body[2], body[3]], e]
-                ops.append(body[2])
-                body = None
-            else:
-                if body[2] is None and e[0] in ("pub", "acq"):
-                    body[2] = int(e[6 if e[0] == "pub" else 5][0])
-                body[3] += 1
-            continue
-        if e[0] == "begin" and e[4] in CALLS:
-            body = [e[1], e[4], None, 0]
-        elif e[0] == "begin" and e[4] != STEP:
-            raise SynthError(f"{where}: call {e[4]!r}: only a2e / e2a in a split step")
-        elif e[0] in ("put", "get", "pub", "acq", "copy"):
-            raise SynthError(f"{where}: a {e[0]} outside a call")
-        out.append(e)
+    out, ops = cut_bodies(events[lo : hi + 1], CALLS, where)
+    if any(o is None for o in ops):
+        raise SynthError(f"{where}: a call without a guard word")
     return out, ops
 
 
