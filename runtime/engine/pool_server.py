@@ -12,8 +12,9 @@ without the GIL), no die spends a cycle on it. The index (which block is where) 
                     <ssd_dir>/<fingerprint hex>/<ns>/<hash:016x>.blk
 ```
 
-Frames (`runtime.engine.pool_wire`) are `runtime.engine.wire`'s: msgpack `["xpod", kind, WIRE_VERSION, body]`, checked
-before use; nothing is pickled. Orders (a body's missing `gen` is 0, `n_tokens` all rows):
+Frames (`runtime.engine.pool_wire`) are `runtime.engine.wire`'s: msgpack `["xpod", kind,
+WIRE_VERSION, body]`, checked before use; nothing is pickled. Orders (a body's missing `gen`
+is 0, `n_tokens` all rows):
 - `store {id, die, gen, die_blocks, slots, n_tokens}` -> `stored {server, id, crcs, bytes, ns,
   status, error}`: the die's blocks, every layer, gathered into the slots.
 - `load {id, die, gen, slots, dst_offs, n_tokens, reply_to}` -> `loaded {server, id, crcs,
