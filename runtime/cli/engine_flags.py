@@ -83,6 +83,7 @@ ENGINE_FLAGS = {
     "kv_pool.store": "--pool-store",
     "kv_pool.min_hit_blocks": "--pool-min-hit-blocks",
     "kv_pool.load_timeout_s": "--pool-load-timeout",
+    "kv_pool.load_by": "--pool-load-by",
 }
 # The KV pool's flags (None: not given) -> their PoolConfig field and default
 POOL_FLAGS = {
@@ -93,6 +94,7 @@ POOL_FLAGS = {
     "--pool-store": ("store", "prompt"),
     "--pool-min-hit-blocks": ("min_hit_blocks", 1),
     "--pool-load-timeout": ("load_timeout_s", 2.0),
+    "--pool-load-by": ("load_by", "master"),
 }
 
 
@@ -208,6 +210,10 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
     )
     add("--pool-load-timeout", type=positive_float, default=None, metavar="S",
         help="a load not done in S seconds falls back to recompute (default 2)")  # fmt: skip
+    add("--pool-load-by", default=None, choices=("master", "server"),
+        help="who copies a DRAM hit into a die's blocks: its master, from the mapped tier"
+        " (default: no message on the critical path), or the pool server on an order"
+        " (hits on the SSD tier always: promoted first)")  # fmt: skip
 
 
 def pool_of(args: argparse.Namespace) -> PoolConfig | None:

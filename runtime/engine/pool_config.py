@@ -21,6 +21,9 @@ class PoolConfig:
     load_timeout_s: a load not complete by then falls back to recompute.
     lease_s: how long a lookup pins its hit. restarts: a dead pool server is restarted this
         many times (then the pool is off: every prompt recomputes).
+    load_by: "master": a die's master copies a DRAM hit from the server's tier (mapped) into
+        its die's blocks itself, no message on the critical path; "server": the pool server
+        copies it on a `load` order (hits on the SSD tier always go that way: promoted first).
     """
 
     dram_mib: float = 256.0
@@ -32,6 +35,7 @@ class PoolConfig:
     load_timeout_s: float = 2.0
     lease_s: float = 10.0
     restarts: int = 3
+    load_by: str = "master"
 
     def __post_init__(self) -> None:
         for name in ("dram_mib", "ssd_mib", "load_timeout_s", "lease_s"):
@@ -42,6 +46,8 @@ class PoolConfig:
             raise ConfigError(f"kv_pool.dram_mib: {self.dram_mib!r} must be > 0")
         if self.admit not in ("always", "second_hit"):
             raise ConfigError(f"kv_pool.admit: {self.admit!r} must be always or second_hit")
+        if self.load_by not in ("master", "server"):
+            raise ConfigError(f"kv_pool.load_by: {self.load_by!r} must be master or server")
         if self.store not in ("prompt", "off"):
             raise ConfigError(f"kv_pool.store: {self.store!r} must be prompt or off")
         for name in ("min_hit_blocks", "restarts"):

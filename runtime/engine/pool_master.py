@@ -8,10 +8,14 @@ from the first block; `promote`: the block is on the SSD tier only, read into `s
 same load order). `add`: if the die-local prefix cache already holds as much, the lease goes back
 (`unpin`) and the request is queued as ever. Else the blocks past the local hit are allocated
 under a holder key `("pool", id)` (which also holds the local prefix, so it cannot be evicted
-before admission), a `load` order goes to the pool server holding the slots (its copy runs in
-the server process: the emulated DMA engine, no die spends a cycle on it), and the request waits
-(WaitingForPool). The server scatters the slots into the die's blocks, *then* sends `loaded`
-here (data before its completion). `land`: the crc32 of each landed block (its layer spans,
+before admission). `load_by` "master" (the default) and every block in DRAM: this master maps
+the server's DRAM tier (once per server incarnation: the hint's `pid` is the segment's creator)
+and copies the leased slots into its die's blocks itself, then lands them at once: no message
+and no other process on the critical path (the lease keeps the slots from being reused; a
+stopped server costs nothing). Else (`load_by` "server", or a block to promote from the SSD
+tier) a `load` order goes to the pool server holding the slots (its copy runs in the server
+process), and the request waits (WaitingForPool). The server scatters the slots into the die's
+blocks, *then* sends `loaded` here (data before its completion). `land`: the crc32 of each landed block (its layer spans,
 layer-major, in the die's region) is compared with the crc the block was stored with; the
 blocks up to the first mismatch are registered in the die-local prefix cache
 (`KVManager.cache_blocks`: hashed, then freed most recently, so evicted last), the request is
@@ -31,15 +35,21 @@ orders the copies; `pool_release` frees the hold when they are done (or not need
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import mmap
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
 import zmq
 
-from comm.kvlink import checksum, scatter_spans
+from comm.alltoall.state import kernels
+from comm.kvlink import KVGeometry, checksum, scatter_spans, segments
 from memory import layout as L
+from memory import pool_layout as P
+from memory.errors import ProtocolError, ShmError
 from runtime.engine.pool_server import pack as pool_frame
 from runtime.engine.pool_shell import segment_inode
 from runtime.engine.wire import master_socket
@@ -84,6 +94,9 @@ class PoolSide:
             sock.connect(addr)
             self.to_server[int(s)] = sock
         self.reply_to = master_socket(master.spec.run_dir, master.spec.group)
+        self.pod = pool.get("pod")  # the servers' DRAM tiers are /xpod.<pod>.pool<s>
+        self.load_by = pool.get("load_by", "master") if self.pod else "server"
+        self.segs: dict[int, P.PoolSegment] = {}  # server -> its DRAM tier, mapped (load_by)
         self.seg = segment_inode(master.region.name)  # this incarnation's die segment
         self.loads: dict[int, _Load] = {}
         self.quarantine: dict[int, tuple[object, int]] = {}  # request -> (holder, server)
@@ -96,7 +109,7 @@ class PoolSide:
                          "pool_load_fallbacks": 0, "pool_crc_mismatches": 0,
                          "pool_load_bytes": 0, "pool_load_ns": 0, "pool_local_covered": 0,
                          "pool_put_blocks": 0, "pool_quarantined_blocks": 0,
-                         "pool_kv_full": 0}  # fmt: skip
+                         "pool_kv_full": 0, "pool_direct_loads": 0}  # fmt: skip
 
     # -- read path -------------------------------------------------------------------------
 
@@ -133,7 +146,19 @@ class PoolSide:
         new = table[len(local) :]
         offs = [pool_off + (layer * nb + b) * stride
                 for layer in range(self.n_layers) for b in new]  # fmt: skip
-        self.loads[rid] = _Load(req, lease, server, todo, len(local), offs)
+        ld = _Load(req, lease, server, todo, len(local), offs)
+        if self.load_by == "master" and not any(len(b) > 4 and b[4] for b in todo):
+            self.counters["pool_loads"] += 1
+            nbytes = self._direct(ld, hint.get("pid"))
+            if nbytes is None:  # not the hint's server's tier (it restarted since): recompute
+                self.counters["pool_load_fallbacks"] += 1
+                kv.free(("pool", rid))
+                self.events.append(["failed", rid, lease, "its server restarted"])
+                return False
+            self.counters["pool_direct_loads"] += 1
+            self._land(ld, True, nbytes, [])
+            return True
+        self.loads[rid] = ld
         self.to_server[server].send(pool_frame("load", {
             "id": rid, "die": m.spec.group, "gen": m.spec.gen, "seg": self.seg,
             "epoch": hint.get("epoch"),
@@ -143,6 +168,45 @@ class PoolSide:
                         for b in todo if len(b) > 4 and b[4]]}))  # fmt: skip
         self.counters["pool_loads"] += 1
         return True
+
+    def _direct(self, ld: _Load, pid: int | None) -> int | None:
+        """Copy the load's slots from its server's DRAM tier into the die's blocks here (the
+        leased slots cannot change under the lease): bytes copied, or None when the tier
+        mapped is not that of the server the hint came from (`pid`)."""
+        seg = self._segment(ld.server, pid)
+        if seg is None:
+            return None
+        slots = [int(b[2]) for b in ld.blocks]
+        if any(not 0 <= s < seg.n_slots for s in slots):
+            raise ProtocolError(f"pool hint: slots {slots} outside server {ld.server}'s"
+                                f" {seg.n_slots}")  # fmt: skip
+        spans = segments(KVGeometry(*seg.kv_args()), slots, ld.offs,
+                         len(ld.blocks) * self.m.spec.block_size)  # fmt: skip
+        dst = self.m.region.array
+        n = kernels().scatter_copy(seg.array.ctypes.data, dst.ctypes.data,
+                                   np.ascontiguousarray(spans))  # fmt: skip
+        return int(n)
+
+    def _segment(self, server: int, pid: int | None) -> P.PoolSegment | None:
+        """Server `server`'s DRAM tier, mapped once per incarnation (its creator's pid)."""
+        seg = self.segs.get(server)
+        if seg is not None and seg.creator_pid == pid:
+            return seg
+        if seg is not None:
+            seg.close()
+            del self.segs[server]
+        try:
+            seg = P.attach_pool(self.pod, server)
+        except (ShmError, ProtocolError) as e:
+            log.warning("master %d: pool server %d's DRAM tier: %s", self.m.spec.group, server, e)
+            return None
+        if seg.creator_pid != pid:
+            seg.close()
+            return None
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # page tables now
+            seg._mmap.madvise(getattr(mmap, "MADV_POPULATE_READ", 22))
+        self.segs[server] = seg
+        return seg
 
     def on_loaded(self, body: dict) -> None:
         """A server's `loaded` (its data already in the die's blocks)."""
@@ -160,9 +224,16 @@ class PoolSide:
             self.m.kv.free(("pool", rid))
             self._unpin(ld.lease)
             return
+        self._land(ld, body.get("status") == 0, int(body.get("bytes", 0)),
+                   body.get("promoted") or [])  # fmt: skip
+
+    def _land(self, ld: _Load, ok_status: bool, nbytes: int, promoted: list) -> None:
+        """The load's data is in the die's blocks: check each block's crc, register the good
+        ones in the die-local prefix cache, queue the request, report `landed`."""
+        rid = ld.req.request_id
         bs = self.m.spec.block_size
         ok = 0
-        if body.get("status") == 0:
+        if ok_status:
             arr = self.m.region.array
             spans = scatter_spans(ld.offs, len(ld.blocks) * bs, bs, self.row_bytes,
                                   self.n_layers)  # fmt: skip
@@ -187,11 +258,10 @@ class PoolSide:
         if self.m.spec.trace:  # the master's "kv pool" track
             self.m.spans.append([ld.t_ns, time.perf_counter_ns() - ld.t_ns, "kv pool load", ok])
         self.counters["pool_hit_tokens"] += ok * bs
-        self.counters["pool_load_bytes"] += int(body.get("bytes", 0))
+        self.counters["pool_load_bytes"] += nbytes
         self.counters["pool_load_ns"] += int(dt * 1e9)
-        self.events.append(["landed", rid, ld.lease, ok, len(ld.blocks),
-                            int(body.get("bytes", 0)), round(dt * 1e3, 4),
-                            body.get("promoted") or []])  # fmt: skip
+        self.events.append(["landed", rid, ld.lease, ok, len(ld.blocks), nbytes,
+                            round(dt * 1e3, 4), promoted])  # fmt: skip
         self.m.sched.add(req)
 
     def _fallback(self, ld: _Load, why: str) -> None:
@@ -227,6 +297,9 @@ class PoolSide:
         blocks offered lately are offered again (its DRAM entries are gone: a later block whose
         parent is not re-offered would be an orphan, never stored)."""
         self.known.clear()
+        seg = self.segs.pop(server, None)
+        if seg is not None:
+            seg.close()
         for ld in [x for x in self.loads.values() if x.server == server]:
             self._fallback(ld, f"lost its server {server}")
         for rid, (holder, s) in list(self.quarantine.items()):
@@ -320,6 +393,9 @@ class PoolSide:
                 "pool_holds": len(self.holds)}  # fmt: skip
 
     def close(self) -> None:
+        for seg in self.segs.values():
+            seg.close()
+        self.segs.clear()
         for s in self.to_server.values():
             s.close(linger=0)
 

@@ -119,7 +119,8 @@ class PoolShell:
         run_dir = self.e.run_dir
         return {"servers": {0: order_socket(run_dir, 0)}, "n_layers": self.n_layers,
                 "row_floats": self.row_floats, "timeout_s": self.cfg.load_timeout_s,
-                "store": self.cfg.store}  # fmt: skip
+                "store": self.cfg.store, "pod": self.e.pod_id,
+                "load_by": self.cfg.load_by}  # fmt: skip
 
     def start(self) -> None:
         """Start the pool server (after the dies made their KV pools: their offsets)."""
@@ -223,7 +224,13 @@ class PoolShell:
             blocks.append([b.h, b.server, slot, b.crc, (b.h, slot) in promote])
         self.counters["pool_hints"] += 1
         self.counters["pool_hint_blocks"] += len(blocks)
-        hint = {"lease": hit.lease, "ns": ns, "blocks": blocks}
+        hint = {
+            "lease": hit.lease,
+            "ns": ns,
+            "blocks": blocks,
+            "epoch": self.epoch,
+            "pid": self.handle.pid,
+        }  # the server the slots are in (its incarnation)
         if promote:
             # The demotions that made room for the promotions go with the hint: its master
             # sends them before its load, on the same socket (sent from here, they could reach

@@ -302,7 +302,9 @@ def test_server_killed_with_loads_pending():
     in flight): every request completes with the tokens of the run that stored the prompts
     (batch-invariant), the loads fell back, the server restarted, and a prompt stored after
     it is a hit again."""
-    pool = PoolConfig(dram_mib=16, **SLOW_OK)  # only the server's death ends a load here
+    pool = PoolConfig(
+        dram_mib=16, load_by="server", **SLOW_OK
+    )  # only the server's death ends a load here
     prompts = [prompt_of(400 + i) for i in range(3)]
     with Engine.launch(**BASE, model_overrides=INVARIANT, kv_pool=pool) as eng:
         want = ok(run(eng, prompts, 0))
@@ -340,7 +342,7 @@ def test_server_stopped_past_the_load_timeout():
     """A stopped pool server: die 1's loads time out and its requests recompute (right tokens)
     while it is still stopped, their blocks quarantined; its late completions, once it runs
     again, free them (no leak), and it is not counted dead."""
-    pool = PoolConfig(dram_mib=16, load_timeout_s=0.3, lease_s=300.0)
+    pool = PoolConfig(dram_mib=16, load_by="server", load_timeout_s=0.3, lease_s=300.0)
     prompts = [prompt_of(500 + i) for i in range(2)]
     with Engine.launch(**BASE, model_overrides=INVARIANT, kv_pool=pool) as eng:
         want = ok(run(eng, prompts, 0))
@@ -415,13 +417,35 @@ def test_ssd_entries_come_back_after_a_kill(tmp_path):
     assert not glob.glob(str(tmp_path / "**" / "*.tmp.*"), recursive=True)
 
 
+def test_master_loads_while_the_server_is_stopped():
+    """`load_by="master"` (the default): a die's master copies a DRAM hit from the server's
+    mapped tier itself, so a stopped (SIGSTOP) server costs no hit: die 1's loads land while it
+    is stopped (tokens those of die 0's run, batch-invariant); nothing falls back."""
+    pool = PoolConfig(dram_mib=16, load_timeout_s=0.3, lease_s=300.0)
+    prompts = [prompt_of(560 + i) for i in range(2)]
+    with Engine.launch(**BASE, model_overrides=INVARIANT, kv_pool=pool) as eng:
+        want = ok(run(eng, prompts, 0))
+        for p in prompts:
+            wait_in_pool(eng, p)
+        with stopped(eng.pool.handle.pid):
+            ts = run(eng, prompts, 1)
+            assert ok(ts) == want and [t.n_cached for t in ts] == [4 * BS, 4 * BS]
+            wait_for(lambda: mstat(eng, 1, "pool_hit_tokens") == 2 * 4 * BS, what="die 1's hits")
+            assert mstat(eng, 1, "pool_direct_loads") == 2
+            assert mstat(eng, 1, "pool_load_fallbacks") == 0
+            assert mstat(eng, 1, "pool_crc_mismatches") == 0
+        with eng.lock:
+            eng.pool.index.check()
+            assert eng.pool.index.stats()["pinned"] == 0, "the loads' leases released"
+
+
 # -- 5. a load aborted mid-way -------------------------------------------------------------------
 
 
 def test_abort_while_loading():
     """A request aborted while its load is held (server stopped) ends "abort"; its blocks stay
     held until the completion arrives, then are freed; the next request hits and runs."""
-    pool = PoolConfig(dram_mib=16, **SLOW_OK)
+    pool = PoolConfig(dram_mib=16, load_by="server", **SLOW_OK)
     prompt = prompt_of(700)
     with Engine.launch(**BASE, model_overrides=INVARIANT, kv_pool=pool) as eng:
         want = ok(run(eng, [prompt], 0))

@@ -98,7 +98,8 @@ def reference() -> list[list[list[int]]]:
 
 
 def _pool_engine(tmp_path, plan: str, load_timeout_s: float) -> Engine:
-    pool = PoolConfig(dram_mib=4, load_timeout_s=load_timeout_s)
+    # the server copies the loads (a master copying a DRAM hit itself never waits for it)
+    pool = PoolConfig(dram_mib=4, load_timeout_s=load_timeout_s, load_by="server")
     return Engine.launch(**TINY, kv_pool=pool, inject=plan,
                          fault_log=str(tmp_path / "faults.jsonl"))  # fmt: skip
 
