@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from sched.kv import block_hash
+from sched.pool_types import ns_root
 
 POLICIES = ("least_kv", "round_robin", "prefix")
 PREFIX_WINDOW_S = 120.0  # how long a dispatched prompt's blocks count as cached in its group
@@ -54,12 +55,13 @@ class LoadBalancer:
         # first: expired from the front)
         self._seen: list[OrderedDict[int, float]] = [OrderedDict() for _ in range(num_groups)]
 
-    def prefix_hashes(self, tokens: Sequence[int]) -> list[int]:
-        """The chained hashes of the full blocks of a prompt, for `pick` and `on_dispatch`
-        ([] unless the policy is "prefix": nobody else needs them)."""
+    def prefix_hashes(self, tokens: Sequence[int], ns: str | None = None) -> list[int]:
+        """The chained hashes of the full blocks of a prompt in namespace ns (its cache salt:
+        the chain starts at `ns_root(ns)`, as the die's cache does), for `pick` and
+        `on_dispatch` ([] unless the policy is "prefix": nobody else needs them)."""
         if self.policy != "prefix":
             return []
-        out, parent, bs = [], None, self.block_size
+        out, parent, bs = [], ns_root(ns), self.block_size
         for i in range(len(tokens) // bs):
             parent = block_hash(parent, tuple(tokens[i * bs : (i + 1) * bs]))
             out.append(parent)

@@ -3,6 +3,7 @@ a put's states, and the checks of its arguments and invariants."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,9 +18,11 @@ class PoolIndexError(AssertionError):
     """A broken PoolIndex invariant (`check`) or an impossible internal state."""
 
 
+@functools.lru_cache(maxsize=4096)
 def ns_root(ns: str | None) -> int | None:
     """The first block's parent in namespace ns: blake2b-64(b"xpod-ns" + ns) (little endian);
-    None for the default namespace, which keeps every `block_hash` computed today."""
+    None for the default namespace, which keeps every `block_hash` computed today. (Memoized:
+    the scheduler asks it for every request at every step.)"""
     if ns is None:
         return None
     if not isinstance(ns, str):

@@ -93,6 +93,7 @@ class Request:
     pending_samples: int = 0
     last_plan: int = -1
     index_base: int = 0  # a resumed request: tokens delivered before (its output indices go on)
+    ns: str | None = None  # its prefix-cache namespace (cache salt; `sched.pool_types.ns_root`)
 
     @property
     def all_tokens(self) -> list[int]:

@@ -39,6 +39,7 @@ import collections
 from dataclasses import dataclass, field
 
 from .kv import KVFull, KVManager
+from .pool_types import ns_root
 from .request import FinishReason, Request, RequestStatus
 
 
@@ -163,6 +164,8 @@ class Scheduler:
                              f" > max_seq_len ({self.config.max_seq_len})")  # fmt: skip
         if req.status is not RequestStatus.WAITING or req.output:
             raise ValueError(f"request {rid}: status must be WAITING with no output")
+        if req.ns is not None and (not isinstance(req.ns, str) or not req.ns):
+            raise ValueError(f"request {rid}: ns must be a non-empty string or None")
         self._live[rid] = req
         self.waiting.append(req)
 
@@ -212,6 +215,10 @@ class Scheduler:
             self._preempt(req)
         return [r.request_id for r in hit]
 
+    def get(self, request_id: int) -> Request | None:
+        """A waiting or running request (None: unknown or finished)."""
+        return self._live.get(request_id)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -252,8 +259,8 @@ class Scheduler:
                 done.append(req)
             if row.sample:
                 out.new_tokens[req.request_id] = self._accept(req, sampled, out) if live else []
-        for req in done:
-            self.kv.cache_blocks(req.request_id, req.all_tokens, req.num_computed)
+        for req in done:  # a namespace (cache salt) roots the chain: `ns_root`
+            self.kv.cache_blocks(req.request_id, req.all_tokens, req.num_computed, ns_root(req.ns))
         for req in out.finished:
             self._free(req)
         for rid in [r for r, p in self._deferred.items() if p <= plan_id]:
@@ -348,7 +355,7 @@ class Scheduler:
             if rid in self._deferred:
                 return  # a preempted request's old blocks are not back yet
             tokens = req.all_tokens
-            blocks, hit = self.kv.match_by_prefix(tokens)
+            blocks, hit = self.kv.match_by_prefix(tokens, ns_root(req.ns))
             if self.config.spec_tokens and blocks:  # MTP: its last MTP row may not be ours
                 blocks, hit = blocks[:-1], hit - self.kv.block_size
             n = self._chunk(len(tokens) - hit, step.budget)
