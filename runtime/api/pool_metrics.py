@@ -18,7 +18,8 @@
   `xpod_pool_hints` (lookups whose hit went to a master), `xpod_pool_hint_blocks`,
   `xpod_pool_stores`, `xpod_pool_stored_blocks`, `xpod_pool_store_failures`,
   `xpod_pool_evictions`, `xpod_pool_demotions`, `xpod_pool_promotions`,
-  `xpod_pool_server_deaths`, `xpod_pool_server_restarts`; gauges `xpod_pool_index_entries`,
+  `xpod_pool_server_deaths`, `xpod_pool_server_restarts`, `xpod_pool_quota_refused_blocks`
+  (blocks of a namespace at its quota, not stored); gauges `xpod_pool_index_entries`,
   `xpod_pool_blocks{tier="dram"|"ssd"}` (in use), `xpod_pool_capacity_blocks{tier}`,
   `xpod_pool_block_bytes`, `xpod_pool_orphans`, `xpod_pool_server_up`.
 """
@@ -67,6 +68,8 @@ SHELL_COUNTERS = {
     "xpod_pool_promotions": ("Blocks promoted from the SSD tier to DRAM.", "index_promotions"),
     "xpod_pool_server_deaths": ("Pool server exits seen.", "pool_server_deaths"),
     "xpod_pool_server_restarts": ("Pool server restarts.", "pool_server_restarts"),
+    "xpod_pool_quota_refused_blocks": ("Blocks not stored: their namespace (cache salt) was"
+                                       " at its --pool-quota.", "pool_quota_refused_blocks"),
 }  # fmt: skip
 
 

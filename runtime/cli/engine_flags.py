@@ -33,7 +33,7 @@ from runtime.cli.model_flags import (
     split_dies,
 )
 from runtime.engine import EngineConfig
-from runtime.engine.pool_config import PoolConfig
+from runtime.engine.pool_config import PoolConfig, quota_blocks
 
 # Fields named by EngineConfig / ModelConfig / PodConfig / SamplingParams errors -> their flags
 ENGINE_FLAGS = {
@@ -84,6 +84,7 @@ ENGINE_FLAGS = {
     "kv_pool.min_hit_blocks": "--pool-min-hit-blocks",
     "kv_pool.load_timeout_s": "--pool-load-timeout",
     "kv_pool.load_by": "--pool-load-by",
+    "kv_pool.quotas": "--pool-quota",
 }
 # The KV pool's flags (None: not given) -> their PoolConfig field and default
 POOL_FLAGS = {
@@ -95,6 +96,7 @@ POOL_FLAGS = {
     "--pool-min-hit-blocks": ("min_hit_blocks", 1),
     "--pool-load-timeout": ("load_timeout_s", 2.0),
     "--pool-load-by": ("load_by", "master"),
+    "--pool-quota": ("quotas", None),  # [(ns, MiB)] -> {ns: MiB}
 }
 
 
@@ -214,6 +216,23 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
         help="who copies a DRAM hit into a die's blocks: its master, from the mapped tier"
         " (default: no message on the critical path), or the pool server on an order"
         " (hits on the SSD tier always: promoted first)")  # fmt: skip
+    add(
+        "--pool-quota",
+        type=quota_arg,
+        action="append",
+        default=None,
+        metavar="NS=MIB",
+        help="at most MIB of the DRAM tier for the blocks of namespace NS (the requests whose"
+        " cache_salt is NS): a block past it is not stored; repeatable (default: none)",
+    )
+
+
+def quota_arg(text: str) -> tuple[str, float]:
+    """An argparse type: `NS=MIB` (a non-empty namespace, a finite number of MiB > 0)."""
+    ns, eq, mib = text.rpartition("=")
+    if not eq or not ns:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NS=MIB (a namespace and its MiB)")
+    return ns, positive_float(mib)
 
 
 def pool_of(args: argparse.Namespace) -> PoolConfig | None:
@@ -239,6 +258,12 @@ def pool_of(args: argparse.Namespace) -> PoolConfig | None:
         raise ConfigError("argument --pool-dir: needs --pool-ssd-mib > 0 (the SSD tier it"
                           " holds)")  # fmt: skip
     fields = {POOL_FLAGS[f][0]: POOL_FLAGS[f][1] if v is None else v for f, v in given.items()}
+    quotas: dict[str, float] = {}
+    for ns, mib in fields["quotas"] or ():
+        if ns in quotas:
+            raise ConfigError(f"argument --pool-quota: namespace {ns!r} given twice")
+        quotas[ns] = mib
+    fields["quotas"] = quotas
     if fields["pool_dir"] is not None:  # the pool server may run from another directory
         fields["pool_dir"] = os.path.abspath(fields["pool_dir"])
     return PoolConfig(**fields)
@@ -261,6 +286,7 @@ def check_pool_fits(cfg: EngineConfig) -> None:
     if pool.ssd_mib and int(pool.ssd_mib * (1 << 20)) < block:
         raise ConfigError(f"argument --pool-ssd-mib: {pool.ssd_mib:g} MiB holds no block of"
                           f" {block} B")  # fmt: skip
+    quota_blocks(pool.quotas, block)  # a quota under one block
     if pool.pool_dir is not None:
         try:
             pool_layout.check_pool_dir(pool.pool_dir)

@@ -3,7 +3,8 @@ it). Its own module: the engine's config imports it without the pool's processes
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 from memory.errors import ConfigError
 
@@ -24,6 +25,9 @@ class PoolConfig:
     load_by: "master": a die's master copies a DRAM hit from the server's tier (mapped) into
         its die's blocks itself, no message on the critical path; "server": the pool server
         copies it on a `load` order (hits on the SSD tier always go that way: promoted first).
+    quotas: namespace (a request's cache salt) -> the most MiB of the DRAM tier its blocks may
+        hold (a block past it is not stored: counted, never an error; the shell refuses a
+        quota under one block at start). The default namespace (no salt) has no quota.
     """
 
     dram_mib: float = 256.0
@@ -36,6 +40,7 @@ class PoolConfig:
     lease_s: float = 10.0
     restarts: int = 3
     load_by: str = "master"
+    quotas: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("dram_mib", "ssd_mib", "load_timeout_s", "lease_s"):
@@ -50,10 +55,31 @@ class PoolConfig:
             raise ConfigError(f"kv_pool.load_by: {self.load_by!r} must be master or server")
         if self.store not in ("prompt", "off"):
             raise ConfigError(f"kv_pool.store: {self.store!r} must be prompt or off")
+        if not isinstance(self.quotas, dict):
+            raise ConfigError(f"kv_pool.quotas: {self.quotas!r} must map namespaces to MiB")
+        for ns, mib in self.quotas.items():
+            if not isinstance(ns, str) or not ns:
+                raise ConfigError(f"kv_pool.quotas: namespace {ns!r} must be a non-empty string")
+            if isinstance(mib, bool) or not isinstance(mib, int | float) or not 0 < mib < math.inf:
+                raise ConfigError(f"kv_pool.quotas: {ns}={mib!r} must be a finite number of MiB"
+                                  " > 0")  # fmt: skip
         for name in ("min_hit_blocks", "restarts"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ConfigError(f"kv_pool.{name}: {v!r} must be an int >= 0")
 
 
-__all__ = ["PoolConfig"]
+def quota_blocks(quotas: dict[str, float], slot_bytes: int) -> dict[str, int]:
+    """`PoolConfig.quotas` (MiB per namespace) in blocks of slot_bytes; ConfigError naming the
+    flag for a quota smaller than one block."""
+    out = {}
+    for ns, mib in quotas.items():
+        n = int(mib * (1 << 20)) // slot_bytes
+        if n < 1:
+            raise ConfigError(f"argument --pool-quota {ns}={mib:g}: smaller than one block of"
+                              f" {slot_bytes} B")  # fmt: skip
+        out[ns] = n
+    return out
+
+
+__all__ = ["PoolConfig", "quota_blocks"]
