@@ -19,7 +19,11 @@ change the output but are not implemented are refused by name when not at their 
   string or up to 16 strings: generation ends before the first occurrence, which is not
   returned), `stop_token_ids`, `ignore_eos`, `n` = 1, `stream`, `stream_options.include_usage`,
   `return_token_ids` (vLLM's extension: the generated token ids in each choice / chunk; byte
-  tokens do not survive UTF-8 decoding, so this is how a client sees the exact tokens).
+  tokens do not survive UTF-8 decoding, so this is how a client sees the exact tokens),
+  `cache_salt` (vLLM's: a string of 1 to 256 characters; requests share cached prompt KV,
+  die-local or in the KV pool, only with requests of the same salt; none: the default).
+The usage reports `prompt_tokens_details.cached_tokens`: the prompt tokens not computed (a
+die-local prefix-cache hit or a KV pool load).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from sched import SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
+MAX_CACHE_SALT_LEN = 256
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 # Fields that would change the output: accepted only at these values (OpenAI's defaults).
 UNSUPPORTED_DEFAULTS = {
@@ -91,6 +96,7 @@ class ParsedRequest:
     tokens: list[int]
     params: SamplingParams
     render: dict
+    cache_salt: str | None = None
 
 
 # -- checks ------------------------------------------------------------------------------------
@@ -249,7 +255,20 @@ def parse_completion(body: dict, model: ModelInfo) -> ParsedRequest:
                   "prompt", "invalid_type")  # fmt: skip
     max_tokens = _opt_int(body, "max_tokens", 1)
     max_tokens = _context(len(tokens), 16 if max_tokens is None else max_tokens, model, "prompt")
-    return ParsedRequest(tokens, _sampling(body, model, max_tokens), render)
+    return ParsedRequest(tokens, _sampling(body, model, max_tokens), render, _salt(body))
+
+
+def _salt(body: dict) -> str | None:
+    v = body.get("cache_salt")
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise bad(f"cache_salt must be a string, got {json.dumps(v)[:40]}", "cache_salt",
+                  "invalid_type")  # fmt: skip
+    if not v or len(v) > MAX_CACHE_SALT_LEN:
+        raise bad(f"cache_salt must have 1 to {MAX_CACHE_SALT_LEN} characters, got {len(v)}",
+                  "cache_salt", "invalid_value")  # fmt: skip
+    return v
 
 
 def chat_prompt(messages: object) -> str:
@@ -303,7 +322,7 @@ def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
     if max_tokens is None:
         max_tokens = _opt_int(body, "max_tokens", 1)
     max_tokens = _context(len(tokens), max_tokens, model, "messages")
-    return ParsedRequest(tokens, _sampling(body, model, max_tokens), render)
+    return ParsedRequest(tokens, _sampling(body, model, max_tokens), render, _salt(body))
 
 
 def request_id(kind: str) -> str:

@@ -217,7 +217,8 @@ class Server:
             raise APIError(503, f"the server is overloaded ({self.engine.num_waiting()} requests"
                            " waiting for a DP group): retry later", None, "overloaded")  # fmt: skip
         req.render["id"] = request_id(kind)
-        rid, deltas = self.engine.open_stream(req.tokens, req.params, render=req.render)
+        rid, deltas = self.engine.open_stream(req.tokens, req.params, render=req.render,
+                                              cache_salt=req.cache_salt)  # fmt: skip
         self.inflight.add(rid)
         headers = {"X-Request-Id": req.render["id"], "X-Xpod-Request": str(rid)}
         try:
@@ -434,7 +435,8 @@ def write_replay(engine: Engine, path: str) -> None:
 
     say(f"replaying {sum(len(v) for v in engine.step_log.values())} logged steps ...")
     t0 = time.monotonic()
-    rep = replay_engine(engine.config, engine.step_log, engine.tracker.prompts)
+    rep = replay_engine(engine.config, engine.step_log, engine.tracker.prompts,
+                        engine.tracker.namespaces)  # fmt: skip
     out = {"bit_equal": rep.bit_equal, "steps": rep.steps, "rows": rep.rows,
            "sampled": rep.sampled, "logits_compared": rep.logits_compared,
            "token_mismatches": rep.token_mismatches[:20],

@@ -49,6 +49,7 @@ from runtime.engine import CompletionOutput, Engine, EngineConfig, EngineError, 
 from runtime.engine.cache_stats import cache_lines, cache_summary
 from runtime.engine.pd_shell import pd_summary
 from runtime.engine.spec_stats import spec_line, spec_summary
+from runtime.engine.tracker import MAX_NS_LEN
 from runtime.model import encode
 
 PROG = "xpod generate"
@@ -69,6 +70,7 @@ class Options:
         json: write the summary and every request to this file (None: do not).
         quiet: print the summary only, no completion.
         stall_s: give up when no request makes progress for this long (--timeout).
+        cache_salt: every request's prefix-cache namespace (--cache-salt; None: the default).
     """
 
     engine: EngineConfig
@@ -77,6 +79,7 @@ class Options:
     json: str | None = None
     quiet: bool = False
     stall_s: float = 60.0
+    cache_salt: str | None = None
 
 
 # -- flags ----------------------------------------------------------------------------------------
@@ -139,6 +142,9 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
         help="comma list of token ids that end a request (ids in [0, vocab))",
     )
     add("--ignore-eos", action="store_true", help="do not stop at EOS")
+    add("--cache-salt", default=None, metavar="S",
+        help="every request's cache salt (the API's cache_salt): its prompt shares cached KV,"
+        " die-local or in the KV pool, only with requests of the same salt")  # fmt: skip
 
 
 def parse_options(args: argparse.Namespace) -> Options:
@@ -153,7 +159,11 @@ def parse_options(args: argparse.Namespace) -> Options:
     params = _sampling_params(args, engine.model_config().vocab_size)
     prompts, origins = read_prompts(args.prompt, args.prompts)
     check_context(prompts, origins, params.max_tokens, engine)
-    return Options(engine, tuple(prompts), params, args.json, args.quiet, args.timeout)
+    salt = args.cache_salt
+    if salt is not None and not 1 <= len(salt) <= MAX_NS_LEN:
+        raise ConfigError(f"argument --cache-salt: {len(salt)} characters, give 1 to"
+                          f" {MAX_NS_LEN}")  # fmt: skip
+    return Options(engine, tuple(prompts), params, args.json, args.quiet, args.timeout, salt)
 
 
 def _sampling_params(args: argparse.Namespace, vocab_size: int) -> SamplingParams:
@@ -334,7 +344,7 @@ def collect(eng: Engine, opts: Options) -> tuple[list[CompletionOutput], float]:
     """Submit every prompt, then wait for the results in submission order (progress on
     stderr); returns them and the wall time from the first submit to the last result."""
     t0 = time.monotonic()
-    pending = [_submit(eng, p, opts.params) for p in opts.prompts]
+    pending = [_submit(eng, p, opts.params, opts.cache_salt) for p in opts.prompts]
     bar = Progress(len(pending), t0)
     watch = Watchdog(opts.stall_s)
     outs: list[CompletionOutput] = []
@@ -353,11 +363,12 @@ def collect(eng: Engine, opts: Options) -> tuple[list[CompletionOutput], float]:
     return outs, wall_s
 
 
-def _submit(eng: Engine, prompt: str, params: SamplingParams) -> int | CompletionOutput:
+def _submit(eng: Engine, prompt: str, params: SamplingParams,
+            salt: str | None = None) -> int | CompletionOutput:  # fmt: skip
     """The request id, or an error output if the engine refuses the prompt (checked before,
     so only if the engine's checks differ from ours)."""
     try:
-        return eng.submit(prompt, params)
+        return eng.submit(prompt, params, cache_salt=salt)
     except (ValueError, TypeError) as e:
         return CompletionOutput(-1, prompt, [], "", "error", f"refused: {e}")
 

@@ -400,12 +400,14 @@ class Engine(EngineRecovery):
         params: SamplingParams | None = None,
         group: int | None = None,
         transcript: list[int] | None = None,
+        cache_salt: str | None = None,
     ) -> int:
         """Queue one request; returns its id. ValueError / TypeError for a bad prompt or params
         (the engine keeps serving), EngineError if the engine is down. `group` sends it to that
         DP group, bypassing the balancer (experiments, tests). `transcript`: with MTP's oracle
-        / synthetic drafts, the request's own tokens by output index (a run without MTP)."""
-        t = self.tracker.track(prompt, params, group)
+        / synthetic drafts, the request's own tokens by output index (a run without MTP).
+        `cache_salt`: its prefix-cache namespace (`RequestTracker.track`'s ns)."""
+        t = self.tracker.track(prompt, params, group, cache_salt)
         t.transcript = self._transcript(transcript)
         t.keep = True
         self.tracker.enqueue([t])
@@ -424,12 +426,12 @@ class Engine(EngineRecovery):
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  timeout_s: float | None = None, group: int | None = None,
-                 transcripts: list[list[int]] | None = None,
+                 transcripts: list[list[int]] | None = None, cache_salt: str | None = None,
                  ) -> list[CompletionOutput]:  # fmt: skip
         """Run every prompt (a str, or a list of token ids; or a list of them) to completion;
-        outputs in prompt order. One SamplingParams for all, or one per prompt; `group` as for
-        `submit`; `transcripts` one per prompt as for `submit`. TimeoutError after `timeout_s`
-        (the requests go on)."""
+        outputs in prompt order. One SamplingParams for all, or one per prompt; `group` and
+        `cache_salt` (all of them) as for `submit`; `transcripts` one per prompt as for
+        `submit`. TimeoutError after `timeout_s` (the requests go on)."""
         single = isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         )
@@ -437,7 +439,8 @@ class Engine(EngineRecovery):
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params: {len(plist)} for {len(prompts)} prompts")
-        tracked = [self.tracker.track(p, sp, group) for p, sp in zip(prompts, plist, strict=True)]
+        tracked = [self.tracker.track(p, sp, group, cache_salt)
+                   for p, sp in zip(prompts, plist, strict=True)]  # fmt: skip
         if transcripts is not None:
             if len(transcripts) != len(tracked):
                 raise ValueError(f"transcripts: {len(transcripts)} for {len(tracked)} prompts")
@@ -448,7 +451,8 @@ class Engine(EngineRecovery):
         return [t.output() for t in tracked]
 
     async def stream(self, prompt, params: SamplingParams | None = None, group: int | None = None,
-                     render: dict | None = None) -> AsyncIterator[Delta]:  # fmt: skip
+                     render: dict | None = None, cache_salt: str | None = None,
+                     ) -> AsyncIterator[Delta]:  # fmt: skip
         """Async generator of `Delta`s of one request, the last with `finish_reason`. Leaving
         the loop early (break, cancellation) aborts the request.
 
@@ -456,18 +460,20 @@ class Engine(EngineRecovery):
         deltas then carry the bytes for an HTTP client (`Delta.data`), rendered by the output
         processes or by this process's receiver thread; the generator ends after the final
         bytes (their request may end a step later: a stop string is an abort)."""
-        _, deltas = self.open_stream(prompt, params, group, render)
+        _, deltas = self.open_stream(prompt, params, group, render, cache_salt)
         async with contextlib.aclosing(deltas):
             async for delta in deltas:
                 yield delta
 
     def open_stream(self, prompt, params: SamplingParams | None = None,
                     group: int | None = None, render: dict | None = None,
+                    cache_salt: str | None = None,
                     ) -> tuple[int, AsyncIterator[Delta]]:  # fmt: skip
         """`stream`, with the request queued now (ValueError / TypeError / EngineError raised
         here): returns (request id, async generator of its Deltas). Call it on the event loop
-        that iterates; closing the generator before the end aborts the request."""
-        t = self.tracker.track(prompt, params, group)
+        that iterates; closing the generator before the end aborts the request. `cache_salt`
+        as for `submit`."""
+        t = self.tracker.track(prompt, params, group, cache_salt)
         t.render = render
         return t.id, self.tracker.open_stream(t)
 

@@ -143,6 +143,7 @@ class Master:
         self.started: set[int] = set()  # streamed requests whose first tokens went out
         self.first: dict[int, float] = {}  # request -> time of its first token
         self.sched_at: dict[int, float] = {}  # request -> time it was first planned
+        self.cached: list[list[int]] = []  # [id, prompt tokens not computed] of the admitted
         self.pings: list[int] = []  # heartbeats asked of the die, not echoed yet
         self.step_new: list[float] = []  # step times (ms) since the last stats message
         self.attn_new: list[list[int]] = []  # [step, attention ns] since the last stats
@@ -240,6 +241,9 @@ class Master:
             base = body.get("base", 0)  # a resumed request: tokens it had delivered
             if not isinstance(base, int) or isinstance(base, bool) or not 0 <= base < len(prompt):
                 raise ValueError(f"base {base!r} must be an int in [0, {len(prompt)})")
+            ns = body.get("ns")  # its cache salt: every prefix-cache hash of it is rooted there
+            if ns is not None and (not isinstance(ns, str) or not ns):
+                raise ValueError(f"ns {ns!r} must be a non-empty string or nil")
             pd = body.get("pd")
             if pd is not None and self.pd is None:
                 raise ValueError("pd: this group is not part of a PD pod")
@@ -257,7 +261,7 @@ class Master:
                 if isinstance(self.pd, PrefillSide) and pd is not None:
                     params.max_tokens = 1  # the prefill and the first token only
                 req = Request(rid, list(prompt), params, self.spec.eos_token_id,
-                              time.monotonic(), index_base=base)  # fmt: skip
+                              time.monotonic(), index_base=base, ns=ns)  # fmt: skip
                 hint = body.get("pool")  # a colocated or PD prefill die's pool hit
                 if not (self.pool is not None and hint and self.pool.add(req, hint)):
                     self.sched.add(req)
@@ -409,6 +413,9 @@ class Master:
             self.counters["rows"] += plan.num_tokens
             now = time.monotonic()
             for r in plan.rows:
+                if r.request_id not in self.sched_at:  # admitted: its prefix hit is known
+                    req = self.sched.get(r.request_id)
+                    self.cached.append([r.request_id, req.num_cached if req else 0])
                 self.sched_at.setdefault(r.request_id, now)
         owed = w[self.promised] > self.cmds.published()
         if owed and not self.sched.has_work() and self.cmds.can_put():
@@ -451,8 +458,8 @@ class Master:
                 self.sent_n.pop(rec[0], None)
             self.tokens_out.send(wire.pack("out", {
                 "group": self.spec.group, "gen": self.spec.gen, "deltas": deltas,
-                "done": self.done, "pd": events, "pool": pool}))  # fmt: skip
-            self.done = []
+                "done": self.done, "pd": events, "pool": pool, "cached": self.cached}))  # fmt: skip
+            self.done, self.cached = [], []
         now = time.monotonic()
         # Every 0.1 s while busy, and once more as the group goes idle (gauges read 0 then).
         idle = not (self.sched.has_work() or self.in_flight)

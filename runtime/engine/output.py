@@ -62,6 +62,9 @@ class OutputHandler:
         raw, data, stops = [], [], []
         done = body.get("done", [])
         ending = {rec[0] for rec in done if not rec[4]}  # their last chunk carries the text
+        for rid, n in body.get("cached") or ():  # admitted: prompt tokens not computed
+            if rid in self.renderers:
+                self.renderers[rid].cached = int(n)
         for rid, start, toks in body.get("deltas", ()):
             r = self.renderers.get(rid)
             if r is None:
@@ -91,11 +94,12 @@ class OutputHandler:
                 rec[1] = "stop"
                 rec[4] = ""
                 continue
+            r.cached = max(r.cached, int(rec[3] or 0))
             fin = r.finish(rec[1], rec[4])
             data.append([rec[0], r.take_count(), fin, True, 500 if rec[4] else 200, start, []])
         out = {"group": body.get("group", -1), "gen": body.get("gen", 0), "deltas": raw,
                "done": done, "data": data, "pd": body.get("pd", []),
-               "pool": body.get("pool", [])}  # fmt: skip
+               "pool": body.get("pool", []), "cached": body.get("cached", [])}  # fmt: skip
         return out, stops
 
 

@@ -191,6 +191,7 @@ class _PDReq:
     since: float = field(default_factory=time.monotonic)
     offs: list[int] = field(default_factory=list)
     aborted: bool = False
+    ns: str | None = None  # its cache salt (the decode die's cache registers its blocks so)
 
 
 class DecodeSide:
@@ -237,7 +238,8 @@ class DecodeSide:
         src = body["pd"].get("peer")
         if src not in self.regions:
             raise ValueError(f"pd.peer {src!r} is not a prefill die of this pod")
-        self.reqs[rid] = _PDReq(rid, src, list(prompt), params, base, body.get("stream", True))
+        self.reqs[rid] = _PDReq(rid, src, list(prompt), params, base, body.get("stream", True),
+                                ns=body.get("ns"))  # fmt: skip
 
     def busy(self) -> bool:
         return bool(self.reqs or self.events or self.quarantine)
@@ -369,7 +371,7 @@ class DecodeSide:
         params = SamplingParams(p.max_tokens - 1, p.temperature, p.seed, tuple(p.stop_token_ids),
                                 p.ignore_eos)  # fmt: skip
         req = Request(rid, r.prompt + [first], params, m.spec.eos_token_id, time.monotonic(),
-                      index_base=r.base + 1)  # fmt: skip
+                      index_base=r.base + 1, ns=r.ns)  # fmt: skip
         m.sched.add_prefilled(req, len(r.prompt), drafts if m.spec.spec_tokens else ())
         self.first[rid] = first
         m.counters["tokens"] += 1

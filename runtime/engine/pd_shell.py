@@ -39,13 +39,15 @@ class PDRouter:
         # load alone (000 §4.1's stateless scheduler), no "same first block lately" tie-break
         self.locality = cfg.kv_pool is None
 
-    def pick(self, tokens: list[int], max_tokens: int) -> tuple[int, int] | None:
-        """(prefill die, decode die) for a request, or None if every decode die is full."""
+    def pick(self, tokens: list[int], max_tokens: int, ns: str | None = None,
+             ) -> tuple[int, int] | None:  # fmt: skip
+        """(prefill die, decode die) for a request, or None if every decode die is full. `ns`:
+        its cache salt (a first block of another ns is no hit: not the same key)."""
         g = self.lb.pick(len(tokens), max_tokens)
         if g is None:
             return None
         alive = [p for p in self.prefill if not self.dead.get(p)] or self.prefill
-        key = tuple(tokens[: self.block_size]) if len(tokens) > self.block_size else None
+        key = self._key(tokens, ns)
 
         def score(p: int) -> tuple:
             q = self.queued[p]
@@ -54,14 +56,20 @@ class PDRouter:
 
         return min(alive, key=score), self.decode[g]
 
-    def on_dispatch(self, rid: int, p: int, d: int, tokens: list[int], max_tokens: int) -> None:
+    def _key(self, tokens: list[int], ns: str | None) -> tuple | None:
+        """The locality key of a prompt: its ns and first block (None: no full block)."""
+        return (ns, *tokens[: self.block_size]) if len(tokens) > self.block_size else None
+
+    def on_dispatch(self, rid: int, p: int, d: int, tokens: list[int], max_tokens: int,
+                    ns: str | None = None) -> None:  # fmt: skip
         self.lb.on_dispatch(self.decode.index(d), rid, len(tokens), max_tokens)
         self.queued[p][rid] = len(tokens)
         self.where[rid] = p
-        if len(tokens) > self.block_size:
+        key = self._key(tokens, ns)
+        if key is not None:
             rec = self.recent[p]
-            rec[tuple(tokens[: self.block_size])] = None
-            rec.move_to_end(tuple(tokens[: self.block_size]))
+            rec[key] = None
+            rec.move_to_end(key)
             while len(rec) > LOCALITY:
                 rec.popitem(last=False)
         self.counters["pd_dispatched"] += 1

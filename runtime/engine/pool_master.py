@@ -15,10 +15,11 @@ and no other process on the critical path (the lease keeps the slots from being 
 stopped server costs nothing). Else (`load_by` "server", or a block to promote from the SSD
 tier) a `load` order goes to the pool server holding the slots (its copy runs in the server
 process), and the request waits (WaitingForPool). The server scatters the slots into the die's
-blocks, *then* sends `loaded` here (data before its completion). `land`: the crc32 of each landed block (its layer spans,
-layer-major, in the die's region) is compared with the crc the block was stored with; the
-blocks up to the first mismatch are registered in the die-local prefix cache
-(`KVManager.cache_blocks`: hashed, then freed most recently, so evicted last), the request is
+blocks, *then* sends `loaded` here (data before its completion). `land`: the crc32 of each
+landed block (its layer spans, layer-major, in the die's region) is compared with the crc the
+block was stored with; the blocks up to the first mismatch are registered in the die-local
+prefix cache (`KVManager.cache_blocks`: hashed, then freed most recently, so evicted last;
+rooted at the request's namespace, `ns_root(req.ns)`, as every hash of it), the request is
 queued (its admission's prefix match finds them), and the lease goes back. Every order names
 the server's epoch and this die's segment (its inode): the server refuses one meant for a
 predecessor or for a die restarted since, so a late order never writes into the wrong blocks.
@@ -29,8 +30,10 @@ the late completion arrives or the server is gone (a stopped server may still wr
 Write path. After every result, `offer` looks at each running request's newly registered
 prompt blocks (hashes it has not offered or loaded lately), holds them under `("put", id, k)`
 (hashed blocks are never rewritten, so the copy reads stable bytes) and reports them to the
-shell (`put` events in the master's `out`): the shell deduplicates them against the pool and
-orders the copies; `pool_release` frees the hold when they are done (or not needed).
+shell (`put` events in the master's `out`, with the request's ns: the first block's parent is
+`ns_root(ns)`, so the hashes are the pool index's keys in that ns): the shell deduplicates
+them against the pool and orders the copies; `pool_release` frees the hold when they are done
+(or not needed).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from runtime.engine.wire import master_socket
 from sched import Request
 from sched.kv import KVFull
 from sched.pool import chain as pool_chain
+from sched.pool import ns_root
 from sched.request import FinishReason
 
 log = logging.getLogger(__name__)
@@ -123,10 +127,10 @@ class PoolSide:
             if int(s) in self.to_server:  # first, on the socket of the load (in order)
                 self.to_server[int(s)].send(pool_frame(kind, body))
         blocks = [list(b) for b in hint.get("blocks", ())]
-        local, _ = kv.match_by_prefix(req.prompt)
+        local, _ = kv.match_by_prefix(req.prompt, ns_root(req.ns))
         hit = min(len(blocks), (len(req.prompt) - 1) // bs)
         self.counters["pool_query_tokens"] += max(0, len(req.prompt) - len(local) * bs)
-        if len(local) >= hit or not blocks:
+        if len(local) >= hit or not blocks or hint.get("ns") != req.ns:  # (another ns: a bug)
             self.counters["pool_local_covered"] += 1
             self._unpin(lease)
             return False
@@ -247,7 +251,7 @@ class PoolSide:
                 ok += 1
         req, kv = ld.req, self.m.kv
         if ok:
-            kv.cache_blocks(("pool", rid), req.prompt, (ld.local + ok) * bs)
+            kv.cache_blocks(("pool", rid), req.prompt, (ld.local + ok) * bs, ns_root(req.ns))
             for b in ld.blocks[:ok]:
                 self._know(int(b[0]))
         # No hold until admission: the landed blocks join the cache (hashed, freed most
@@ -313,9 +317,12 @@ class PoolSide:
         """New full prompt blocks of running requests, held and reported for storing."""
         if self.store:
             for req in self.m.sched.running:
-                self._offer(req.request_id, req.prompt, self.m.kv.chain(req.request_id))
+                self._offer(req, self.m.kv.chain(req.request_id))
 
-    def _offer(self, rid: int, prompt: list[int], chain: list[int]) -> None:
+    def _offer(self, req: Request, chain: list[int]) -> None:
+        """Hold and report req's prompt blocks of `chain` (its hashes, rooted at its ns: the
+        pool index's keys for that ns) not offered yet."""
+        rid, prompt, root = req.request_id, req.prompt, ns_root(req.ns)
         kv, bs = self.m.kv, self.m.spec.block_size
         n = min(len(chain), len(prompt) // bs)
         start = self.offered.get(rid, 0)
@@ -329,7 +336,7 @@ class PoolSide:
         # computed while another request registered the same hash is not hashed (it cannot
         # be held shared, and the cache serves the other one). One token more:
         # match_by_prefix leaves out the block of the last token.
-        table, _ = kv.match_by_prefix([*prompt[: (new[-1] + 1) * bs], 0])
+        table, _ = kv.match_by_prefix([*prompt[: (new[-1] + 1) * bs], 0], root)
         new = [i for i in new if i < len(table)]
         if not new:
             return
@@ -344,10 +351,10 @@ class PoolSide:
         out = []
         for i in new:
             self._know(chain[i])
-            out.append([chain[i], chain[i - 1] if i else None,
+            out.append([chain[i], chain[i - 1] if i else root,
                         prompt[i * bs : (i + 1) * bs], table[i]])  # fmt: skip
         self.counters["pool_put_blocks"] += len(out)
-        self.events.append(["put", hold, out])
+        self.events.append(["put", hold, out, req.ns])
 
     def on_release(self, body: dict) -> None:
         key = self.holds.pop(body.get("hold"), None)
@@ -360,8 +367,8 @@ class PoolSide:
         the die-local cache where they still are."""
         rid = req.request_id
         if self.store and req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-            chain = [h for h, _, _ in pool_chain(req.prompt, self.m.spec.block_size)]
-            self._offer(rid, req.prompt, chain)
+            chain = [h for h, _, _ in pool_chain(req.prompt, self.m.spec.block_size, req.ns)]
+            self._offer(req, chain)
         self.offered.pop(rid, None)
 
     def _know(self, h: int) -> None:

@@ -38,7 +38,7 @@ from memory import pool_layout as P
 from memory.errors import ConfigError
 from memory.region import region_name
 from runtime.engine.pd_shell import pd_blocks
-from runtime.engine.pool_config import PoolConfig
+from runtime.engine.pool_config import PoolConfig, quota_blocks
 from runtime.engine.pool_server import (
     DieRegion,
     PoolServerConfig,
@@ -49,7 +49,7 @@ from runtime.engine.pool_server import (
 )
 from runtime.engine.pool_server import pack as pool_frame
 from runtime.engine.wire import engine_socket
-from sched.pool import Granted, PoolIndex
+from sched.pool import Dropped, Granted, PoolIndex
 
 log = logging.getLogger(__name__)
 KV_FORMAT = 1  # the pool's block format (a change makes old SSD files foreign)
@@ -93,9 +93,14 @@ class PoolShell:
                               f" {self.slot_bytes} B")  # fmt: skip
         if self.cfg.pool_dir is not None:
             P.check_pool_dir(self.cfg.pool_dir)  # a clear refusal before anything starts
+        self.quotas = quota_blocks(self.cfg.quotas, self.slot_bytes)
         self.index = PoolIndex(self.bs, {0: self.n_slots},
                                {0: self.ssd_blocks} if self.ssd_blocks else None,
-                               admit=self.cfg.admit, lease_s=self.cfg.lease_s)  # fmt: skip
+                               admit=self.cfg.admit, lease_s=self.cfg.lease_s,
+                               quotas=self.quotas)  # fmt: skip
+        # hash -> ns of the entries of a namespace (a `delete` order, queued once its entry
+        # left the index, names the SSD file's ns directory); pruned to the index now and then
+        self.ns_of: dict[int, str] = {}
         self.handle = None
         self.sock = None
         self.ctx: zmq.Context | None = None
@@ -111,7 +116,8 @@ class PoolShell:
                          "pool_landed_blocks": 0, "pool_load_failed": 0, "pool_crc_bad": 0,
                          "pool_server_deaths": 0, "pool_server_restarts": 0,
                          "pool_inventory_blocks": 0, "pool_demote_failed": 0,
-                         "pool_load_ms_sum": 0.0, "pool_load_bytes": 0}  # fmt: skip
+                         "pool_load_ms_sum": 0.0, "pool_load_bytes": 0,
+                         "pool_quota_refused_blocks": 0}  # fmt: skip
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -266,7 +272,7 @@ class PoolShell:
             self.counters["pool_crc_bad"] += 1
             self.index.drop(int(ev[1]))
         elif kind == "put":
-            self._put(group, int(ev[1]), ev[2])
+            self._put(group, int(ev[1]), ev[2], ev[3] if len(ev) > 3 else None)
         self._send_orders(self.index.take_orders())
 
     def _promoted(self, promoted: list) -> None:
@@ -277,12 +283,23 @@ class PoolShell:
                 if not ok:
                     self.index.drop(int(h))
 
-    def _put(self, group: int, hold: int, blocks: list) -> None:
+    def _put(self, group: int, hold: int, blocks: list, ns: str | None = None) -> None:
+        """A master's offer: blocks [hash, parent, tokens, die block] of namespace ns (the
+        first one's parent its root, a chain); a block over ns's quota is skipped, and so are
+        its descendants (orphans): counted as refused for the quota."""
         if self.down or self.handle is None or self.cfg.store == "off":
             self.e._send(group, "pool_release", {"hold": hold})
             return
         states = self.index.put_start([(int(h), None if p is None else int(p), tuple(t))
-                                       for h, p, t, _ in blocks])  # fmt: skip
+                                       for h, p, t, _ in blocks], ns)  # fmt: skip
+        over = False  # a block refused for the quota, and its descendants in the offer
+        for st in states:
+            if isinstance(st, Dropped) and st.reason in ("quota", "orphan"):
+                over = over or st.reason == "quota"
+                self.counters["pool_quota_refused_blocks"] += over
+        if ns is not None:
+            self._note_ns(ns, [int(b[0]) for b, st in zip(blocks, states, strict=True)
+                               if isinstance(st, Granted)])  # fmt: skip
         granted = [(b, st) for b, st in zip(blocks, states, strict=True)
                    if isinstance(st, Granted)]  # fmt: skip
         if not granted:
@@ -323,6 +340,9 @@ class PoolShell:
         elif kind == "inventory":
             ents = [(int(x[0]), x[1], None if x[2] is None else int(x[2]), tuple(x[3]),
                      int(x[4])) for x in body.get("entries", ())]  # fmt: skip
+            for h, ns, *_ in ents:
+                if isinstance(ns, str):
+                    self._note_ns(ns, [h])
             self.index.server_inventory(0, ents)
             self.counters["pool_inventory_blocks"] += len(ents)
         elif kind == "error":
@@ -354,13 +374,18 @@ class PoolShell:
                 out.append([server, "demote", {
                     "h": h, "slot": o[3], "ns": e.ns, "parent": e.parent,
                     "tokens": list(e.tokens), "crc": e.crc}])  # fmt: skip
-            elif kind == "delete":
-                out.append([server, "delete", {"h": h, "ns": None}])
+            elif kind == "delete":  # its entry left the index: its ns as noted
+                out.append([server, "delete", {"h": h, "ns": self.ns_of.pop(h, None)}])
             elif kind == "promote":  # not part of a hit's load: its own order
                 e = self.index.entry(h)
                 out.append([server, "promote", {"h": h, "slot": o[3],
                                                 "ns": e.ns if e else None}])  # fmt: skip
         return out
+
+    def _note_ns(self, ns: str, hashes: list[int]) -> None:
+        if len(self.ns_of) > 2 * len(self.index) + 1024:  # drop the hashes no longer indexed
+            self.ns_of = {h: n for h, n in self.ns_of.items() if h in self.index}
+        self.ns_of.update(dict.fromkeys(hashes, ns))
 
     # -- figures -------------------------------------------------------------------------------
 

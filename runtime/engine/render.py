@@ -43,12 +43,14 @@ class Renderer:
     passed (the engine reports the abort).
 
     `spec` is the render spec of `parse_*` plus `id` (the response id); `n_prompt` the prompt's
-    token count (usage).
+    token count (usage); `cached` the prompt tokens that were not computed (a prefix-cache hit
+    or a KV pool load: `usage.prompt_tokens_details.cached_tokens`), set once it is known.
     """
 
     def __init__(self, spec: dict, n_prompt: int):
         self.spec = spec
         self.n_prompt = n_prompt
+        self.cached = 0
         self.kind = spec.get("kind", "completion")
         self.stream = bool(spec.get("stream"))
         self.stops: list[str] = list(spec.get("stop") or [])
@@ -152,8 +154,10 @@ class Renderer:
         return obj
 
     def usage(self) -> dict:
+        cached = {"cached_tokens": min(self.cached, self.n_prompt)}
         return {"prompt_tokens": self.n_prompt, "completion_tokens": self.n_tokens,
-                "total_tokens": self.n_prompt + self.n_tokens}  # fmt: skip
+                "total_tokens": self.n_prompt + self.n_tokens,
+                "prompt_tokens_details": cached}  # fmt: skip
 
     def finish(self, reason: str, error: str = "") -> bytes:
         """The last bytes of the response (see the class docstring); idempotent: b"" after."""

@@ -32,6 +32,7 @@ from runtime.model.sampler import sample_rows
 from runtime.model.split_reference import SplitReference
 from runtime.pod.proc import blas_threads, limit_blas_threads
 from sched.kv import block_hash
+from sched.pool import ns_root
 
 
 @dataclass
@@ -74,6 +75,7 @@ def replay(
     split: Split | None = None,
     spec=None,
     prompts: dict[int, list[int]] | None = None,
+    namespaces: dict[int, str] | None = None,
 ) -> ReplayReport:
     """Replay every logged step (logs: group -> the master's step records); combine_dtype:
     the served pod's (`EngineConfig.combine_dtype`); expert_maps: an EPLB pod's
@@ -83,7 +85,9 @@ def replay(
     spec: MTP (`runtime.model.mtp.SpecConfig`): each step's verify rows, MTP sub-forwards and
     drafts replayed with `spec_step` and compared (tokens, every verify row's logits, the
     drafts each die made); prompts: request id -> prompt token ids, to land the prefix blocks
-    a KV pool run loaded (module docstring; None: nothing is landed)."""
+    a KV pool run loaded (module docstring; None: nothing is landed); namespaces: request id
+    -> its cache salt (the others: the default namespace), whose root its block hashes chain
+    from, as on the dies."""
     kv = [PagedKV.zeros(cfg.kv_layers, num_blocks, block_size, cfg.kv_cache_dim)
           for _ in range(num_dies)]  # fmt: skip
     if split is not None:
@@ -91,7 +95,7 @@ def replay(
     else:
         pod = ReferencePod(cfg, num_dies, quant, kv, combine_dtype, expert_maps=expert_maps)
     report = ReplayReport()
-    pool = _PoolLanding(block_size, prompts, report) if prompts is not None else None
+    pool = _PoolLanding(block_size, prompts, report, namespaces) if prompts is not None else None
     _replay_steps(pod, kv, logs, report, pool and pool.before, pool and pool.after, spec=spec)
     return report
 
@@ -107,6 +111,7 @@ def replay_pd(
     combine_dtype: str = "bfloat16",
     spec=None,
     prompts: dict[int, list[int]] | None = None,
+    namespaces: dict[int, str] | None = None,
 ) -> ReplayReport:
     """A PD pod's replay: the prefill part (its dies' logged steps, a P-die reference), then
     the decode part (a D-die reference). The KV a request's prefill left in its blocks, right
@@ -115,7 +120,7 @@ def replay_pd(
     there) before the step of that row, so a transfer that moved anything else shows as a
     logit or token mismatch. spec: MTP (as `replay`'s); the KV moved includes the MTP
     module's layer, and the drafts of each prefill die and decode die are compared. prompts:
-    as `replay`'s (a PD request's pool hit loads into its prefill die)."""
+    as `replay`'s (a PD request's pool hit loads into its prefill die), as are namespaces."""
     p_dies, d_dies = list(topo.prefill), list(topo.decode)
     report = ReplayReport()
     snaps: dict[int, np.ndarray] = {}
@@ -144,7 +149,7 @@ def replay_pd(
     d_blocks = decode_blocks or num_blocks
     pre, post = None, snapshot
     if prompts is not None:
-        pool = _PoolLanding(block_size, prompts, report)
+        pool = _PoolLanding(block_size, prompts, report, namespaces)
 
         def post(kv: list[PagedKV], recs: dict[int, dict]) -> None:
             snapshot(kv, recs)
@@ -173,9 +178,11 @@ class _PoolLanding:
     once, or stored again after the pool dropped it) lands its first replayed version.
     """
 
-    def __init__(self, block_size: int, prompts: dict[int, list[int]], report: ReplayReport):
+    def __init__(self, block_size: int, prompts: dict[int, list[int]], report: ReplayReport,
+                 namespaces: dict[int, str] | None = None):  # fmt: skip
         self.bs, self.report = block_size, report
         self.prompts = {int(k): list(v) for k, v in prompts.items()}
+        self.roots = {int(k): ns_root(v) for k, v in (namespaces or {}).items()}  # chain roots
         self.tokens: dict[int, list[int]] = {}  # request -> its tokens so far (prompt first)
         self.hashes: dict[int, list[int]] = {}  # request -> its full blocks' chained hashes
         self.held: dict[int, dict[int, int]] = {}  # die -> block -> hash it holds
@@ -189,7 +196,8 @@ class _PoolLanding:
             toks = self.tokens[rid] = list(self.prompts.get(rid, ()))
         while len(hs) < n and (len(hs) + 1) * bs <= len(toks):
             i = len(hs)
-            hs.append(block_hash(hs[-1] if hs else None, tuple(toks[i * bs : (i + 1) * bs])))
+            parent = hs[-1] if hs else self.roots.get(rid)
+            hs.append(block_hash(parent, tuple(toks[i * bs : (i + 1) * bs])))
         return hs[:n]
 
     def before(self, kv: list[PagedKV], recs: dict[int, dict]) -> None:
@@ -391,15 +399,17 @@ def _compare(report: ReplayReport, step: int, group: int, rec: dict, logits: np.
                 report.logit_mismatches.append((step, group, rows[i][0], diff))
 
 
-def replay_engine(cfg, logs: dict[int, list[dict]],
-                  prompts: dict[int, list[int]] | None = None) -> ReplayReport:  # fmt: skip
+def replay_engine(cfg, logs: dict[int, list[dict]], prompts: dict[int, list[int]] | None = None,
+                  namespaces: dict[int, str] | None = None) -> ReplayReport:  # fmt: skip
     """Replay what an engine of `EngineConfig` cfg served (`Engine.step_log`, after close).
     prompts: request id -> prompt token ids; with `cfg.kv_pool` the replay needs them to land
-    the pool's loads (without them a loaded prefix replays as zeros: a mismatch)."""
+    the pool's loads (without them a loaded prefix replays as zeros: a mismatch); namespaces:
+    request id -> cache salt, for the requests that had one (`RequestTracker.namespaces`)."""
     m = cfg.model_config()
     if cfg.pd is not None:
         return replay_pd(m, cfg.pd, cfg.quant, cfg.blocks, cfg.decode_blocks, cfg.block_size,
                          logs, cfg.combine_dtype, spec=cfg.speculative,
-                         prompts=prompts)  # fmt: skip
+                         prompts=prompts, namespaces=namespaces)  # fmt: skip
     return replay(m, cfg.dies, cfg.quant, cfg.blocks, cfg.block_size, logs, cfg.combine_dtype,
-                  split=cfg.split, spec=cfg.speculative, prompts=prompts)  # fmt: skip
+                  split=cfg.split, spec=cfg.speculative, prompts=prompts,
+                  namespaces=namespaces)  # fmt: skip

@@ -35,6 +35,7 @@ from sched import LoadBalancer, SamplingParams
 
 log = logging.getLogger(__name__)
 Send = Callable[[int, str, dict], None]  # (group, message kind, body) to that group's master
+MAX_NS_LEN = 256  # characters of a cache salt (a request's prefix-cache namespace)
 
 
 class EngineError(PodError):
@@ -109,6 +110,7 @@ class TrackedRequest:
         self.prefill_group = -1  # a PD pod: its prefill die (`group` is its decode die)
         self.transcript: list[int] | None = None  # MTP oracle / synthetic drafts' source
         self.pd: dict = {}  # a PD request's times and transfer: sched, prefilled, landed, ...
+        self.ns: str | None = None  # its cache salt: its prefix-cache namespace (`track`)
 
     @property
     def streamed(self) -> bool:
@@ -157,6 +159,7 @@ class RequestTracker:
         # request id -> the prompt its master got (kept when the engine logs its steps with
         # the pool on: the schedule replay lands the pool's loads from them)
         self.prompts: dict[int, list[int]] | None = None
+        self.namespaces: dict[int, str] = {}  # and their cache salts (the others: None)
         # The ledger's counters: tokens a stream had already (trimmed: never sent twice), gaps
         # (a bug: must stay 0), requests re-admitted after a restart, stale messages dropped.
         self.ledger = {"tokens_replayed": 0, "token_gaps": 0, "requests_recomputed": 0,
@@ -165,8 +168,13 @@ class RequestTracker:
     # -- intake ---------------------------------------------------------------------------------
 
     def track(self, prompt, params: SamplingParams | None, group: int | None = None,
-              ) -> TrackedRequest:  # fmt: skip
-        """A checked, not yet queued request (ValueError / TypeError for a bad one)."""
+              ns: str | None = None) -> TrackedRequest:  # fmt: skip
+        """A checked, not yet queued request (ValueError / TypeError for a bad one). `ns`: its
+        cache salt (vLLM's `cache_salt`): the prompt shares cached KV, die-local or pooled, only
+        with requests of the same ns (None: the default namespace)."""
+        if ns is not None and (not isinstance(ns, str) or not ns or len(ns) > MAX_NS_LEN):
+            raise ValueError(f"cache salt {ns!r:.60} must be a string of 1 to {MAX_NS_LEN}"
+                             " characters")  # fmt: skip
         if group is not None and (
             isinstance(group, bool)
             or not isinstance(group, int)
@@ -188,7 +196,7 @@ class RequestTracker:
             # restart continues the same stream (draws are keyed on (seed, token index))
             params = dataclasses.replace(params, seed=secrets.randbelow(1 << 31))
         t = TrackedRequest(next(self.ids), prompt, tokens, params)
-        t.pin = group
+        t.pin, t.ns = group, ns
         return t
 
     def _tokens_of(self, prompt) -> list[int]:
@@ -234,14 +242,15 @@ class RequestTracker:
             t = self.pending[0]
             base = len(t.out)
             if self.pd is not None and t.pin is None:  # PD: to a prefill and a decode die
-                pair = self.pd.pick(t.tokens + t.out, t.params.max_tokens - base)
+                pair = self.pd.pick(t.tokens + t.out, t.params.max_tokens - base, t.ns)
                 if pair is None:
                     return
                 self.pending.popleft()
                 t.prefill_group, t.group = pair
-                self.pd.on_dispatch(t.id, *pair, t.tokens + t.out, t.params.max_tokens - base)
+                self.pd.on_dispatch(t.id, *pair, t.tokens + t.out, t.params.max_tokens - base,
+                                    t.ns)  # fmt: skip
             else:
-                hs = self.lb.prefix_hashes(t.tokens + t.out)  # lb "prefix" only, else []
+                hs = self.lb.prefix_hashes(t.tokens + t.out, t.ns)  # lb "prefix" only, else []
                 g = t.pin
                 if g is None:
                     g = self.lb.pick(len(t.tokens), t.params.max_tokens, hs)
@@ -260,9 +269,13 @@ class RequestTracker:
                                "ignore_eos": p.ignore_eos}}  # fmt: skip
             if t.transcript is not None:
                 body["transcript"] = t.transcript
-            hint = self.pool.hint(body["prompt"]) if self.pool is not None else None
+            if t.ns is not None:
+                body["ns"] = t.ns
+            hint = self.pool.hint(body["prompt"], t.ns) if self.pool is not None else None
             if self.prompts is not None:
                 self.prompts[t.id] = body["prompt"]
+                if t.ns is not None:
+                    self.namespaces[t.id] = t.ns
             if hint is not None and t.prefill_group < 0:  # the pod-wide prefix lookup
                 body["pool"] = hint
             if t.render is not None:
@@ -381,6 +394,10 @@ class RequestTracker:
                 if data or final or n:
                     self._notify(t, Delta(rid, [], "", data=data, n_tokens=n, final=final,
                                           status=status))  # fmt: skip
+            for rid, n in body.get("cached") or ():  # a PD request's: its prefill die's hit
+                t = self.reqs.get(rid)
+                if t is not None:
+                    t.n_cached = max(t.n_cached, int(n))
             for ev in body.get("pd") or ():
                 self._pd_event(ev)
             if self.pool is not None:
@@ -538,11 +555,13 @@ class RequestTracker:
 
     def _end(self, t: TrackedRequest, reason: str, error: str, now: float, n_cached: int = 0,
              ) -> None:  # fmt: skip
-        t.reason, t.error, t.t_done, t.n_cached = reason, error, now, n_cached
+        t.reason, t.error, t.t_done = reason, error, now
+        t.n_cached = max(t.n_cached, n_cached)
         if t.render is not None and not t.final:  # the engine ended it (error, abort, close)
             r = self.render.renderers.pop(t.id, None)
             if r is None:  # rendered in an output process, or never opened: the state of a
                 r = Renderer(t.render, len(t.tokens))  # renderer that had these tokens
+                r.cached = t.n_cached
                 if t.out:
                     r.feed(list(t.out))
             data = r.finish(reason, error)

@@ -12,7 +12,8 @@ Kinds (sender -> receiver):
 - engine -> master: `add` {id, prompt, params, stream, render}, `abort` {id}, `shutdown` {},
   `ping` {seq}
 - master -> engine: `ready` {group}, `out` {deltas: [[id, [tokens]]], done: [[id, reason,
-  n_prompt, n_cached, error, t_first, t_sched]]}, `stats` {...}, `pong` {seq, die_step},
+  n_prompt, n_cached, error, t_first, t_sched]], cached: [[id, n_cached]] (admitted since)},
+  `stats` {...}, `pong` {seq, die_step},
   `log` {steps}
 - master -> output process (output shortcutting): `open` {id, n_prompt, render}, `out`, `eof`
 - output process -> engine: `out` {deltas, done, data: [[id, n_tokens, bytes, final, status]]};

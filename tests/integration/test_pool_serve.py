@@ -47,7 +47,9 @@ def test_second_die_loads_the_prompt_from_the_pool():
         m = settle(s)
         a, b = first["choices"][0], second["choices"][0]
         assert a["token_ids"] == b["token_ids"] and a["text"] == b["text"]
+        details = [u.pop("prompt_tokens_details") for u in (first["usage"], second["usage"])]
         assert first["usage"] == second["usage"]
+        assert details == [{"cached_tokens": 0}, {"cached_tokens": full * BLOCK}]  # the load
         hits = [metric(m, "xpod_pool_hits_total", group=g) for g in (0, 1)]
         assert hits[0] == 0 and hits[1] == full * BLOCK, hits  # round robin: group 1 loaded
         src = {k: by_source(m, k) - by_source(m0, k) for k in ("local", "pool", "computed")}

@@ -473,8 +473,9 @@ TEXT = st.one_of(
 KINDS = st.sampled_from(["completion", "chat"])
 
 
-def usage_of(n_prompt: int, n: int) -> dict:
-    return {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n}
+def usage_of(n_prompt: int, n: int, cached: int = 0) -> dict:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n,
+            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
 
 
 # -- rendering: streaming and non-streaming --------------------------------------------------------

@@ -21,7 +21,7 @@ from runtime.cli import generate, serve
 from runtime.cli.argtypes import Parser, flag_error
 from runtime.cli.engine_flags import ENGINE_FLAGS
 from runtime.engine.cache_stats import cache_lines, cache_summary, prompt_sources
-from runtime.engine.pool_config import PoolConfig
+from runtime.engine.pool_config import PoolConfig, quota_blocks
 from runtime.pod import Pod
 
 
@@ -84,7 +84,7 @@ def test_relative_pool_dir_is_made_absolute(tmp_path, monkeypatch):
 @pytest.mark.parametrize("flag, value", [
     ("--pool-dram-mib", "16"), ("--pool-ssd-mib", "4"), ("--pool-dir", "/tmp"),
     ("--pool-admit", "second_hit"), ("--pool-store", "off"), ("--pool-min-hit-blocks", "2"),
-    ("--pool-load-timeout", "1"),
+    ("--pool-load-timeout", "1"), ("--pool-quota", "a=1"),
 ])  # fmt: skip
 def test_a_pool_flag_without_kv_pool_is_refused(flag, value):
     assert refused(flag, value) == f"argument {flag}: needs --kv-pool"
@@ -147,6 +147,53 @@ def test_cli_refusal_is_one_line_with_status_2(argv, flag, capsys):
     err = capsys.readouterr().err
     assert err.startswith("xpod") and ": error: " in err and flag in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_pool_quota_flags():
+    cfg = serve_config("--kv-pool", "--pool-quota", "a=1", "--pool-quota", "team=b=0.5")
+    assert cfg.kv_pool.quotas == {"a": 1.0, "team=b": 0.5}  # the last '=' splits
+    assert serve_config("--kv-pool").kv_pool.quotas == {}
+    twice = refused("--kv-pool", "--pool-quota", "a=1", "--pool-quota", "a=2")
+    assert twice == "argument --pool-quota: namespace 'a' given twice"
+    small = refused("--kv-pool", "--pool-quota", "a=0.00001")
+    assert small.startswith("argument --pool-quota a=1e-05: smaller than one block"), small
+
+
+@pytest.mark.parametrize("value", ["a", "=1", "a=", "a=0", "a=-1", "a=nan", "a=inf", "a=x"])
+def test_a_bad_pool_quota_is_one_line_with_status_2(value, capsys):
+    assert run_cli(["generate", "--prompt", "x", "--kv-pool", "--pool-quota", value]) == 2
+    err = capsys.readouterr().err
+    assert "error: argument --pool-quota:" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("quotas", [{"": 1.0}, {1: 1.0}, {"a": 0}, {"a": -1.0}, {"a": True},
+                                    {"a": float("nan")}, {"a": float("inf")}, {"a": "1"},
+                                    [("a", 1.0)]])  # fmt: skip
+def test_pool_config_refuses_bad_quotas(quotas):
+    with pytest.raises(ConfigError, match="kv_pool.quotas") as e:
+        PoolConfig(quotas=quotas)
+    assert str(flag_error(e.value, ENGINE_FLAGS)).startswith("argument --pool-quota:")
+
+
+def test_quota_blocks():
+    assert quota_blocks({"a": 1.0, "b": 2.5}, 1 << 20) == {"a": 1, "b": 2}
+    assert quota_blocks({}, 4096) == {}
+    with pytest.raises(ConfigError, match="--pool-quota a=0.5: smaller than one block"):
+        quota_blocks({"a": 0.5}, 1 << 20)
+
+
+def test_generate_cache_salt():
+    p = Parser(prog="xpod generate")
+    generate.add_args(p)
+
+    def opts(*argv: str):
+        args = p.parse_args(["--model", "tiny", "--dies", "2", "--prompt", "hi", *argv])
+        return generate.parse_options(args)
+
+    assert opts().cache_salt is None and opts("--cache-salt", "tenant-1").cache_salt == "tenant-1"
+    for bad in ("", "x" * 257):
+        with pytest.raises(ConfigError, match="argument --cache-salt"):
+            opts("--cache-salt", bad)
 
 
 def test_generate_and_bench_serve_take_the_pool_flags():
@@ -261,6 +308,13 @@ def test_metrics_of_the_pool():
     assert s[("xpod_pool_blocks", (("tier", "ssd"),))] == 2
     assert s[("xpod_pool_capacity_blocks", (("tier", "dram"),))] == 682
     assert s[("xpod_pool_server_up", ())] == 1
+
+
+def test_metrics_of_quota_refusals():
+    pool = FakePool()
+    pool.stats = lambda: {"pool_quota_refused_blocks": 5, "up": True}
+    s = samples(Metrics(fake_engine({0: master(10, 0, 0)}, pool)))
+    assert s[("xpod_pool_quota_refused_blocks_total", ())] == 5
 
 
 def test_local_tokens_never_go_down_while_a_load_waits_for_admission():
