@@ -180,7 +180,7 @@ class Master:
         try:
             kind, body = wire.unpack(frame, {"add", "abort", "shutdown", "ping", "kv_dst",
                                              "kv_done", "kv_cancel", "loaded", "pool_release",
-                                             "pool_dead"})  # fmt: skip
+                                             "pool_dead", "pool_up"})  # fmt: skip
         except wire.WireError as e:
             log.warning("master %d: dropped a bad frame: %s", self.spec.group, e)
             return
@@ -194,14 +194,9 @@ class Master:
                 pass
             elif isinstance(self.pd, DecodeSide):
                 self.pd.abort(body.get("id"))
-        elif kind in ("loaded", "pool_release", "pool_dead"):
+        elif kind in ("loaded", "pool_release", "pool_dead", "pool_up"):
             if self.pool is not None:
-                if kind == "loaded":
-                    self.pool.on_loaded(body)
-                elif kind == "pool_release":
-                    self.pool.on_release(body)
-                else:
-                    self.pool.server_dead(body.get("server"))
+                self.pool.on_message(kind, body)
         elif kind in ("kv_dst", "kv_done", "kv_cancel"):
             if isinstance(self.pd, PrefillSide):
                 {"kv_dst": self.pd.on_dst, "kv_done": self.pd.on_done,

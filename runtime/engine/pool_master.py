@@ -296,6 +296,26 @@ class PoolSide:
         for rid in list(self.loads):
             self.abort(rid)
 
+    def on_message(self, kind: str, body: dict) -> None:
+        """The shell's and the servers' messages to this master."""
+        if kind == "loaded":
+            self.on_loaded(body)
+        elif kind == "pool_release":
+            self.on_release(body)
+        elif kind == "pool_dead":
+            self.server_dead(body.get("server"))
+        elif kind == "pool_up":
+            self.server_up(body.get("server"), body.get("pid"))
+
+    def server_up(self, server: int, pid: int | None) -> None:
+        """Server `server` (re)started and re-indexed: its DRAM tier mapped now (off a hit's
+        critical path), and every block offered again (those offered while it was down were
+        refused: a later prompt's blocks would otherwise never reach the pool)."""
+        self.known.clear()
+        self.offered.clear()
+        if self.load_by == "master" and isinstance(server, int) and isinstance(pid, int):
+            self._segment(server, pid)
+
     def server_dead(self, server: int) -> None:
         """The shell saw pool server `server` exit: its loads fall back, their blocks free; the
         blocks offered lately are offered again (its DRAM entries are gone: a later block whose

@@ -115,7 +115,7 @@ class PoolShell:
                          "pool_stores": 0, "pool_stored_blocks": 0, "pool_store_failed": 0,
                          "pool_landed_blocks": 0, "pool_load_failed": 0, "pool_crc_bad": 0,
                          "pool_server_deaths": 0, "pool_server_restarts": 0,
-                         "pool_inventory_blocks": 0, "pool_demote_failed": 0,
+                         "pool_inventory_blocks": 0, "pool_inventories": 0, "pool_demote_failed": 0,
                          "pool_load_ms_sum": 0.0, "pool_load_bytes": 0,
                          "pool_quota_refused_blocks": 0}  # fmt: skip
 
@@ -345,6 +345,12 @@ class PoolShell:
                     self._note_ns(ns, [h])
             self.index.server_inventory(0, ents)
             self.counters["pool_inventory_blocks"] += len(ents)
+            self.counters["pool_inventories"] += 1
+            # the masters map its DRAM tier now (not on a hit's critical path) and offer their
+            # blocks again (those offered while it was down were refused, never stored)
+            pid = body.get("pid")
+            for g in range(self.e.config.dies):
+                self.e._send(g, "pool_up", {"server": 0, "pid": pid})
         elif kind == "error":
             log.warning("kv pool: server 0 refused an order: %s", body.get("error"))
         self._send_orders(self.index.take_orders())

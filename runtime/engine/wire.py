@@ -23,7 +23,7 @@ Kinds (sender -> receiver):
 - KV pool (`--kv-pool`): shell / master -> pool server: its orders (`runtime.engine.pool_server`,
   same frames); pool server -> shell: `inventory`, `stored`, `demoted`, `promoted`, `deleted`,
   `dropped`, `echo`, `error`; -> master: `loaded`; shell -> master: `pool_release` {hold},
-  `pool_dead` {server}
+  `pool_dead` {server}, `pool_up` {server, pid} (its inventory came: a master maps its tier)
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ KINDS = frozenset(
      "result", "open", "eof", "kv_dst", "kv_done", "kv_cancel", "xfer", "probe",
      # the KV pool (runtime.engine.pool_server's replies; the shell's to a master)
      "inventory", "stored", "loaded", "demoted", "promoted", "deleted", "dropped", "echo",
-     "error", "pool_release", "pool_dead"}
+     "error", "pool_release", "pool_dead", "pool_up"}
 )  # fmt: skip
 
 

@@ -439,6 +439,35 @@ def test_master_loads_while_the_server_is_stopped():
             assert eng.pool.index.stats()["pinned"] == 0, "the loads' leases released"
 
 
+def test_blocks_offered_while_the_server_is_down_are_offered_again():
+    """Blocks a master offers while the pool's server is down (the index refuses them) are
+    offered again once the server's inventory came (`pool_up`): a later request with the same
+    prefix on the same die stores them, and die 1 hits them. The down window is made here by
+    telling the index its server died, under the engine's lock (the process runs on)."""
+    pool = PoolConfig(dram_mib=16, **SLOW_OK)
+    first = prompt_of(900)
+    again = prompt_of(901, prefix=first[: 4 * BS])
+    with Engine.launch(**BASE, model_overrides=INVARIANT, kv_pool=pool) as eng:
+        wait_for(lambda: pstat(eng, "pool_inventories") == 1, what="the server's inventory")
+        with eng.lock:
+            eng.pool.index.server_dead(0)
+        want = ok(run(eng, [first], 0))
+        wait_for(lambda: mstat(eng, 0, "pool_put_blocks") >= 4, what="die 0's blocks offered")
+        wait_for(lambda: mstat(eng, 0, "pool_holds") == 0, what="the refused offer released")
+        assert pstat(eng, "pool_stored_blocks") == 0
+        with eng.lock:  # the restarted server's inventory (nothing on an SSD tier)
+            eng.pool.on_server("inventory", {"server": 0, "pid": eng.pool.handle.pid,
+                                             "entries": []})  # fmt: skip
+        (t,) = run(eng, [again], 0)
+        assert t.n_cached == 4 * BS, "a die-local hit"
+        wait_in_pool(eng, first)
+        (b,) = run(eng, [first], 1)
+        assert ok([b]) == want and b.n_cached == 4 * BS
+        wait_for(lambda: mstat(eng, 1, "pool_direct_loads") == 1, what="die 1's pool hit")
+        with eng.lock:
+            eng.pool.index.check()
+
+
 # -- 5. a load aborted mid-way -------------------------------------------------------------------
 
 
