@@ -52,8 +52,13 @@ def test_small_sweep_has_every_key_pool_hits_at_half_and_none_at_zero(tmp_path, 
     assert zero["batch_hit_tokens"] == 0 and zero["load_ms"] == 0 and zero["bar_ms"] is None
     bars = res["bars"]
     for name in ("ttft_reduction_monotone_worst_drop", "ttft_reduction_r0.5", "pool_overhead_r0",
-                 "throughput_gain_r0.5", "pool_minus_local_ms_r0.5"):  # fmt: skip
+                 "throughput_gain_r0.5", "pool_hit_cost_ms_r0.5", "pool_overhead_r0_paired",
+                 "pool_minus_local_ttft_ms_r0.5"):  # fmt: skip
         assert set(bars[name]) == {"value", "bar", "ok"}, name
+    # the hit's cost judged is its load, the TTFT difference reported beside it
+    assert bars["pool_hit_cost_ms_r0.5"]["value"] == half["load_ms"]
+    assert bars["pool_hit_cost_ms_r0.5"]["ok"] == (half["load_ms"] <= half["bar_ms"])
+    assert bars["pool_minus_local_ttft_ms_r0.5"]["value"] == half["pool_minus_local_ms"]
     assert res["noise"]["nocache_samples"] == 4
     assert "pool-local ms" in capsys.readouterr().out
 
