@@ -505,7 +505,7 @@ class PoolIndex(Eviction):
         e.dram_slot = None
         if e.promoting:
             e.promoting = False
-            del self._promoting[e.h]
+            self._promoting.pop(e.h, None)  # (drop forgot it first)
         self._push(e)
 
     def _remove_tree(self, top: Entry) -> int:

@@ -66,6 +66,11 @@ log = logging.getLogger(__name__)
 KNOWN = 8192  # hashes offered or loaded lately (not offered again)
 
 
+def _unrun(blocks: list[list]) -> list[list[int]]:
+    """[[h, slot]...] of the hint's blocks this master was to promote (`promote` set)."""
+    return [[int(b[0]), int(b[2])] for b in blocks if len(b) > 4 and b[4]]
+
+
 @dataclass(eq=False)
 class _Load:
     req: Request
@@ -132,20 +137,23 @@ class PoolSide:
         self.counters["pool_query_tokens"] += max(0, len(req.prompt) - len(local) * bs)
         if len(local) >= hit or not blocks or hint.get("ns") != req.ns:  # (another ns: a bug)
             self.counters["pool_local_covered"] += 1
-            self._unpin(lease)
+            self._unpin(lease, unrun=_unrun(blocks))
             return False
         todo = blocks[len(local) : hit]
         server = int(todo[0][1])
         pool_off = m.words[m.region.layout.serve_word(L.SV_KV_POOL)]
         if any(int(b[1]) != server for b in todo) or server not in self.to_server or not pool_off:
-            self._unpin(lease)
+            self._unpin(lease, unrun=_unrun(blocks))
             return False
         try:
             table = kv.alloc_blocks(("pool", rid), hit * bs, local)
         except KVFull:
             self.counters["pool_kv_full"] += 1
-            self._unpin(lease)
+            self._unpin(lease, unrun=_unrun(blocks))
             return False
+        skipped = _unrun(blocks[: len(local)] + blocks[hit:])  # promotions no load carries
+        if skipped:
+            self._unpin(0, unrun=skipped)
         nb, stride = m.spec.num_blocks, bs * self.row_bytes
         new = table[len(local) :]
         offs = [pool_off + (layer * nb + b) * stride
@@ -226,7 +234,7 @@ class PoolSide:
             return
         if ld.aborted:
             self.m.kv.free(("pool", rid))
-            self._unpin(ld.lease)
+            self._unpin(ld.lease, promoted=body.get("promoted") or [])
             return
         self._land(ld, body.get("status") == 0, int(body.get("bytes", 0)),
                    body.get("promoted") or [])  # fmt: skip
@@ -406,9 +414,12 @@ class PoolSide:
         for ld in [x for x in self.loads.values() if now - x.since > self.timeout_s]:
             self._fallback(ld, f"timed out after {self.timeout_s:g} s")
 
-    def _unpin(self, lease: int) -> None:
-        if lease:
-            self.events.append(["unpin", lease])
+    def _unpin(self, lease: int, promoted: list = (), unrun: list = ()) -> None:
+        """The lease back to the shell, with the promotions its hint ordered: `promoted` [[h, ok,
+        crc]...] as a server ran them, `unrun` [[h, slot]...] that no load carried (their slots
+        free again; the blocks stay on the SSD tier)."""
+        if lease or promoted or unrun:
+            self.events.append(["unpin", lease, list(promoted), list(unrun)])
 
     def take_events(self) -> list:
         ev, self.events = self.events, []

@@ -227,7 +227,21 @@ class PoolShell:
         blocks = []
         for b in hit.blocks:
             slot = b.slot if b.promote_slot is None else b.promote_slot
-            blocks.append([b.h, b.server, slot, b.crc, (b.h, slot) in promote])
+            mine = (b.h, slot) in promote
+            if b.promote_slot is not None and not mine:
+                break  # an earlier hit's load is promoting it: its bytes are not in DRAM yet
+            blocks.append([b.h, b.server, slot, b.crc, mine])
+        for b in hit.blocks[len(blocks) :]:  # promotions ordered past the cut: not carried
+            if (b.h, b.promote_slot) in promote:
+                self.index.promoted(b.h, b.promote_slot, ok=False)
+                promote.discard((b.h, b.promote_slot))
+        if len(blocks) < max(1, self.cfg.min_hit_blocks):
+            self._send_orders(rest)
+            for b in blocks:
+                if b[4]:
+                    self.index.promoted(b[0], b[2], ok=False)
+            self.index.release(hit.lease)
+            return None
         self.counters["pool_hints"] += 1
         self.counters["pool_hint_blocks"] += len(blocks)
         hint = {
@@ -256,7 +270,11 @@ class PoolShell:
 
     def on_event(self, group: int, ev: list) -> None:
         kind = ev[0]
-        if kind == "unpin":
+        if kind == "unpin":  # [unpin, lease, promoted, unrun] (older: [unpin, lease])
+            if len(ev) > 3:
+                self._promoted(ev[2])
+                for h, slot in ev[3]:
+                    self.index.promoted(int(h), int(slot), ok=False)
             self.index.release(int(ev[1]))
         elif kind == "landed":
             _, _rid, lease, ok, _n, nbytes, ms, promoted = ev

@@ -365,6 +365,41 @@ def test_server_stopped_past_the_load_timeout():
         assert ok([b]) == ok([a])
 
 
+def test_a_hit_on_blocks_another_load_promotes_is_cut_there():
+    """DRAM for 4 blocks, an SSD tier: prompt A stored, then B (A demoted). With the server
+    stopped, A on die 1 is a hit on SSD blocks: its load carries their promotion and waits.
+    A second A on die 1 meanwhile: its lookup finds A's blocks being promoted by that load (not
+    in DRAM yet): its hint stops before them (no hit), so it computes A; nothing reads a slot
+    before its bytes are there (0 crc mismatches, nothing dropped). Once the server runs, the
+    first lands its hit; the tokens are die 0's."""
+    slot = P.slot_bytes(MODEL.kv_layers, BS, MODEL.kv_cache_dim)
+    pool = PoolConfig(dram_mib=(4 * slot + P.HEADER_BYTES) / P.MiB, ssd_mib=16 * slot / P.MiB,
+                      **SLOW_OK)  # fmt: skip
+    a, b = prompt_of(650), prompt_of(651)
+    with Engine.launch(**BASE, model_overrides=INVARIANT, kv_pool=pool) as eng:
+        want = ok(run(eng, [a], 0))
+        wait_in_pool(eng, a)
+        run(eng, [b], 0)
+        hs = wait_in_pool(eng, b)
+        with eng.lock:
+            ha = [h for h, _, _ in chain(a, BS)][:4]
+            assert all(eng.pool.index.entry(h).dram_slot is None for h in ha), "A demoted"
+        with stopped(eng.pool.handle.pid):
+            first = eng.tracker.track(a, GREEDY, group=1)
+            eng.tracker.enqueue([first])
+            wait_for(lambda: mstat(eng, 1, "pool_loads") == 1, what="the first load sent")
+            (second,) = run(eng, [a], 1)
+            assert ok([second]) == want and second.n_cached == 0
+            assert not first.done.is_set()
+        assert first.done.wait(60)
+        assert ok([first]) == want and first.n_cached == 4 * BS
+        wait_for(lambda: mstat(eng, 1, "pool_hit_tokens") == 4 * BS, what="die 1's hit")
+        assert mstat(eng, 1, "pool_crc_mismatches") == 0 and pstat(eng, "pool_crc_bad") == 0
+        with eng.lock:
+            eng.pool.index.check()
+            assert all(eng.pool.index.entry(h) is not None for h in ha + hs)
+
+
 def test_ssd_entries_come_back_after_a_kill(tmp_path):
     """DRAM for 4 blocks, an SSD tier in a persistent directory: 3 prompts stored, the first two
     demoted. The server is killed (after one block file is corrupted): the restarted server's

@@ -339,6 +339,23 @@ def test_failed_and_timed_out_promotions_free_their_slot():
     pool.check()
 
 
+def test_dropping_a_block_being_promoted_keeps_the_index_whole():
+    """A crc mismatch reported for a block while its promotion is pending (`drop`): the entry
+    and its descendants leave, the slot is free, every invariant holds (it used to raise a
+    KeyError half-way, leaving an SSD entry out of its LRU)."""
+    pool = PoolIndex(BS, {0: 4}, ssd_blocks={0: 4}, put_timeout_s=30.0, now=Clock())
+    a = toks(2, 0)
+    pool.server_inventory(0, [(h, None, p, tk, 1) for h, p, tk in chain(a, BS)])
+    hit = pool.lookup(a)
+    assert all(b.promote_slot is not None for b in hit.blocks)
+    assert pool.drop(hit.blocks[0].h) == 2
+    assert pool.entry(hit.blocks[0].h) is None and pool.entry(hit.blocks[1].h) is None
+    assert pool.stats()["dram_used"] == {0: 0} and pool.stats()["promoting"] == 0
+    pool.check()
+    pool.release(hit.lease)
+    pool.check()
+
+
 def test_capacity_never_exceeded_under_oversubscription():
     rng = random.Random(3)
     pool = PoolIndex(BS, {0: 8, 1: 8}, ssd_blocks={0: 16, 1: 0})
