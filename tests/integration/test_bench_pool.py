@@ -90,3 +90,49 @@ def test_bad_flags_are_one_line_errors(flags, says, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("xpod bench pool: error: "), err
     assert says in err, err
+
+
+TIERS = ["bench", "pool-tiers", "--model", "tiny", "--docs", "4", "--doc-blocks", "2",
+         "--requests", "12", "--hot-requests", "3", "--hot-blocks", "2", "--scan-blocks", "6",
+         "--scan-dram-blocks", "8", "--die-blocks", "8"]  # fmt: skip
+
+
+@pytest.mark.timeout(180)
+def test_pool_tiers_eviction_and_scan(tmp_path, capsys):
+    """`xpod bench pool-tiers` on tiny settings: with an SSD tier, DRAM at 1/4 of the working
+    set hits as much as unbounded DRAM (every store awaited: the hits do not depend on speed),
+    without it less; capacity never exceeded, no orphan; `always` admission loses the hot
+    prompt to the scan, `second_hit` keeps every hit."""
+    out = tmp_path / "tiers.json"
+    assert cli.main([*TIERS, "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    e, s = res["eviction"], res["scan"]
+    assert e["working_set_blocks"] == 8 and e["dram_slots_bounded"] == 2
+    assert e["hit_rate_bounded"] == e["hit_rate_unbounded"] == 1.0 and e["ok"] is True
+    assert e["hit_rate_dram_only"] < e["hit_rate_bounded"]
+    b = e["bounded"]
+    assert b["scrapes"] == 12 and b["max_dram_used"] == 2 and b["orphans"] == 0
+    assert 0 < b["max_ssd_used"] <= e["ssd_blocks_bounded"] and b["promotions"] > 0
+    assert s["second_hit"]["kept"] == 1.0 and s["ok"] is True
+    assert s["always"]["kept"] == 0.0 and s["always"]["hot_hits_noscan"] > 0
+    assert "second_hit bar 0.95: met" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--dram-fraction", "1"], "argument --dram-fraction: 1 must be < 1"),
+        (["--die-blocks", "4"], "argument --die-blocks: 4 blocks cannot hold a context"),
+        (["--scan-dram-blocks", "2"], "argument --scan-dram-blocks: 2 slots cannot hold"),
+        (["--scan-blocks", "40"], "is longer than the model's context"),
+    ],
+)
+def test_pool_tiers_bad_flags_are_one_line_errors(flags, says, capsys):
+    try:
+        status = cli.main(["bench", "pool-tiers", "--model", "tiny", "--scan-blocks", "6", *flags])
+    except SystemExit as e:
+        status = e.code
+    assert status == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("xpod bench pool-tiers: error: "), err
+    assert says in err, err
