@@ -238,16 +238,13 @@ def quota_arg(text: str) -> tuple[str, float]:
 def pool_of(args: argparse.Namespace) -> PoolConfig | None:
     """The PoolConfig of --kv-pool and the --pool-* flags (None without --kv-pool);
     ConfigError naming the flag: a --pool-* flag without --kv-pool, --kv-pool on a pod the pool
-    does not serve yet (--attention-dies, --hosts) or without the prefix cache."""
+    does not serve yet (--hosts) or without the prefix cache."""
     given = {f: getattr(args, f[2:].replace("-", "_"), None) for f in POOL_FLAGS}
     if not getattr(args, "kv_pool", False):
         for flag, value in given.items():
             if value is not None:
                 raise ConfigError(f"argument {flag}: needs --kv-pool")
         return None
-    if getattr(args, "attention_dies", 0) or getattr(args, "expert_dies", 0):
-        raise ConfigError("argument --kv-pool: not with --attention-dies/--expert-dies: the"
-                          " pool's split-pod path is not built yet")  # fmt: skip
     if getattr(args, "hosts", None):
         raise ConfigError("argument --kv-pool: not with --hosts: the pool's multi-host path is"
                           " not built yet")  # fmt: skip

@@ -151,9 +151,9 @@ class EngineConfig:
         if self.kv_pool is not None:
             if not isinstance(self.kv_pool, PoolConfig):
                 raise ConfigError(f"kv_pool: expected a PoolConfig or None, got {self.kv_pool!r}")
-            if self.expert_dies or self.hosts:
-                raise ConfigError("kv_pool: a colocated or PD pod on one host (the pool's split"
-                                  " and multi-host paths are not built yet)")  # fmt: skip
+            if self.hosts:
+                raise ConfigError("kv_pool: a pod on one host (the pool's multi-host path is not"
+                                  " built yet)")  # fmt: skip
             if not self.prefix_cache:
                 raise ConfigError("kv_pool: needs the prefix cache (loaded blocks join it)")
         m = self.model_config()

@@ -91,9 +91,6 @@ def test_a_pool_flag_without_kv_pool_is_refused(flag, value):
 
 
 def test_kv_pool_refused_on_pods_it_does_not_serve():
-    split = refused("--kv-pool", "--dies", "4", "--attention-dies", "2")
-    assert split.startswith("argument --kv-pool") and "not built yet" in split
-    assert "--attention-dies" in split
     hosts = refused("--kv-pool", "--hosts", "1,1")
     assert hosts.startswith("argument --kv-pool") and "--hosts" in hosts and "not built" in hosts
     nocache = refused("--kv-pool", "--no-prefix-cache")
@@ -103,6 +100,11 @@ def test_kv_pool_refused_on_pods_it_does_not_serve():
 def test_kv_pool_on_a_pd_pod_is_accepted():
     cfg = serve_config("--kv-pool", "--prefill-dies", "1", "--decode-dies", "1")
     assert cfg.kv_pool is not None and cfg.pd is not None
+
+
+def test_kv_pool_on_a_split_pod_is_accepted():
+    cfg = serve_config("--kv-pool", "--attention-dies", "2", "--expert-dies", "2")
+    assert cfg.kv_pool is not None and cfg.expert_dies == 2 and cfg.dies == 2
 
 
 def test_pool_sizes_refused_naming_the_flag():
