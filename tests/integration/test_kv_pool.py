@@ -542,9 +542,9 @@ def test_abort_while_loading():
 def test_replay_of_a_pool_run_is_bit_equal(layout):
     """Default mode (logits depend on the batch): prompts computed on die 0 in batches (chunked
     prefill, local prefix hits), stored, then loaded by die 1 among other requests (PD: dies 0
-    and 1 prefill, die 2 decodes; split: attention dies 0 and 1, expert dies 2 and 3). The replay lands each loaded block from the replayed step
-    that computed it: tokens and logits bit-equal. Without the prompts it cannot (the loaded
-    blocks replay as zeros)."""
+    and 1 prefill, die 2 decodes; split: attention dies 0 and 1, expert dies 2 and 3). The
+    replay lands each loaded block from the replayed step that computed it: tokens and logits
+    bit-equal. Without the prompts it cannot (the loaded blocks replay as zeros)."""
     shared = prompt_of(800, 2 * BS)
     first = [prompt_of(810 + i, 4 * BS + 3, shared) for i in range(3)] + [prompt_of(820)]
     then = [first[0], first[3], prompt_of(830, 3 * BS + 7, shared), prompt_of(840, 40)]
