@@ -200,9 +200,10 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
         " directory in the run directory, removed at exit)")  # fmt: skip
     add("--pool-admit", default=None, choices=("always", "second_hit"),
         help="store a block at once (always, default) or once two lookups missed it")  # fmt: skip
-    add("--pool-store", default=None, choices=("prompt", "off"),
-        help="store new full prompt blocks after prefill (prompt, default) or nothing (off:"
-        " loads only)")  # fmt: skip
+    add("--pool-store", default=None, choices=("prompt", "all", "off"),
+        help="store new full prompt blocks after prefill (prompt, default), also a finished"
+        " request's generated blocks (all: a conversation's next turn hits its reply), or"
+        " nothing (off: loads only)")  # fmt: skip
     add(
         "--pool-min-hit-blocks",
         type=nonneg_int,

@@ -17,7 +17,9 @@ class PoolConfig:
     ssd_mib: the SSD tier (block files; 0: none). pool_dir: where (None: a directory in the
         run directory, removed at close; a given one persists, re-indexed at start).
     admit: "always" | "second_hit" (a block is stored once two lookups missed it).
-    store: "prompt" (new full prompt blocks after prefill) | "off" (loads only).
+    store: "prompt" (new full prompt blocks after prefill) | "all" (also, at a request's end,
+        the full blocks of the tokens it generated: a conversation's next turn, whose prompt
+        holds this reply, hits them on any die) | "off" (loads only).
     min_hit_blocks: a smaller pool hit is not loaded (recomputed).
     load_timeout_s: a load not complete by then falls back to recompute.
     lease_s: how long a lookup pins its hit. restarts: a dead pool server is restarted this
@@ -53,8 +55,8 @@ class PoolConfig:
             raise ConfigError(f"kv_pool.admit: {self.admit!r} must be always or second_hit")
         if self.load_by not in ("master", "server"):
             raise ConfigError(f"kv_pool.load_by: {self.load_by!r} must be master or server")
-        if self.store not in ("prompt", "off"):
-            raise ConfigError(f"kv_pool.store: {self.store!r} must be prompt or off")
+        if self.store not in ("prompt", "all", "off"):
+            raise ConfigError(f"kv_pool.store: {self.store!r} must be prompt, all or off")
         if not isinstance(self.quotas, dict):
             raise ConfigError(f"kv_pool.quotas: {self.quotas!r} must map namespaces to MiB")
         for ns, mib in self.quotas.items():

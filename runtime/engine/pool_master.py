@@ -92,10 +92,12 @@ class PoolSide:
         self.m = master
         self.n_layers, self.row_bytes = int(pool["n_layers"]), int(pool["row_floats"]) * 4
         self.timeout_s = float(pool.get("timeout_s", 1.0))
-        pd = master.spec.pd  # a PD decode die's prompt KV came from its prefill die, which
-        self.store = pool.get("store", "prompt") != "off" and not (  # stored it already
-            pd is not None and pd.get("role") == "decode"
-        )
+        pd = master.spec.pd
+        mode = pool.get("store", "prompt")
+        self.store_all = mode == "all"  # the generated tokens' blocks too, at a request's end
+        # a PD decode die's prompt KV came from its prefill die, which stored it already
+        decode = pd is not None and pd.get("role") == "decode"
+        self.store = mode != "off" and (self.store_all or not decode)
         self.to_server: dict[int, zmq.Socket] = {}
         for s, addr in pool["servers"].items():
             sock = master.ctx.socket(zmq.PUSH)
@@ -347,10 +349,11 @@ class PoolSide:
             for req in self.m.sched.running:
                 self._offer(req, self.m.kv.chain(req.request_id))
 
-    def _offer(self, req: Request, chain: list[int]) -> None:
-        """Hold and report req's prompt blocks of `chain` (its hashes, rooted at its ns: the
-        pool index's keys for that ns) not offered yet."""
-        rid, prompt, root = req.request_id, req.prompt, ns_root(req.ns)
+    def _offer(self, req: Request, chain: list[int], tokens: list[int] | None = None) -> None:
+        """Hold and report req's blocks of `chain` (the hashes of `tokens`, its prompt by
+        default, rooted at its ns: the pool index's keys for that ns) not offered yet."""
+        rid, root = req.request_id, ns_root(req.ns)
+        prompt = req.prompt if tokens is None else tokens
         kv, bs = self.m.kv, self.m.spec.block_size
         n = min(len(chain), len(prompt) // bs)
         start = self.offered.get(rid, 0)
@@ -395,8 +398,10 @@ class PoolSide:
         the die-local cache where they still are."""
         rid = req.request_id
         if self.store and req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-            chain = [h for h, _, _ in pool_chain(req.prompt, self.m.spec.block_size, req.ns)]
-            self._offer(req, chain)
+            # `all`: every token whose KV the die computed (the last sampled one has none)
+            tokens = req.all_tokens[: req.num_computed] if self.store_all else req.prompt
+            chain = [h for h, _, _ in pool_chain(tokens, self.m.spec.block_size, req.ns)]
+            self._offer(req, chain, tokens)
         self.offered.pop(rid, None)
 
     def _know(self, h: int) -> None:

@@ -503,6 +503,32 @@ def test_blocks_offered_while_the_server_is_down_are_offered_again():
             eng.pool.index.check()
 
 
+def test_store_all_stores_a_replys_blocks_for_the_next_turn():
+    """`store="all"`: a finished request's generated blocks are offered too, so the next turn
+    of a conversation (prompt = history + the reply + a new message) hits its whole history on
+    another die, the reply's blocks included; `store="prompt"` hits the first prompt's blocks
+    only. Tokens equal those of an engine with no cache (batch-invariant)."""
+    first = prompt_of(950, 2 * BS + 5)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    outs, cached = {}, {}
+    for mode in ("all", "prompt"):
+        pool = PoolConfig(dram_mib=16, store=mode, **SLOW_OK)
+        with Engine.launch(**BASE, model_overrides=INVARIANT, kv_pool=pool) as eng:
+            (a,) = run(eng, [first], 0, params)
+            turn2 = first + list(a.out) + prompt_of(951, 9)
+            computed = len(first) + len(a.out) - 1  # the last sampled token has no KV yet
+            want = (computed // BS if mode == "all" else len(first) // BS) * BS
+            wait_stored(eng, want // BS)
+            (b,) = run(eng, [turn2], 1, params)
+            outs[mode], cached[mode] = list(b.out), b.n_cached
+            assert b.n_cached == want, (mode, b.n_cached, want)
+            assert mstat(eng, 1, "pool_crc_mismatches") == 0
+    with Engine.launch(**BASE, model_overrides=INVARIANT, prefix_cache=False) as eng:
+        (c,) = run(eng, [turn2], 1, params)
+    assert outs["all"] == outs["prompt"] == list(c.out) and c.n_cached == 0
+    assert cached["all"] > cached["prompt"]
+
+
 # -- 5. a load aborted mid-way -------------------------------------------------------------------
 
 
