@@ -102,6 +102,10 @@ def test_kv_pool_on_a_pd_pod_is_accepted():
     assert cfg.kv_pool is not None and cfg.pd is not None
 
 
+def test_pool_store_all_is_accepted():
+    assert serve_config("--kv-pool", "--pool-store", "all").kv_pool.store == "all"
+
+
 def test_kv_pool_on_a_split_pod_is_accepted():
     cfg = serve_config("--kv-pool", "--attention-dies", "2", "--expert-dies", "2")
     assert cfg.kv_pool is not None and cfg.expert_dies == 2 and cfg.dies == 2
@@ -136,7 +140,7 @@ def test_pool_dir_refused_naming_the_flag(tmp_path):
     (["serve", "--pool-dram-mib", "8"], "--pool-dram-mib"),
     (["serve", "--kv-pool", "--pool-dram-mib", "0"], "--pool-dram-mib"),
     (["serve", "--kv-pool", "--pool-admit", "never"], "--pool-admit"),
-    (["serve", "--kv-pool", "--pool-store", "all"], "--pool-store"),
+    (["serve", "--kv-pool", "--pool-store", "decode"], "--pool-store"),
     (["serve", "--kv-pool", "--pool-min-hit-blocks", "-1"], "--pool-min-hit-blocks"),
     (["serve", "--kv-pool", "--pool-load-timeout", "0"], "--pool-load-timeout"),
     (["generate", "--prompt", "x", "--pool-store", "off"], "--pool-store"),
