@@ -8,7 +8,7 @@ never the decode application or the HTTP API.
 
 from runtime.engine.config import EngineConfig
 from runtime.engine.engine import Engine
-from runtime.engine.tracker import CompletionOutput, Delta, EngineError
+from runtime.engine.records import CompletionOutput, Delta, EngineError
 from sched import SamplingParams
 
 __all__ = ["CompletionOutput", "Delta", "Engine", "EngineConfig", "EngineError", "SamplingParams"]

@@ -50,18 +50,13 @@ from runtime.engine.output import OutputSpec, output_main
 from runtime.engine.pd_shell import PDRouter, pd_blocks, pd_master_spec
 from runtime.engine.pool_shell import REPLIES as POOL_REPLIES
 from runtime.engine.pool_shell import PoolShell
+from runtime.engine.records import CompletionOutput, Delta, EngineError, TrackedRequest
 from runtime.engine.recovery import EngineRecovery
 from runtime.engine.spec_stats import check_transcript
 from runtime.engine.split_stats import die_counters, eplb_counters, role_counters, split_summary
 from runtime.engine.step_ring import Bell, bell_path
 from runtime.engine.supervisor import Supervisor
-from runtime.engine.tracker import (
-    CompletionOutput,
-    Delta,
-    EngineError,
-    RequestTracker,
-    TrackedRequest,
-)
+from runtime.engine.tracker import RequestTracker
 from runtime.engine.wire import engine_socket, master_socket, output_socket
 from runtime.model import EOS
 from runtime.model.forward import prepared_for_fork

@@ -18,7 +18,7 @@ from memory.errors import LinkError, PeerTimeout, PodError
 from runtime.engine.executor import ServeSpec, drop_loop, rollback_point, serve_main
 from runtime.engine.fault_hook import GATE_SHIFT, STEPS_ARMED
 from runtime.engine.faults import proc_state
-from runtime.engine.tracker import EngineError, TrackedRequest
+from runtime.engine.records import EngineError, TrackedRequest
 from runtime.pod.launcher import ABORT_GRACE_S
 
 log = logging.getLogger(__name__)

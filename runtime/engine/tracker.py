@@ -11,6 +11,9 @@ every group is full it waits here (`pending`).
 Threads: the caller's threads submit and abort, the engine's receiver (a thread, or an event
 loop: `Engine.attach_loop`) delivers; one lock guards the books. Deltas for a stream are queued
 per event loop and handed over with one wake-up per loop (`deliver`).
+
+The records it keeps and hands out (`TrackedRequest`, `CompletionOutput`, `Delta`,
+`EngineError`) are `runtime.engine.records`'s.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
-from memory.errors import PodError
 from runtime.engine.output import OutputHandler
+
+# the records (runtime.engine.records) lived here: still importable from this module
+from runtime.engine.records import CompletionOutput, Delta, EngineError, TrackedRequest
 from runtime.engine.render import Renderer
 from runtime.model import EOS, ModelConfig, decode, encode
 from sched import LoadBalancer, SamplingParams
@@ -36,96 +40,6 @@ from sched import LoadBalancer, SamplingParams
 log = logging.getLogger(__name__)
 Send = Callable[[int, str, dict], None]  # (group, message kind, body) to that group's master
 MAX_NS_LEN = 256  # characters of a cache salt (a request's prefix-cache namespace)
-
-
-class EngineError(PodError):
-    """The engine failed (a die or a master died, or it was closed); pending requests end with
-    finish reason "error"."""
-
-
-@dataclass
-class CompletionOutput:
-    """A finished request."""
-
-    request_id: int
-    prompt: str | list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    error: str = ""
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    group: int = -1
-    ttft_s: float = 0.0
-    e2e_s: float = 0.0
-
-    @property
-    def tpot_s(self) -> float:
-        n = len(self.token_ids)
-        return (self.e2e_s - self.ttft_s) / (n - 1) if n > 1 else 0.0
-
-
-@dataclass
-class Delta:
-    """New tokens of a streamed request (`finish_reason` set on the last one). A rendered
-    request's deltas carry `data` instead: the bytes for its client, `n_tokens` tokens' worth,
-    `final` on its last bytes (which may come before the Delta with the finish reason)."""
-
-    request_id: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    error: str = ""
-    data: bytes = b""
-    n_tokens: int = 0
-    final: bool = False
-    status: int = 200  # of a rendered response: 500 if the engine failed it, 503 if down
-
-
-class TrackedRequest:
-    """The engine's view of one request (times are `time.monotonic()` seconds)."""
-
-    def __init__(self, rid: int, prompt, tokens: list[int], params: SamplingParams):
-        self.id, self.prompt, self.tokens, self.params = rid, prompt, tokens, params
-        self.out: list[int] = []
-        self.group = -1
-        self.t0 = time.monotonic()
-        self.t_first = 0.0
-        self.t_done = 0.0
-        self.reason: str | None = None
-        self.error = ""
-        self.n_cached = 0
-        self.done = threading.Event()
-        self.listeners: list = []  # (loop, asyncio.Queue) of streams
-        self.keep = False  # submit(): keep it after it finished, for result()
-        self.pin: int | None = None  # a DP group chosen by the caller
-        self.render: dict | None = None  # rendered for an HTTP client (runtime.engine.render)
-        self.n_out = 0  # tokens generated (rendered: counted up to a stop string)
-        self.t_sched = 0.0  # first planned (from the master)
-        self.t_last = 0.0  # the last tokens arrived
-        self.final = False  # a rendered request's last bytes went out
-        self.resumed = 0  # times it was re-admitted after a restart (token recomputation)
-        self.t_resumed = 0.0  # its first token after the latest re-admission
-        self.aborted = False  # the caller aborted it (a restart must not resume it)
-        self.prefill_group = -1  # a PD pod: its prefill die (`group` is its decode die)
-        self.transcript: list[int] | None = None  # MTP oracle / synthetic drafts' source
-        self.pd: dict = {}  # a PD request's times and transfer: sched, prefilled, landed, ...
-        self.ns: str | None = None  # its cache salt: its prefix-cache namespace (`track`)
-
-    @property
-    def streamed(self) -> bool:
-        """Does the master send tokens every step (else all of them with the finish)?"""
-        if not self.listeners:
-            return False
-        r = self.render
-        return r is None or bool(r.get("stream") or r.get("stop"))
-
-    def output(self) -> CompletionOutput:
-        return CompletionOutput(
-            self.id, self.prompt, list(self.out), decode(self.out), self.reason or "error",
-            self.error, len(self.tokens), self.n_cached, self.group,
-            (self.t_first - self.t0) if self.t_first else 0.0, self.t_done - self.t0,
-        )  # fmt: skip
 
 
 class RequestTracker:
