@@ -32,8 +32,20 @@ def _opts(context: int = 64, **kw) -> DecodeOptions:
                          model_card="deepseek-v3", context=context, **kw)  # fmt: skip
 
 
+_RUNS: dict[int, dict] = {}
+
+
+def _plain(context: int) -> dict:
+    """run_decode(_opts(context)), run once per module: the tests below only read its summary
+    (each run is a pod launched and captured: ~3 s)."""
+    if context not in _RUNS:
+        _RUNS[context] = run_decode(_opts(context=context))
+    return _RUNS[context]
+
+
 @pytest.mark.timeout(300)
-def test_decode_projects_its_step_layers_and_breakdown(tmp_path, capsys):
+def test_decode_projects_its_step_layers_and_breakdown_deterministically(tmp_path, capsys):
+    again = _plain(4096)
     out, trace = tmp_path / "d.jsonl", tmp_path / "proj.json"
     argv = [*BASE, "--model-card", "deepseek-v3", "--context", "4096", "--json", str(out),
             "--project-trace", str(trace), "--project-dir", str(tmp_path / "cap")]  # fmt: skip
@@ -62,13 +74,14 @@ def test_decode_projects_its_step_layers_and_breakdown(tmp_path, capsys):
     assert meta["workload"]["layers"] == 61 and meta["workload"]["experts"] == 256
     printed = capsys.readouterr().out
     assert "projected (cm384, deepseek-v3, routing toy gate, context 4096):" in printed
+    # deterministic: another run of the same pod, card and context (another pod launched and
+    # captured, through run_decode) gives the same figures
+    assert {k: s[k] for k in FIGURES} == {k: again[k] for k in FIGURES}
 
 
 @pytest.mark.timeout(300)
-def test_projection_is_deterministic_and_context_grows_attention():
-    a, b = run_decode(_opts()), run_decode(_opts())
-    assert {k: a[k] for k in FIGURES} == {k: b[k] for k in FIGURES}
-    long = run_decode(_opts(context=4096))
+def test_context_grows_attention():
+    a, long = _plain(64), _plain(4096)
     share = lambda s: s["projected_breakdown"]["mean"]["attention"]  # noqa: E731
     assert share(long) > share(a) and long["projected_step_ms"] > a["projected_step_ms"]
     assert long["projected_breakdown_us"]["experts"] == pytest.approx(
@@ -83,7 +96,7 @@ def test_mtp_tpot_divides_the_step_by_its_tokens():
     assert s["projected_tokens_per_step"] == pytest.approx(2.0)  # every draft accepted
     assert s["projected_tpot_ms"] == pytest.approx(s["projected_step_ms"] / 2, abs=1e-3)
     assert s["projected_mtp_ms"] > 0 and s["projected_breakdown"]["mean"]["mtp"] > 0
-    plain = run_decode(_opts())
+    plain = _plain(64)
     assert s["projected_layer_us"]["moe"] > plain["projected_layer_us"]["moe"]  # 2 rows each
 
 
