@@ -780,13 +780,23 @@ def test_a_busy_port_or_a_bad_flag_fails_before_launch():
         cases = [("--port", str(port)), ("--port", "70000"), ("--dies", "0"),
                  ("--drain-timeout", "-1"), ("--max-body", "0"), ("--queue-ahead", "-2"),
                  ("--stream-interval", "0")]  # fmt: skip
+        # all at once (each is its own interpreter, refused before any pod: nothing shared)
+        procs = []
         for flag, value in cases:
-            args = [flag, value]
-            cmd = [sys.executable, "-m", "runtime.cli", "serve", "--model", "tiny", *args]
-            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=30)
-            assert r.returncode == 2, (args, r.stderr)
-            lines = r.stderr.strip().splitlines()
-            assert len(lines) == 1 and flag in lines[0], (args, r.stderr)
+            cmd = [sys.executable, "-m", "runtime.cli", "serve", "--model", "tiny", flag, value]
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))  # fmt: skip
+        try:
+            for (flag, value), proc in zip(cases, procs, strict=True):
+                _, stderr = proc.communicate(timeout=30)
+                assert proc.returncode == 2, ([flag, value], stderr)
+                lines = stderr.strip().splitlines()
+                assert len(lines) == 1 and flag in lines[0], ([flag, value], stderr)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
     finally:
         busy.close()
     assert _our_segments() == segs
