@@ -229,8 +229,10 @@ def test_bench_chaos_kills_and_stops_the_pool_under_conversations(tmp_path):
     cmd = [sys.executable, "-m", "runtime.cli", "bench", "chaos", "--dies", "2", "--model",
            "tiny", "--kv-pool", "--pool-dram-mib", "1", "--pool-ssd-mib", "16",
            "--dataset", "multi-turn", "--mt-turns", "3", "--max-tokens", "16",
-           "--request-rate", "8", "--duration", "9", "--batch-invariant",
-           "--inject", "kill:pool=0,at=3s; stop:pool=0,at=6s,for=1.5s",
+           "--request-rate", "8", "--duration", "6", "--batch-invariant",
+           # from the engine's launch: the kill's restart takes ms, the stop ends at 5.5 s,
+           # before the 6 s of conversations (which start once the server is up) are over
+           "--inject", "kill:pool=0,at=2s; stop:pool=0,at=4s,for=1.5s",
            "--op-timeout", "2", "--stall-timeout", "3",  # margin for a busy host
            "--json", str(out)]  # fmt: skip
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=140)
@@ -242,7 +244,7 @@ def test_bench_chaos_kills_and_stops_the_pool_under_conversations(tmp_path):
     assert s["pool_kills"] == s["pool_stops"] == s["pool_restarts"] == 1, s
     assert s["pool_restarts_server"] == 1 and s["fallbacks"] >= 0, s  # from /metrics
     (row,) = s["pool_recoveries"]
-    assert row["fault"] == "kill:pool=0,at=3s" and row["restart_s"] >= 0, row
+    assert row["fault"] == "kill:pool=0,at=2s" and row["restart_s"] >= 0, row
     assert "hit_rate_recovery_s" in row and "pool_kills" in r.stdout, r.stdout
 
 
