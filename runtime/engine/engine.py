@@ -18,9 +18,11 @@ and a receiver of the masters' messages. Requests go to masters as msgpack frame
 `ipc://` sockets in the pod's owner-only run directory `/dev/shm/xpod.<pod>.run`; the per-step
 hot path (master <-> die) is the shared-memory step ring (`runtime.engine.step_ring`).
 
-This module starts, watches and stops the processes; the books of the requests (which group,
+This module starts and stops the processes; the books of the requests (which group,
 tokens, streams, finishes) are `runtime.engine.tracker.RequestTracker`'s; what the supervisor
-reads and the steps of a restart or a rollback are `runtime.engine.recovery`'s (a base class).
+reads and the steps of a restart or a rollback are `runtime.engine.recovery`'s (a base class);
+reading the masters' messages (a thread or an event loop) and watching that the masters live is
+`runtime.engine.receiver`'s (a base class too).
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ from runtime.engine.faults import FaultPlan, parse_faults
 from runtime.engine.master import MasterSpec, master_main
 from runtime.engine.output import OutputSpec, output_main
 from runtime.engine.pd_shell import PDRouter, pd_blocks, pd_master_spec
-from runtime.engine.pool_shell import REPLIES as POOL_REPLIES
 from runtime.engine.pool_shell import PoolShell
+from runtime.engine.receiver import EngineReceiver
 from runtime.engine.records import CompletionOutput, Delta, EngineError, TrackedRequest
 from runtime.engine.recovery import EngineRecovery
 from runtime.engine.spec_stats import check_transcript
@@ -66,12 +68,11 @@ from sched import LoadBalancer, SamplingParams
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 60.0
 CLOSE_TIMEOUT_S = 10.0
-WATCH_EVERY_S = 0.2  # how often the receiver thread checks that every master lives
 
 __all__ = ["Engine"]
 
 
-class Engine(EngineRecovery):
+class Engine(EngineReceiver, EngineRecovery):
     """A running serving engine. Build with `Engine.launch`; use as a context manager."""
 
     def __init__(self, config: EngineConfig):
@@ -205,6 +206,15 @@ class Engine(EngineRecovery):
             p.start()
             self.masters.append(p)
 
+    def _check_launch(self) -> None:
+        """A die or master that exited while the others start: an error now (the relaunch is
+        tried again), not a wait for a readiness that cannot come."""
+        for what, procs in (("die", self.pod.procs if self.pod else []), ("master", self.masters)):
+            for i, p in enumerate(procs):
+                if not p.is_alive():
+                    raise EngineError(f"{what} {i} (pid {p.pid}) exited during the launch"
+                                      f" (exit code {p.exitcode})")  # fmt: skip
+
     def _connect_and_run(self) -> None:
         """Sockets to the masters and output processes, the pod run and (first time) the
         receiver thread; wait until every master of this incarnation is ready."""
@@ -237,8 +247,10 @@ class Engine(EngineRecovery):
             self._thread(self._receive, name="xpod-engine-receive")
         deadline = time.monotonic() + READY_TIMEOUT_S
         for _ in range(cfg.dies):
-            if not self.ready.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                raise EngineError(f"masters not ready after {READY_TIMEOUT_S:g} s")
+            while not self.ready.acquire(timeout=min(0.1, max(0.0, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    raise EngineError(f"masters not ready after {READY_TIMEOUT_S:g} s")
+                self._check_launch()
             if self.failure is not None:
                 raise EngineError(f"engine failed while starting: {self.failure}")
 
@@ -262,119 +274,6 @@ class Engine(EngineRecovery):
         t = threading.Thread(target=fn, args=args, name=name, daemon=True)
         t.start()
         self._threads.append(t)
-
-    # -- background threads ---------------------------------------------------------------------
-
-    def _receive(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.inbox, zmq.POLLIN)
-        watched = time.monotonic()
-        while not self.rx_handover:
-            ready = poller.poll(WATCH_EVERY_S * 1000)
-            if time.monotonic() - watched >= WATCH_EVERY_S:
-                watched = time.monotonic()
-                self._watch()
-            if not ready:
-                if self.drained:  # close(): every master is gone and nothing is left to read
-                    return
-                continue
-            self._read_inbox()
-
-    def _read_inbox(self) -> None:
-        while True:
-            try:
-                frame = self.inbox.recv(zmq.NOBLOCK)
-            except (zmq.Again, zmq.ZMQError):
-                return
-            try:
-                self._on_message(*wire.unpack(frame))
-            except Exception as e:  # noqa: BLE001 - a bad frame must not stop the engine
-                log.warning("engine: dropped a message: %s", e)
-
-    # -- an event loop as the receiver ----------------------------------------------------------
-
-    def attach_loop(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Read the masters' messages on `loop` (call from its thread) instead of the receiver
-        thread: one wake-up per message instead of two (the thread's, then the loop's), and
-        the deltas go to their streams without crossing threads. `detach_loop` gives it back.
-        """
-        if self.rx_loop is not None:
-            return
-        rx = next((t for t in self._threads if t.name == "xpod-engine-receive"), None)
-        self.rx_handover = True
-        if rx is not None:
-            rx.join(2 * WATCH_EVERY_S + 1)
-            self._threads.remove(rx)
-        self.rx_loop = loop
-        loop.add_reader(self.inbox.getsockopt(zmq.FD), self._on_readable)
-        loop.call_soon(self._on_readable)  # what came before the reader was added
-        self.rx_watch = loop.call_later(WATCH_EVERY_S, self._watch_tick)
-
-    def _on_readable(self) -> None:
-        # the zmq FD signals edges: read until the socket says there is nothing left
-        while self.inbox is not None and self.inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._read_inbox()
-
-    def _watch_tick(self) -> None:
-        self._watch()
-        if self.rx_loop is not None:
-            self.rx_watch = self.rx_loop.call_later(WATCH_EVERY_S, self._watch_tick)
-
-    def detach_loop(self) -> None:
-        """Back to the receiver thread (call on the loop's thread, before the loop ends)."""
-        loop = self.rx_loop
-        if loop is None:
-            return
-        loop.remove_reader(self.inbox.getsockopt(zmq.FD))
-        if self.rx_watch is not None:
-            self.rx_watch.cancel()
-        self.rx_loop = self.rx_watch = None
-        self.rx_handover = False
-        self._thread(self._receive, name="xpod-engine-receive")
-
-    def _watch(self) -> None:
-        if self.closing or self.failure is not None:
-            return
-        if self.pool is not None:  # a dead pool server costs hits, never requests
-            with self.lock:
-                self.pool.watch()
-        if self.recovering:
-            return
-        if self.supervisor is not None and self.config.recover:
-            return  # it waits on the processes' sentinels itself
-        for g, p in enumerate(self.masters):
-            if p.exitcode is not None:
-                self._fault(f"master {g} (pid {p.pid}) exited ({p.exitcode})", self.gen)
-                return
-        for g, p in enumerate(self.outputs):
-            if p.exitcode is not None:
-                self._fault(f"output process {g} (pid {p.pid}) exited ({p.exitcode})", self.gen)
-                return
-
-    def _on_message(self, kind: str, body: dict) -> None:
-        if kind in POOL_REPLIES:  # a pool server's (it outlives the pod's incarnations)
-            if self.pool is not None:
-                with self.lock:
-                    self.pool.on_server(kind, body)
-            return
-        if body.get("gen", 0) != self.gen and kind != "out":  # the tracker counts stale `out`
-            return
-        if kind == "ready":
-            self.ready.release()
-        elif kind == "out":
-            self.tracker.on_out(body)
-        elif kind == "stats":
-            self.stats[body["group"]] = body
-            self.stats_log.append(body)
-            if self.tracker.pd is not None:
-                self.tracker.pd.on_stats(body)
-            if self.observer is not None:
-                self.observer.on_stats(body)
-        elif kind == "pong":
-            self.pongs[body["group"]] = (body["seq"], time.monotonic(), body.get("die_step", 0))
-        elif kind == "log":
-            self.step_log[body["group"]] = body["steps"]
-            self.master_trace[body["group"]] = body.get("trace", {})
 
     def _send(self, group: int, kind: str, body: dict) -> None:
         """A message to `group`'s master (caller holds the lock: zmq sockets are not shared
