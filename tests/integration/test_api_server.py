@@ -474,27 +474,37 @@ def test_stop_strings_and_stop_token_ids(server):
     settle(server)
 
 
-@pytest.mark.timeout(60)
-def test_stream_interval_sends_every_n_tokens():
-    """--stream-interval 4: the first token at once, then chunks of at least 4 tokens, the rest
-    with the finish; the same tokens as one non-streamed response."""
-    s = ServerProc("--stream-interval", "4")
+@pytest.fixture(scope="module")
+def interval_server():
+    """A server with --stream-interval 4 (its streams) and a 1 s health timeout with no
+    recovery (a die or master a test holds is unhealthy, then healthy again): the tests that use
+    it leave it serving, nothing held."""
+    s = ServerProc("--stream-interval", "4", "--health-timeout", "1", "--timeout", "30",
+                   "--no-recover")  # fmt: skip
     try:
-        base = {"model": MODEL, "prompt": "interval", "max_tokens": 17, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
-        _, _, data = s.post("/v1/completions", base)
-        whole = json.loads(data)["choices"][0]
-        status, _, data = s.post("/v1/completions", {**base, "stream": True})
-        chunks = sse_events(data)
-        sizes = [len(e["choices"][0]["token_ids"]) for e in chunks]
-        # the first chunk goes out with the first result the master reads (two if it read two
-        # steps' results in one pass: a loaded machine), not after 4 tokens
-        assert status == 200 and sum(sizes) == 17 and sizes[0] < 4, sizes
-        assert all(n >= 4 for n in sizes[1:-1]) and len(sizes) <= 1 + 16 // 4 + 1, sizes
-        assert [t for e in chunks for t in e["choices"][0]["token_ids"]] == whole["token_ids"]
-        assert "".join(e["choices"][0]["text"] for e in chunks) == whole["text"]
+        yield s
     finally:
         s.stop()
+
+
+@pytest.mark.timeout(60)
+def test_stream_interval_sends_every_n_tokens(interval_server):
+    """--stream-interval 4: the first token at once, then chunks of at least 4 tokens, the rest
+    with the finish; the same tokens as one non-streamed response."""
+    s = interval_server
+    base = {"model": MODEL, "prompt": "interval", "max_tokens": 17, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    _, _, data = s.post("/v1/completions", base)
+    whole = json.loads(data)["choices"][0]
+    status, _, data = s.post("/v1/completions", {**base, "stream": True})
+    chunks = sse_events(data)
+    sizes = [len(e["choices"][0]["token_ids"]) for e in chunks]
+    # the first chunk goes out with the first result the master reads (two if it read two
+    # steps' results in one pass: a loaded machine), not after 4 tokens
+    assert status == 200 and sum(sizes) == 17 and sizes[0] < 4, sizes
+    assert all(n >= 4 for n in sizes[1:-1]) and len(sizes) <= 1 + 16 // 4 + 1, sizes
+    assert [t for e in chunks for t in e["choices"][0]["token_ids"]] == whole["token_ids"]
+    assert "".join(e["choices"][0]["text"] for e in chunks) == whole["text"]
 
 
 # -- disconnects and overload --------------------------------------------------------------------
@@ -640,26 +650,23 @@ def _wait_health(server: ServerProc, want: int, within_s: float = 30.0) -> float
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("role", ["die", "master"])
-def test_health_sees_a_hung_die_or_master(role):
-    s = ServerProc("--health-timeout", "1", "--timeout", "30", "--no-recover")
+def test_health_sees_a_hung_die_or_master(interval_server, role):
+    s = interval_server
+    _wait_health(s, 200)
+    pid = _pid(s, role, 1)
+    os.kill(pid, signal.SIGSTOP)
     try:
-        _wait_health(s, 200)
-        pid = _pid(s, role, 1)
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            # unhealthy while it is stopped (how soon after the 1 s timeout is a benchmark's
-            # figure, not a test's: the bar is the timeout + a heartbeat period)
-            _wait_health(s, 503)
-            _, _, data = s.request("GET", "/health")
-            body = json.loads(data)
-            assert body["status"] == "unhealthy" and not body["groups"]["1"]["ok"], body
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        _wait_health(s, 200)
-        status, _, _ = s.post("/v1/completions", {"prompt": "alive", "max_tokens": 3})
-        assert status == 200
+        # unhealthy while it is stopped (how soon after the 1 s timeout is a benchmark's
+        # figure, not a test's: the bar is the timeout + a heartbeat period)
+        _wait_health(s, 503)
+        _, _, data = s.request("GET", "/health")
+        body = json.loads(data)
+        assert body["status"] == "unhealthy" and not body["groups"]["1"]["ok"], body
     finally:
-        s.stop()
+        os.kill(pid, signal.SIGCONT)
+    _wait_health(s, 200)
+    status, _, _ = s.post("/v1/completions", {"prompt": "alive", "max_tokens": 3})
+    assert status == 200
 
 
 # -- shutdown ---------------------------------------------------------------------------------
