@@ -106,8 +106,10 @@ def baseline():
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("k", "draft"), [(1, "fit"), (2, "fit"), (1, "oracle"), (2, "oracle"),
-                                          (2, "synthetic:0.5")])  # fmt: skip
+# each k and each draft once: oracle and synthetic drafts replace the argmax of an MTP forward
+# that still runs all k sub-forwards, so (2, fit) is (2, oracle)'s path with other drafts, and
+# (1, oracle) is (2, oracle)'s with one sub-forward
+@pytest.mark.parametrize(("k", "draft"), [(1, "fit"), (2, "oracle"), (2, "synthetic:0.5")])
 def test_pd_mtp_serves_the_tokens_of_the_pd_run_without(baseline, k, draft):
     prompts, params, want, longer = baseline
     spec = spec_of(k, draft)
