@@ -18,18 +18,19 @@ renamed (a reader never sees half a file under a final name), re-indexed by `sca
 server starts. A file:
 
 ```
- "<8s16sBH"  magic b"XPODBLK1", fingerprint, flags (1: has parent, 2: has ns), ns bytes
+ "<8s16sBH"  magic b"XPODBLK2", fingerprint, flags (1: has parent, 2: has ns), ns bytes
  ns          utf-8
- "<QQIIQ"    hash, parent (0 without), n tokens, crc32 of the payload, payload bytes
+ "<QQIIQ"    hash, parent (0 without), n tokens, crc of the payload, payload bytes
  "<{n}q"     tokens
- "<I"        crc32 of every header byte before it
+ "<I"        crc of every header byte before it
  payload     float32 [n_layers][block_size][row_floats] (block-major: a slot's layer spans in
-             layer order, so its crc32 is `block_crc` of the slot)
+             layer order, so its crc is `block_crc` of the slot)
 ```
 
-`block_crc` is the one per-block checksum of the pool (store, load, files): crc32 over the
-(layer, block) spans of a block, layer-major. Nothing here imports `comm/`: a geometry is any
-object with `pool_off, n_layers, n_blocks, block_size, row_floats` (`comm.kvlink.KVGeometry`).
+`block_crc` is the one per-block checksum of the pool (store, load, files): `pool_crc`
+(CRC-32C) over the (layer, block) spans of a block, layer-major. Nothing here imports `comm/`:
+a geometry is any object with `pool_off, n_layers, n_blocks, block_size, row_floats`
+(`comm.kvlink.KVGeometry`).
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ import mmap
 import os
 import re
 import struct
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import crc32c
 import numpy as np
 import posix_ipc
 
@@ -59,7 +60,7 @@ FINGERPRINT_BYTES = 16
 # magic, version, header bytes, fingerprint, n_layers, n_slots, block_size, row_floats, pid
 _POOL_HEAD = struct.Struct("<8sII16sqqqqq")
 
-FILE_MAGIC = b"XPODBLK1"
+FILE_MAGIC = b"XPODBLK2"  # 2: CRC-32C (1 was zlib's crc32)
 _FILE_HEAD = struct.Struct("<8s16sBH")  # magic, fingerprint, flags, ns bytes
 _FILE_KEY = struct.Struct("<QQIIQ")  # hash, parent, n tokens, payload crc, payload bytes
 _FILE_HCRC = struct.Struct("<I")
@@ -70,6 +71,14 @@ TMP_MARK = ".tmp."
 PROBE_PREFIX = ".xpod-probe."
 _NS_SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _FP_DIR = re.compile(r"[0-9a-f]{32}")
+
+
+def pool_crc(data, value: int = 0) -> int:
+    """The pool's checksum: CRC-32C (Castagnoli) of a buffer, continuing `value`. The `crc32c`
+    package computes it with the CPU's crc32 instruction (SSE 4.2: ~20 GB/s here, against ~3.6
+    GB/s for zlib's crc32), which puts a load's end-to-end check below its copy; it falls back
+    to software where the instruction is missing (the same values)."""
+    return crc32c.crc32c(data, value)
 
 
 class BlockFileError(ProtocolError):
@@ -87,7 +96,7 @@ class KVShape(Protocol):
 
 
 def block_crc(arr: np.ndarray, geo: KVShape, block: int, rows: int | None = None) -> int:
-    """crc32 of block `block` of the pool `geo` in the uint8 mapping `arr`: its (layer, block)
+    """`pool_crc` of block `block` of the pool `geo` in the uint8 mapping `arr`: its (layer, block)
     spans in layer order (the first `rows` rows of each, default all). The same function on
     both sides of a copy: the pool server's slots, a die's blocks, a file's payload."""
     if not 0 <= block < geo.n_blocks:
@@ -100,7 +109,7 @@ def block_crc(arr: np.ndarray, geo: KVShape, block: int, rows: int | None = None
     crc = 0
     for layer in range(geo.n_layers):
         off = geo.pool_off + (layer * geo.n_blocks + block) * stride
-        crc = zlib.crc32(arr[off : off + n], crc)
+        crc = pool_crc(arr[off : off + n], crc)
     return crc
 
 
@@ -331,7 +340,7 @@ def encode_header(fingerprint: bytes, h: int, ns: str | None, parent: int | None
         ))  # fmt: skip
     except struct.error as e:  # a hash or token out of range
         raise ProtocolError(f"block file of {h!r}: {e}") from None
-    return head + _FILE_HCRC.pack(zlib.crc32(head))
+    return head + _FILE_HCRC.pack(pool_crc(head))
 
 
 def decode_header(buf: bytes, path: str = "?") -> tuple[bytes, BlockEntry, int, int]:
@@ -356,7 +365,7 @@ def decode_header(buf: bytes, path: str = "?") -> tuple[bytes, BlockEntry, int, 
     need(off + 8 * n_tok + _FILE_HCRC.size)
     tokens = struct.unpack_from(f"<{n_tok}q", buf, off)
     off += 8 * n_tok
-    if _FILE_HCRC.unpack_from(buf, off)[0] != zlib.crc32(buf[:off]):
+    if _FILE_HCRC.unpack_from(buf, off)[0] != pool_crc(buf[:off]):
         raise BlockFileError(f"block file {path}: header crc mismatch")
     try:
         ns = buf[_FILE_HEAD.size : _FILE_HEAD.size + ns_len].decode() if flags & HAS_NS else None
@@ -376,7 +385,7 @@ def write_block(root: str, fingerprint: bytes, h: int, ns: str | None, parent: i
     parts = [memoryview(p).cast("B") for p in payload]
     crc = 0
     for p in parts:
-        crc = zlib.crc32(p, crc)
+        crc = pool_crc(p, crc)
     head = encode_header(fingerprint, h, ns, parent, [int(t) for t in tokens], crc,
                          sum(len(p) for p in parts))  # fmt: skip
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
@@ -421,7 +430,7 @@ def read_block(path: str, fingerprint: bytes | None = None,
     if len(buf) != off + n:
         raise BlockFileError(f"block file {path}: {len(buf) - off} payload bytes, header says {n}")
     payload = np.frombuffer(buf, np.uint8, n, off)
-    if zlib.crc32(payload) != entry.crc:
+    if pool_crc(payload) != entry.crc:
         raise BlockFileError(f"block file {path}: payload crc mismatch")
     return entry, payload
 
@@ -499,6 +508,6 @@ def check_pool_dir(path: str) -> str:
 __all__ = [
     "FILE_MAGIC", "HEADER_BYTES", "POOL_MAGIC", "BlockEntry", "BlockFileError", "PoolSegment",
     "ScanResult", "attach_pool", "block_crc", "block_path", "check_pool_dir", "create_pool",
-    "make_fingerprint", "ns_dir", "pool_bytes", "pool_segment_name", "read_block", "scan",
-    "slot_bytes", "slots_for", "unlink_pool", "write_block",
+    "make_fingerprint", "ns_dir", "pool_bytes", "pool_crc", "pool_segment_name", "read_block",
+    "scan", "slot_bytes", "slots_for", "unlink_pool", "write_block",
 ]  # fmt: skip

@@ -49,7 +49,7 @@ import numpy as np
 import zmq
 
 from comm.alltoall.state import kernels
-from comm.kvlink import KVGeometry, checksum, scatter_spans, segments
+from comm.kvlink import KVGeometry, segments
 from memory import layout as L
 from memory import pool_layout as P
 from memory.errors import ProtocolError, ShmError
@@ -247,14 +247,14 @@ class PoolSide:
         rid = ld.req.request_id
         bs = self.m.spec.block_size
         ok = 0
-        if ok_status:
-            arr = self.m.region.array
-            spans = scatter_spans(ld.offs, len(ld.blocks) * bs, bs, self.row_bytes,
-                                  self.n_layers)  # fmt: skip
-            n = len(ld.blocks)
+        if ok_status:  # `block_crc` of each landed block: its layer spans, in layer order
+            mv, n, stride = memoryview(self.m.region.array), len(ld.blocks), bs * self.row_bytes
             for i, b in enumerate(ld.blocks):
-                mine = spans[[layer * n + i for layer in range(self.n_layers)]]
-                if checksum(arr, mine, 1) != int(b[3]):
+                crc = 0
+                for layer in range(self.n_layers):
+                    off = ld.offs[layer * n + i]
+                    crc = P.pool_crc(mv[off : off + stride], crc)
+                if crc != int(b[3]):
                     self.counters["pool_crc_mismatches"] += 1
                     self.events.append(["bad", int(b[0])])
                     break

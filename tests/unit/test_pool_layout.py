@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 import stat
 import struct
-import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from comm.kvlink import KVGeometry, checksum, scatter_spans, segments
+from comm.kvlink import KVGeometry, scatter_spans, segments
 from memory import pool_layout as P
 from memory.errors import ConfigError, ProtocolError, ShmError
 
@@ -76,10 +75,13 @@ def test_create_attach_unlink_pool_segment(leak_check):
             # segments() and block_crc work on it unchanged
             spans = segments(geo, [1, 2], KVGeometry(0, L, 2, BS, ROW).offsets([0, 1]), 2 * BS)
             assert len(spans) == L  # two consecutive slots merged per layer
-            want = zlib.crc32(np.ascontiguousarray(seg.slots()[:, 4]).tobytes())
+            want = P.pool_crc(np.ascontiguousarray(seg.slots()[:, 4]).tobytes())
             assert P.block_crc(other.array, geo, 4) == want
-            sp = scatter_spans(geo.offsets([4]), BS, BS, ROW * 4, L)
-            assert checksum(other.array, sp, 1) == want
+            sp = scatter_spans(geo.offsets([4]), BS, BS, ROW * 4, L)  # the spans a master checks
+            got = 0
+            for _, off, n in sp.tolist():
+                got = P.pool_crc(other.array[off : off + n], got)
+            assert got == want
         finally:
             other.close()
         with pytest.raises(ProtocolError, match="fingerprint"):
@@ -95,8 +97,8 @@ def test_create_attach_unlink_pool_segment(leak_check):
 def test_block_crc_rows_and_range():
     geo = KVGeometry(16, 2, 3, 4, 2)
     arr = np.arange(16 + 2 * 3 * 4 * 2 * 4, dtype=np.uint32).astype(np.uint8)
-    rows2 = zlib.crc32(arr[16 + 32 : 16 + 48])
-    rows2 = zlib.crc32(arr[16 + 3 * 32 + 32 : 16 + 3 * 32 + 48], rows2)
+    rows2 = P.pool_crc(arr[16 + 32 : 16 + 48])
+    rows2 = P.pool_crc(arr[16 + 3 * 32 + 32 : 16 + 3 * 32 + 48], rows2)
     assert P.block_crc(arr, geo, 1, rows=2) == rows2
     with pytest.raises(ProtocolError):
         P.block_crc(arr, geo, 3)
@@ -111,7 +113,7 @@ def test_write_read_block_roundtrip(tmp_path):
     e = P.write_block(str(tmp_path), FP, 0xABC, None, None, [1, 2, 3, 4], [payload(1)])
     assert e.path == str(tmp_path / FP.hex() / "_" / "0000000000000abc.blk")
     assert stat.S_IMODE(os.stat(e.path).st_mode) == 0o600
-    assert e.crc == zlib.crc32(payload(1).tobytes())
+    assert e.crc == P.pool_crc(payload(1).tobytes())
     got, data = P.read_block(e.path, FP, SLOT)
     assert got == e and got.parent is None and got.ns is None and got.tokens == (1, 2, 3, 4)
     np.testing.assert_array_equal(data.view(np.float32), payload(1))
@@ -127,7 +129,7 @@ def test_write_read_block_roundtrip(tmp_path):
         fsync=True,
     )
     got2, _ = P.read_block(e2.path)
-    assert (got2.ns, got2.parent, got2.crc) == ("", 0, zlib.crc32(payload(2).tobytes()))
+    assert (got2.ns, got2.parent, got2.crc) == ("", 0, P.pool_crc(payload(2).tobytes()))
     assert not [n for n in os.listdir(os.path.dirname(e2.path)) if P.TMP_MARK in n]
 
 
@@ -221,10 +223,10 @@ def test_header_layout_is_as_documented(tmp_path):
     e = P.write_block(str(tmp_path), FP, 0x1234, "ns", 0x42, [7, 8], [payload(0)])
     raw = Path(e.path).read_bytes()
     magic, fp, flags, ns_len = struct.unpack_from("<8s16sBH", raw, 0)
-    assert (magic, fp, flags, ns_len) == (b"XPODBLK1", FP, 3, 2)
+    assert (magic, fp, flags, ns_len) == (b"XPODBLK2", FP, 3, 2)
     assert raw[27:29] == b"ns"
     h, parent, n, crc, nbytes = struct.unpack_from("<QQIIQ", raw, 29)
     assert (h, parent, n, crc, nbytes) == (0x1234, 0x42, 2, e.crc, SLOT)
     assert struct.unpack_from("<2q", raw, 61) == (7, 8)
-    assert struct.unpack_from("<I", raw, 77)[0] == zlib.crc32(raw[:77])
+    assert struct.unpack_from("<I", raw, 77)[0] == P.pool_crc(raw[:77])
     assert raw[81:] == payload(0).tobytes()
