@@ -49,7 +49,6 @@ import numpy as np
 import zmq
 
 from comm.alltoall.state import kernels
-from comm.kvlink import KVGeometry, segments
 from memory import layout as L
 from memory import pool_layout as P
 from memory.errors import ProtocolError, ShmError
@@ -107,6 +106,7 @@ class PoolSide:
         self.reply_to = master_socket(master.spec.run_dir, master.spec.group)
         self.pod = pool.get("pod")  # the servers' DRAM tiers are /xpod.<pod>.pool<s>
         self.load_by = pool.get("load_by", "master") if self.pod else "server"
+        self.prefaulted = False
         self.segs: dict[int, P.PoolSegment] = {}  # server -> its DRAM tier, mapped (load_by)
         self.seg = segment_inode(master.region.name)  # this incarnation's die segment
         self.loads: dict[int, _Load] = {}
@@ -194,11 +194,14 @@ class PoolSide:
         if any(not 0 <= s < seg.n_slots for s in slots):
             raise ProtocolError(f"pool hint: slots {slots} outside server {ld.server}'s"
                                 f" {seg.n_slots}")  # fmt: skip
-        spans = segments(KVGeometry(*seg.kv_args()), slots, ld.offs,
-                         len(ld.blocks) * self.m.spec.block_size)  # fmt: skip
-        dst = self.m.region.array
-        n = kernels().scatter_copy(seg.array.ctypes.data, dst.ctypes.data,
-                                   np.ascontiguousarray(spans))  # fmt: skip
+        # (src, dst, bytes) per (layer, block), layer-major as `ld.offs`: a slot's layer spans
+        # sit at `P.HEADER_BYTES + (layer * n_slots + slot) * stride` of the tier
+        stride = self.m.spec.block_size * self.row_bytes
+        src = np.arange(self.n_layers, dtype=np.int64)[:, None] * seg.n_slots
+        src = P.HEADER_BYTES + (src + np.asarray(slots, np.int64)[None, :]) * stride
+        spans = np.empty((len(ld.offs), 3), np.int64)
+        spans[:, 0], spans[:, 1], spans[:, 2] = src.ravel(), ld.offs, stride
+        n = kernels().scatter_copy(seg.array.ctypes.data, self.m.region.array.ctypes.data, spans)
         return int(n)
 
     def _segment(self, server: int, pid: int | None) -> P.PoolSegment | None:
@@ -325,6 +328,13 @@ class PoolSide:
         self.offered.clear()
         if self.load_by == "master" and isinstance(server, int) and isinstance(pid, int):
             self._segment(server, pid)
+            # this process's page tables of its die's KV pool, filled once: else the first
+            # loads into each page pay a fault per 4 KiB on their critical path
+            m = self.m
+            pool_off = m.words[m.region.layout.serve_word(L.SV_KV_POOL)]
+            if pool_off and not self.prefaulted:
+                n = self.n_layers * m.spec.num_blocks * m.spec.block_size * self.row_bytes
+                self.prefaulted = m.region.prefault(int(pool_off), n, write=True)
 
     def server_dead(self, server: int) -> None:
         """The shell saw pool server `server` exit: its loads fall back, their blocks free; the
