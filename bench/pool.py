@@ -4,7 +4,7 @@ The pod-wide KV pool's curve (000 §5.4.3; KVPOOL.md §5.1-5.3, E2), a die-local
 
 ```
 xpod bench pool [--dies 4] [--model medium] [--max-seq-len 2048] [--prompt-len 1024] \\
-    [--reuse 0,0.125,0.25,0.5,0.75,0.9] [--prompts 5] [--concurrency 4] [--json F]
+    [--reuse 0,0.125,0.25,0.5,0.75,0.9] [--prompts 5] [--concurrency 4] [--overhead 4] [--json F]
 ```
 
 Two engines run side by side in one run, with the same settings: the *pool* engine (prefix cache
@@ -59,6 +59,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bench.common import print_table, progress, run_info
+from bench.pool_overhead import overhead
 from memory.errors import ConfigError
 from runtime.cli.argtypes import int_range, output_file, positive_float, positive_int
 from runtime.engine import Engine, EngineConfig, EngineError, SamplingParams
@@ -118,6 +119,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="the pool's DRAM tier, MiB (default 256)")  # fmt: skip
     add("--timeout", type=positive_float, default=600.0,
         help="seconds one request (or batch) may take (default 600)")  # fmt: skip
+    add("--overhead", type=int_range(0), default=4,
+        help="ABBA quads of fresh prompts at r = 0 for the pool's cost when nothing is reused"
+        " (bench.pool_overhead; default 4: 8 pairs; 0: none)")  # fmt: skip
     add("--seed", type=int, default=0, help="prompts (default 0)")
     add("--json", type=output_file, default=None, help="write the figures to FILE (one object)")
 
@@ -137,13 +141,14 @@ class Options:
     timeout: float
     seed: int
     json: str | None
+    overhead: int = 0
 
 
 def parse_options(args: argparse.Namespace) -> Options:
     o = Options(args.dies, args.model, args.max_seq_len, args.prompt_len, tuple(args.reuse),
                 args.prompts, args.concurrency, args.block_size,
                 args.max_num_batched_tokens or args.prompt_len, args.pool_dram_mib,
-                args.timeout, args.seed, args.json)  # fmt: skip
+                args.timeout, args.seed, args.json, args.overhead)  # fmt: skip
     if o.prompt_len + WARM_TOKENS > o.max_seq_len:
         raise ConfigError(f"argument --prompt-len: {o.prompt_len} tokens + {WARM_TOKENS}"
                           f" generated exceed the model's context of {o.max_seq_len}"
@@ -481,6 +486,7 @@ def run(opts: Options) -> int:
                          f" {thr['prefill_tok_s_pool']:.0f} prompt tok/s")  # fmt: skip
                 ctr_at = master_counters(pool, groups, time.time())
             rows.append(summarize(o, r, k, reps, thr, ctr))
+        over = overhead(o, pool, nocache, o.overhead) if o.overhead else None
         pool_stats = pool.pool.stats()
     progress("  p2p: xpod bench p2p zero-copy, 1 lane, a 2-die pod, at every load's size ...")
     p2p = p2p_zero_copy(sorted({r["load_bytes"] for r in rows if r["load_bytes"]}))
@@ -504,7 +510,11 @@ def run(opts: Options) -> int:
         "pool_stats": {k: v for k, v in pool_stats.items() if isinstance(v, int | float)},
         "wall_s": time.monotonic() - t_start, **run_info(),
     }  # fmt: skip
+    res["overhead_r0"] = over
     res["bars"] = bars(rows)
+    if over is not None:
+        res["bars"]["pool_overhead_r0_abba"] = bar(over["overhead_paired_median"],
+                                                   over["bar"], over["ok"])  # fmt: skip
     print_report(res)
     if o.json:
         with open(o.json, "w", encoding="utf-8") as f:
@@ -547,6 +557,13 @@ def print_report(res: dict) -> None:
         gbps = f["marginal_gbps"]
         print(f"a load's cost, fitted over the rates: {f['fixed_ms']:.2f} ms + bytes /"
               f" {'-' if gbps is None else format(gbps, '.2f')} GB/s")  # fmt: skip
+    ov = res.get("overhead_r0")
+    if ov:
+        lo, hi = ov["overhead_ci95"]
+        print(f"the pool's cost at r = 0, {ov['pairs']} ABBA pairs: TTFT p50 pool"
+              f" {ov['ttft_ms_pool_p50']:.0f} ms, nocache {ov['ttft_ms_nocache_p50']:.0f} ms;"
+              f" paired median {ov['overhead_paired_median']:+.1%} (95 % CI {lo:+.1%} to"
+              f" {hi:+.1%})")  # fmt: skip
     print("bars:")
     for name, b in res["bars"].items():
         v, lim = b["value"], b["bar"]

@@ -60,6 +60,11 @@ def test_small_sweep_has_every_key_pool_hits_at_half_and_none_at_zero(tmp_path, 
     assert bars["pool_hit_cost_ms_r0.5"]["ok"] == (half["load_ms"] <= half["bar_ms"])
     assert bars["pool_minus_local_ttft_ms_r0.5"]["value"] == half["pool_minus_local_ms"]
     assert res["noise"]["nocache_samples"] == 4
+    ov = res["overhead_r0"]  # 4 ABBA quads by default: 8 pairs of the same fresh prompt
+    assert ov["pairs"] == 8 and len(ov["samples_ms"]["pool"]) == len(ov["samples_ms"]["nocache"])
+    lo, hi = ov["overhead_ci95"]
+    assert lo <= ov["overhead_paired_median"] <= hi
+    assert bars["pool_overhead_r0_abba"]["value"] == ov["overhead_paired_median"]
     assert "pool-local ms" in capsys.readouterr().out
 
 
