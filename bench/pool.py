@@ -60,9 +60,10 @@ import numpy as np
 
 from bench.common import print_table, progress, run_info
 from bench.pool_overhead import overhead
+from bench.pool_requests import ask, prime, ttft
 from memory.errors import ConfigError
 from runtime.cli.argtypes import int_range, output_file, positive_float, positive_int
-from runtime.engine import Engine, EngineConfig, EngineError, SamplingParams
+from runtime.engine import Engine, EngineConfig
 from runtime.engine.pool_shell import PoolConfig
 from runtime.model import PRESETS
 
@@ -199,25 +200,6 @@ def prompt_set(o: Options, point: int, rep: int, k: int) -> dict[str, list[int]]
     }
 
 
-def ask(eng: Engine, prompts: list[list[int]], group: int, max_tokens: int, timeout: float,
-        ) -> list:  # fmt: skip
-    """Send `prompts` at once pinned to `group`; wait for all; their TrackedRequests."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    ts = [eng.tracker.track(p, params, group=group) for p in prompts]
-    eng.tracker.enqueue(ts)
-    deadline = time.monotonic() + timeout
-    for t in ts:
-        if not t.done.wait(max(0.0, deadline - time.monotonic())):
-            raise EngineError(f"request {t.id} on die {group}: no answer within {timeout:g} s")
-        if t.reason == "error" or not t.t_first:
-            raise EngineError(f"request {t.id} on die {group} failed: {t.error or t.reason}")
-    return ts
-
-
-def ttft(t) -> float:
-    return t.t_first - t.t0
-
-
 def wait_stored(eng: Engine, target: int) -> float:
     """Wait until the pool has stored `target` blocks in all (deadline STORE_WAIT_S); seconds
     waited. A miss is not an error: the measured hit is then shorter, and reported so."""
@@ -281,15 +263,6 @@ def idle_rep(o: Options, pool: Engine, nocache: Engine, point: int, rep: int, k:
         else:
             out["local_pool_blocks"] += c1[0] - c0[0]
     return out
-
-
-def prime(o: Options, eng: Engine, die: int, point: int, rep: int, i: int) -> None:
-    """A one-token request of less than a block (nothing to cache, store or hit) on the die
-    about to be measured: every measured request meets its die just woken, not the first after
-    a quiet spell (an idle master and die wait longer to wake: that would fall on whichever
-    request comes first, the pool hit's)."""
-    rng = random.Random(f"{o.seed}/prime/{point}/{rep}/{i}")
-    ask(eng, [[rng.randrange(256) for _ in range(o.block_size - 1)]], die, 1, o.timeout)
 
 
 def batch(o: Options, pool: Engine, nocache: Engine, point: int, k: int) -> dict:
@@ -486,7 +459,7 @@ def run(opts: Options) -> int:
                          f" {thr['prefill_tok_s_pool']:.0f} prompt tok/s")  # fmt: skip
                 ctr_at = master_counters(pool, groups, time.time())
             rows.append(summarize(o, r, k, reps, thr, ctr))
-        over = overhead(o, pool, nocache, o.overhead) if o.overhead else None
+        over = overhead(o, pool, nocache, o.overhead, DIE_B) if o.overhead else None
         pool_stats = pool.pool.stats()
     progress("  p2p: xpod bench p2p zero-copy, 1 lane, a 2-die pod, at every load's size ...")
     p2p = p2p_zero_copy(sorted({r["load_bytes"] for r in rows if r["load_bytes"]}))

@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from bench.common import progress
+from bench.pool_requests import ask, prime, ttft
 from runtime.engine import Engine
 
 OVERHEAD_BAR = 0.03
@@ -38,10 +39,9 @@ def settle(eng: Engine) -> None:
     progress(f"  warning: pool stores still in flight after {SETTLE_S:g} s")
 
 
-def overhead(o, pool: Engine, nocache: Engine, quads: int) -> dict:
-    """ABBA pairs at r = 0 (module docstring); `o`: bench.pool's Options."""
-    from bench.pool import DIE_B, ask, prime, ttft
-
+def overhead(o, pool: Engine, nocache: Engine, quads: int, die: int) -> dict:
+    """ABBA pairs at r = 0 on `die` of each engine (module docstring); `o`: bench.pool's
+    Options."""
     pairs: list[tuple[float, float]] = []
     for q in range(quads):
         rng = random.Random(f"{o.seed}/overhead/{q}")
@@ -51,8 +51,8 @@ def overhead(o, pool: Engine, nocache: Engine, quads: int) -> dict:
             [("pool", pool, 0), ("nocache", nocache, 0), ("nocache", nocache, 1), ("pool", pool, 1)]
         ):
             settle(pool)
-            prime(o, eng, DIE_B, 10_000 + q, 0, i)
-            got[name, p] = ttft(ask(eng, [prompts[p]], DIE_B, 1, o.timeout)[0])
+            prime(o, eng, die, 10_000 + q, 0, i)
+            got[name, p] = ttft(ask(eng, [prompts[p]], die, 1, o.timeout)[0])
         pairs += [(got["pool", p], got["nocache", p]) for p in (0, 1)]
         progress(f"  overhead {q + 1}/{quads}: pool {got['pool', 0] * 1e3:.0f} /"
                  f" {got['pool', 1] * 1e3:.0f} ms, nocache {got['nocache', 0] * 1e3:.0f} /"

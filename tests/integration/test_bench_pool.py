@@ -20,7 +20,8 @@ ROW_KEYS = (
 TOP_KEYS = ("model", "block_size", "prompt_len", "plane", "reuse_sweep", "p2p_zero_copy_gbps",
             "bars", "noise", "nocache_control", "local_control", "load_fit")  # fmt: skip
 SMALL = ["bench", "pool", "--dies", "2", "--model", "small", "--max-seq-len", "256", "--prompt-len",
-         "128", "--reuse", "0,0.5", "--prompts", "2", "--concurrency", "2"]  # fmt: skip
+         "128", "--reuse", "0,0.5", "--prompts", "2", "--concurrency", "2",
+         "--overhead", "1"]  # fmt: skip
 
 
 @pytest.mark.timeout(120)
@@ -60,8 +61,8 @@ def test_small_sweep_has_every_key_pool_hits_at_half_and_none_at_zero(tmp_path, 
     assert bars["pool_hit_cost_ms_r0.5"]["ok"] == (half["load_ms"] <= half["bar_ms"])
     assert bars["pool_minus_local_ttft_ms_r0.5"]["value"] == half["pool_minus_local_ms"]
     assert res["noise"]["nocache_samples"] == 4
-    ov = res["overhead_r0"]  # 4 ABBA quads by default: 8 pairs of the same fresh prompt
-    assert ov["pairs"] == 8 and len(ov["samples_ms"]["pool"]) == len(ov["samples_ms"]["nocache"])
+    ov = res["overhead_r0"]  # 1 ABBA quad: 2 pairs, each of one fresh prompt on both engines
+    assert ov["pairs"] == 2 and len(ov["samples_ms"]["pool"]) == len(ov["samples_ms"]["nocache"])
     lo, hi = ov["overhead_ci95"]
     assert lo <= ov["overhead_paired_median"] <= hi
     assert bars["pool_overhead_r0_abba"]["value"] == ov["overhead_paired_median"]
@@ -97,14 +98,14 @@ def test_bad_flags_are_one_line_errors(flags, says, capsys):
     assert says in err, err
 
 
-TIERS = ["bench", "pool-tiers", "--model", "tiny", "--docs", "4", "--doc-blocks", "2",
+TIERS = ["bench", "tiers", "--model", "tiny", "--docs", "4", "--doc-blocks", "2",
          "--requests", "12", "--hot-requests", "3", "--hot-blocks", "2", "--scan-blocks", "6",
          "--scan-dram-blocks", "8", "--die-blocks", "8"]  # fmt: skip
 
 
 @pytest.mark.timeout(180)
 def test_pool_tiers_eviction_and_scan(tmp_path, capsys):
-    """`xpod bench pool-tiers` on tiny settings: with an SSD tier, DRAM at 1/4 of the working
+    """`xpod bench tiers` on tiny settings: with an SSD tier, DRAM at 1/4 of the working
     set hits as much as unbounded DRAM (every store awaited: the hits do not depend on speed),
     without it less; capacity never exceeded, no orphan; `always` admission loses the hot
     prompt to the scan, `second_hit` keeps every hit."""
@@ -134,10 +135,10 @@ def test_pool_tiers_eviction_and_scan(tmp_path, capsys):
 )
 def test_pool_tiers_bad_flags_are_one_line_errors(flags, says, capsys):
     try:
-        status = cli.main(["bench", "pool-tiers", "--model", "tiny", "--scan-blocks", "6", *flags])
+        status = cli.main(["bench", "tiers", "--model", "tiny", "--scan-blocks", "6", *flags])
     except SystemExit as e:
         status = e.code
     assert status == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("xpod bench pool-tiers: error: "), err
+    assert err.count("\n") == 1 and err.startswith("xpod bench tiers: error: "), err
     assert says in err, err
