@@ -1,8 +1,9 @@
-"""`xpod bench pool-tiers`: the KV pool's tiers and admission on the real engine (issue 33's
-eviction figures; KVPOOL.md §4.7, §5.4, E4).
+"""`xpod bench tiers`: the KV pool's eviction to the SSD tier and its admission against a scan.
+
+On the real engine: issue 33's eviction figures (KVPOOL.md §4.7, §5.4, E4).
 
 ```
-xpod bench pool-tiers [--dies 2] [--model small] [--docs 16] [--doc-blocks 4] \\
+xpod bench tiers [--dies 2] [--model small] [--docs 16] [--doc-blocks 4] \\
     [--requests 96] [--scan-blocks 16] [--hot-requests 24] [--json F]
 ```
 
@@ -304,7 +305,7 @@ def scans(o: Options) -> dict:
 
 def run(o: Options) -> int:
     t0 = time.monotonic()
-    res = {"bench": "pool-tiers", "dies": o.dies, "model": o.model, "block_size": o.block_size,
+    res = {"bench": "tiers", "dies": o.dies, "model": o.model, "block_size": o.block_size,
            "die_blocks": o.die_blocks, "seed": o.seed, "eviction": eviction(o),
            "scan": scans(o)}  # fmt: skip
     res["seconds"] = time.monotonic() - t0

@@ -66,8 +66,8 @@ BENCHES: dict[str, tuple[str, str]] = {
               " fault-free baseline."),
     "pool": ("bench.pool", "`xpod bench pool`: TTFT and prefill throughput by reuse rate, KV pool"
              " hits against recompute."),
-    "pool-tiers": ("bench.pool_tiers", "`xpod bench pool-tiers`: the KV pool's eviction to the"
-                   " SSD tier and its admission against a scan, on the engine."),
+    "tiers": ("bench.tiers", "`xpod bench tiers`: the KV pool's eviction to the SSD tier and its"
+              " admission against a scan."),
 }  # fmt: skip
 
 
