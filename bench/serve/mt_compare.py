@@ -447,7 +447,7 @@ def print_compare_pool(res: dict) -> None:
     if rep.get("pool_hit_over_ideal_replies") is not None:
         print(
             f"  pool hit rate / ideal with replies    {_f(rep['pool_hit_over_ideal_replies']):>7}"
-            "  (reported: a die's own cache keeps reply blocks, the pool prompt blocks only)"
+            "  (reported: the pool stores reply blocks with --pool-store all only)"
         )
     if "affinity_hit_rate" in rep:
         print(
