@@ -84,7 +84,7 @@ def test_relative_pool_dir_is_made_absolute(tmp_path, monkeypatch):
 @pytest.mark.parametrize("flag, value", [
     ("--pool-dram-mib", "16"), ("--pool-ssd-mib", "4"), ("--pool-dir", "/tmp"),
     ("--pool-admit", "second_hit"), ("--pool-store", "off"), ("--pool-min-hit-blocks", "2"),
-    ("--pool-load-timeout", "1"), ("--pool-quota", "a=1"),
+    ("--pool-load-timeout", "1"), ("--pool-quota", "a=1"), ("--pool-load-by", "server"),
 ])  # fmt: skip
 def test_a_pool_flag_without_kv_pool_is_refused(flag, value):
     assert refused(flag, value) == f"argument {flag}: needs --kv-pool"
@@ -104,6 +104,13 @@ def test_kv_pool_on_a_pd_pod_is_accepted():
 
 def test_pool_store_all_is_accepted():
     assert serve_config("--kv-pool", "--pool-store", "all").kv_pool.store == "all"
+
+
+def test_pool_load_by():
+    assert serve_config("--kv-pool").kv_pool.load_by == "master"
+    assert serve_config("--kv-pool", "--pool-load-by", "server").kv_pool.load_by == "server"
+    with pytest.raises(ConfigError, match="kv_pool.load_by: 'die' must be master or server"):
+        PoolConfig(load_by="die")
 
 
 def test_kv_pool_on_a_split_pod_is_accepted():
