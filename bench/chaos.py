@@ -199,22 +199,7 @@ async def drive(url: str, model: str, reqs: list[Req], o: Options) -> tuple[list
                         "temperature": r.temperature, "seed": r.seed, "ignore_eos": True,
                         "stream": True, "return_token_ids": True,
                         "stream_options": {"include_usage": True}}  # fmt: skip
-                start = s.start = time.monotonic()
-                try:
-                    async with http.post(url + "/v1/completions", json=body) as resp:
-                        s.status = resp.status
-                        buf = b""
-                        async for chunk in resp.content.iter_any():
-                            buf += chunk
-                            while b"\n\n" in buf:
-                                frame, buf = buf.split(b"\n\n", 1)
-                                _event(s, frame, start)
-                            if r.abort_after and len(s.ids) >= r.abort_after:
-                                s.reason = "client_abort"  # disconnect mid-stream
-                                break
-                except (TimeoutError, aiohttp.ClientError) as e:
-                    s.error = f"{type(e).__name__}: {e}"
-                s.end = time.monotonic()
+                await chaos_pool.stream_completion(http, url, body, s, _event, r.abort_after)
 
         await asyncio.gather(*[one(r) for r in reqs])
     return seen, t0

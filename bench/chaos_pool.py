@@ -151,6 +151,30 @@ def conversations(o, po: PoolOptions) -> list:
     return make_conversations(spec, o.seed)
 
 
+async def stream_completion(http, url: str, body: dict, s, event, abort_after: int = 0) -> None:
+    """POST a streamed completion to `url` and give each SSE frame to `event(s, frame, start)`;
+    the client disconnects once `s.ids` holds `abort_after` tokens (0: never). Sets `s.start`,
+    `s.status`, `s.error` (a client-side failure) and `s.end`."""
+    import aiohttp
+
+    start = s.start = time.monotonic()
+    try:
+        async with http.post(url + "/v1/completions", json=body) as resp:
+            s.status = resp.status
+            buf = b""
+            async for chunk in resp.content.iter_any():
+                buf += chunk
+                while b"\n\n" in buf:
+                    frame, buf = buf.split(b"\n\n", 1)
+                    event(s, frame, start)
+                if abort_after and len(s.ids) >= abort_after:
+                    s.reason = "client_abort"  # disconnect mid-stream
+                    break
+    except (TimeoutError, aiohttp.ClientError) as e:
+        s.error = f"{type(e).__name__}: {e}"
+    s.end = time.monotonic()
+
+
 async def drive_conversations(url: str, model: str, o, po: PoolOptions, event, seen_cls,
                               ) -> tuple[dict, float]:  # fmt: skip
     """Play the conversations against `url` (the module docstring): ({(conversation, turn):
@@ -172,19 +196,7 @@ async def drive_conversations(url: str, model: str, o, po: PoolOptions, event, s
                     "temperature": 0.8 if c % 2 else 0.0, "seed": 1000 + 97 * c + t,
                     "ignore_eos": True, "stream": True, "return_token_ids": True,
                     "stream_options": {"include_usage": True}}  # fmt: skip
-            start = s.start = time.monotonic()
-            try:
-                async with http.post(url + "/v1/completions", json=body) as resp:
-                    s.status = resp.status
-                    buf = b""
-                    async for chunk in resp.content.iter_any():
-                        buf += chunk
-                        while b"\n\n" in buf:
-                            frame, buf = buf.split(b"\n\n", 1)
-                            event(s, frame, start)
-            except (TimeoutError, aiohttp.ClientError) as e:
-                s.error = f"{type(e).__name__}: {e}"
-            s.end = time.monotonic()
+            await stream_completion(http, url, body, s, event)
             ok = s.status == 200 and s.reason == "length" and not s.error
             return s.ids if ok and len(s.ids) == o.max_tokens else []
 
