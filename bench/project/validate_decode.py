@@ -27,7 +27,7 @@ from pathlib import Path
 from bench.project.decode_points import DECODE_POINTS
 from bench.project.decode_scale import ScaleFigures, Workload, project_workload
 from bench.project.points import PubPoint, judge
-from bench.project.synth_decode_split import (
+from bench.project.split_scale import (
     ASSUMPTIONS,
     SplitFigures,
     SplitWorkload,

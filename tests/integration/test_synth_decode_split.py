@@ -16,12 +16,10 @@ import pytest
 
 from bench.project.decode_points import DECODE_POINTS
 from bench.project.decode_scale import capture_split_template
+from bench.project.split_scale import SplitWorkload, project_split, split_scale_load
 from bench.project.synth_decode_split import (
     SplitLoad,
-    SplitWorkload,
     expert_window,
-    project_split,
-    split_scale_load,
     split_template,
     step_window,
     synthesize_split,
