@@ -231,14 +231,22 @@ def test_serve_on_a_pd_pod_with_mtp_defers_counts_and_replays(tmp_path):
             res = list(ex.map(lambda i: complete(url, i), range(24)))
         assert all(code == 200 for code, _ in res), res
         assert all(b["usage"]["completion_tokens"] == 16 for _, b in res)
-        m = scrape(url)
+        # every request: its prefill's token, then per verify row on its decode die one token
+        # and the drafts it accepted (its first row one of them). The masters' counters reach
+        # /metrics with their next stats message: wait until they add up (they only grow).
+        seen = {}
+
+        def counted() -> bool:
+            seen["m"] = m = scrape(url)
+            seen["rows"] = total(m, "xpod_spec_decode_verify_rows_total")
+            seen["acc"] = total(m, "xpod_spec_decode_num_accepted_tokens_total")
+            return 24 + seen["rows"] + seen["acc"] >= 24 * 16
+
+        wait_for(counted, what="the spec-decode counters of every token")
+        m, rows, acc = seen["m"], seen["rows"], seen["acc"]
         assert m["xpod_pd_deferred_total"] >= 1, "no backpressure"
         assert m['xpod_pd_transfers_total{result="success"}'] == 24
         assert m["xpod_kv_checksum_mismatches_total"] == 0
-        # every request: its prefill's token, then per verify row on its decode die one token
-        # and the drafts it accepted (its first row one of them)
-        rows = total(m, "xpod_spec_decode_verify_rows_total")
-        acc = total(m, "xpod_spec_decode_num_accepted_tokens_total")
         assert 24 + rows + acc == 24 * 16, (rows, acc)
         assert total(m, "xpod_spec_decode_num_drafts_total") >= 24
         assert server.stop() == 0
