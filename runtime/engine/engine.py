@@ -211,9 +211,11 @@ class Engine(EngineReceiver, EngineRecovery):
         tried again), not a wait for a readiness that cannot come."""
         for what, procs in (("die", self.pod.procs if self.pod else []), ("master", self.masters)):
             for i, p in enumerate(procs):
-                if not p.is_alive():
+                # a Process, or a pod over hosts' mpirun (a Popen: poll, returncode)
+                code = p.exitcode if hasattr(p, "exitcode") else p.poll()
+                if code is not None:
                     raise EngineError(f"{what} {i} (pid {p.pid}) exited during the launch"
-                                      f" (exit code {p.exitcode})")  # fmt: skip
+                                      f" (exit code {code})")  # fmt: skip
 
     def _connect_and_run(self) -> None:
         """Sockets to the masters and output processes, the pod run and (first time) the
