@@ -187,10 +187,17 @@ class PoolIndex(Eviction):
     # ---- write path -----------------------------------------------------------------------
 
     def put_start(
-        self, blocks: list[Block], ns: str | None = None, server: int | None = None
+        self,
+        blocks: list[Block],
+        ns: str | None = None,
+        server: int | None = None,
+        strict: bool = False,
     ) -> list[PutState]:
         """One state per block, in order: Granted(server, slot) (the entry is "writing" until
-        put_end / put_abort), AlreadyStored, Writing (another put has it), or Dropped(reason)."""
+        put_end / put_abort), AlreadyStored, Writing (another put has it), or Dropped(reason).
+        `server`: the preferred one (else the one with the most free slots); `strict`: that
+        one only, evicting its own LRU (a pod over hosts: only the storing die's host's server
+        reaches its blocks), Dropped("full") when it has nothing to evict or is down."""
         now = self._expire()
         blocks = self._validate_blocks(blocks)
         if server is not None and server not in self.servers:
@@ -216,7 +223,10 @@ class PoolIndex(Eviction):
                 continue
             if p is not None:
                 p.pins += 1  # the parent is a leaf until this child exists: keep it
-            got = self._alloc(ns, server)
+            if strict and server in self._down:
+                got = "full"
+            else:
+                got = self._alloc(ns, None, only=server) if strict else self._alloc(ns, server)
             if p is not None:
                 p.pins -= 1
             if isinstance(got, str):

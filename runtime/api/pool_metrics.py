@@ -11,7 +11,9 @@
   `xpod_pool_loads`, `xpod_pool_load_fallbacks` (timed out or lost their server: recomputed),
   `xpod_pool_crc_mismatches`, `xpod_pool_load_kv_full` (no room to load into),
   `xpod_pool_load_bytes`, `xpod_pool_load_seconds`, `xpod_pool_offered_blocks` (new prompt
-  blocks offered for storing); gauges `xpod_pool_requests_waiting` (for a load),
+  blocks offered for storing), over hosts `xpod_pool_remote_hits` (tokens of loads that
+  fetched from another host's server), `xpod_pool_fetch_bytes`, `xpod_pool_fetch_failures`;
+  gauges `xpod_pool_requests_waiting` (for a load),
   `xpod_pool_quarantined` (fallen-back loads whose blocks a server may still write),
   `xpod_pool_store_holds`.
 - pod-wide, from the pool's shell (runtime.engine.pool_shell): `xpod_pool_lookups`,
@@ -19,7 +21,8 @@
   `xpod_pool_stores`, `xpod_pool_stored_blocks`, `xpod_pool_store_failures`,
   `xpod_pool_evictions`, `xpod_pool_demotions`, `xpod_pool_promotions`,
   `xpod_pool_server_deaths`, `xpod_pool_server_restarts`, `xpod_pool_quota_refused_blocks`
-  (blocks of a namespace at its quota, not stored); gauges `xpod_pool_index_entries`,
+  (blocks of a namespace at its quota, not stored), over hosts `xpod_pool_remote_hint_blocks`
+  and `xpod_pool_remote_cut_blocks`; gauges `xpod_pool_index_entries`,
   `xpod_pool_blocks{tier="dram"|"ssd"}` (in use), `xpod_pool_capacity_blocks{tier}`,
   `xpod_pool_block_bytes`, `xpod_pool_orphans`, `xpod_pool_server_up`.
 """
@@ -48,6 +51,12 @@ MASTER_COUNTERS = {
                                1e-9),
     "xpod_pool_offered_blocks": ("New prompt blocks offered to the KV pool for storing.",
                                  "pool_put_blocks", 1),
+    "xpod_pool_remote_hits": ("Prompt tokens of loads that fetched from another host's pool"
+                              " server (--hosts).", "pool_remote_hit_tokens", 1),
+    "xpod_pool_fetch_bytes": ("Bytes fetched over TCP from other hosts' pool servers.",
+                              "pool_fetch_bytes", 1),
+    "xpod_pool_fetch_failures": ("Fetches from another host's pool server refused or"
+                                 " malformed (the prefix recomputed).", "pool_fetch_failed", 1),
 }  # fmt: skip
 MASTER_GAUGES = {
     "xpod_pool_requests_waiting": ("Requests waiting for a KV pool load.", "pool_waiting"),
@@ -70,6 +79,10 @@ SHELL_COUNTERS = {
     "xpod_pool_server_restarts": ("Pool server restarts.", "pool_server_restarts"),
     "xpod_pool_quota_refused_blocks": ("Blocks not stored: their namespace (cache salt) was"
                                        " at its --pool-quota.", "pool_quota_refused_blocks"),
+    "xpod_pool_remote_hint_blocks": ("Blocks of the hits held by another host's server than"
+                                     " the die's (--hosts: fetched).", "pool_remote_hint_blocks"),
+    "xpod_pool_remote_cut_blocks": ("Hits cut at a block another host's server would first"
+                                    " promote from its SSD tier.", "pool_remote_cut_blocks"),
 }  # fmt: skip
 
 

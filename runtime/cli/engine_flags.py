@@ -238,17 +238,14 @@ def quota_arg(text: str) -> tuple[str, float]:
 
 def pool_of(args: argparse.Namespace) -> PoolConfig | None:
     """The PoolConfig of --kv-pool and the --pool-* flags (None without --kv-pool);
-    ConfigError naming the flag: a --pool-* flag without --kv-pool, --kv-pool on a pod the pool
-    does not serve yet (--hosts) or without the prefix cache."""
+    ConfigError naming the flag: a --pool-* flag without --kv-pool, --kv-pool without the prefix
+    cache."""
     given = {f: getattr(args, f[2:].replace("-", "_"), None) for f in POOL_FLAGS}
     if not getattr(args, "kv_pool", False):
         for flag, value in given.items():
             if value is not None:
                 raise ConfigError(f"argument {flag}: needs --kv-pool")
         return None
-    if getattr(args, "hosts", None):
-        raise ConfigError("argument --kv-pool: not with --hosts: the pool's multi-host path is"
-                          " not built yet")  # fmt: skip
     if getattr(args, "no_prefix_cache", False):
         raise ConfigError("argument --kv-pool: not with --no-prefix-cache: loaded blocks join"
                           " the prefix cache")  # fmt: skip
@@ -276,10 +273,13 @@ def check_pool_fits(cfg: EngineConfig) -> None:
         return
     m = cfg.model_config()
     dims = (m.kv_layers, cfg.block_size, m.kv_cache_dim)
+    # emulated hosts (--hosts 2,2): every host's server and its DRAM tier on this machine
+    n = cfg.pool_servers if not cfg.host_names else 1
     try:
-        pool_layout.slots_for(pool.dram_mib, *dims)
+        pool_layout.slots_for(pool.dram_mib * n, *dims)
     except ConfigError as e:
-        raise ConfigError(_named(e, "--pool-dram-mib")) from None
+        more = f" (the {n} hosts' DRAM tiers together, all on this machine)" if n > 1 else ""
+        raise ConfigError(_named(e, "--pool-dram-mib") + more) from None
     block = pool_layout.slot_bytes(*dims)
     if pool.ssd_mib and int(pool.ssd_mib * (1 << 20)) < block:
         raise ConfigError(f"argument --pool-ssd-mib: {pool.ssd_mib:g} MiB holds no block of"

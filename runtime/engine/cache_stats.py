@@ -40,7 +40,8 @@ def cache_summary(stats: dict, pool: dict | None) -> dict:
         return out
     m = {k: sum(int((s or {}).get(k, 0)) for s in stats.values()) for k in
          ("pool_loads", "pool_load_fallbacks", "pool_crc_mismatches", "pool_load_bytes",
-          "pool_load_ns", "pool_put_blocks", "pool_kv_full")}  # fmt: skip
+          "pool_load_ns", "pool_put_blocks", "pool_kv_full", "pool_remote_loads",
+          "pool_remote_hit_tokens", "pool_fetch_bytes")}  # fmt: skip
     secs = m["pool_load_ns"] / 1e9
     out.update(
         loads=m["pool_loads"], load_fallbacks=m["pool_load_fallbacks"],
@@ -58,6 +59,8 @@ def cache_summary(stats: dict, pool: dict | None) -> dict:
         evictions=pool.get("index_evictions", 0), demotions=pool.get("index_demotions", 0),
         server_deaths=pool.get("pool_server_deaths", 0),
         server_restarts=pool.get("pool_server_restarts", 0), up=bool(pool.get("up", False)),
+        servers=pool.get("servers", 1), remote_loads=m["pool_remote_loads"],
+        remote_hit_tokens=m["pool_remote_hit_tokens"], fetch_bytes=m["pool_fetch_bytes"],
     )  # fmt: skip
     return out
 
@@ -79,6 +82,11 @@ def cache_lines(c: dict) -> list[str]:
                      f"{c['dram_blocks']} blocks, SSD {c['ssd_used_blocks']}/{c['ssd_blocks']};"
                      f" {c['evictions']} evictions, {c['demotions']} demotions; server restarts"
                      f" {c['server_restarts']}{'' if c['up'] else ' (pool down)'}")  # fmt: skip
+        if c.get("servers", 1) > 1:
+            lines.append(f"kv pool over {c['servers']} hosts (one server each):"
+                         f" {c['remote_loads']} loads fetched from another host's server,"
+                         f" {c['remote_hit_tokens']} tokens, {c['fetch_bytes'] / 1e6:.2f} MB"
+                         " over TCP")  # fmt: skip
     return lines
 
 

@@ -151,9 +151,6 @@ class EngineConfig:
         if self.kv_pool is not None:
             if not isinstance(self.kv_pool, PoolConfig):
                 raise ConfigError(f"kv_pool: expected a PoolConfig or None, got {self.kv_pool!r}")
-            if self.hosts:
-                raise ConfigError("kv_pool: a pod on one host (the pool's multi-host path is not"
-                                  " built yet)")  # fmt: skip
             if not self.prefix_cache:
                 raise ConfigError("kv_pool: needs the prefix cache (loaded blocks join it)")
         m = self.model_config()
@@ -285,8 +282,11 @@ class EngineConfig:
 
     @property
     def pool_servers(self) -> int:
-        """KV pool servers (a fault plan's `pool=N` targets): one with `kv_pool`, else none."""
-        return int(self.kv_pool is not None)
+        """KV pool servers (a fault plan's `pool=N` targets): with `kv_pool`, one per host
+        with DP groups (one host: one), else none."""
+        if self.kv_pool is None:
+            return 0
+        return len(set(self.hosts[: self.dies])) if self.hosts else 1
 
     @property
     def split(self) -> Split | None:

@@ -269,7 +269,7 @@ class Engine(EngineReceiver, EngineRecovery):
             pin_cpu=cpu, trace=bool(cfg.trace), output_proc=cfg.output_procs,
             stream_interval=cfg.stream_interval, pd=pd_master_spec(cfg, g),
             spec_tokens=cfg.speculative.k if cfg.speculative is not None else 0,
-            pool=self.pool.master_spec() if self.pool is not None else None,
+            pool=self.pool.master_spec(g) if self.pool is not None else None,
         )  # fmt: skip
 
     def _thread(self, fn, *args, name: str) -> None:

@@ -52,7 +52,7 @@ class FaultWatch:
         if f.target != "pool":
             return self.engine.pid_of(f.target, f.index)
         pool = self.engine.pool
-        h = pool.handle if pool is not None and not pool.down else None
+        h = pool.handle_of(f.index) if pool is not None else None
         return int(h.pid or 0) if h is not None else 0
 
     def _pool_watch(self) -> None:
@@ -85,7 +85,7 @@ class FaultWatch:
             self._count("detected", "pool_exit")
             fault = cause.text if cause else ""
             self._log({"event": "detected", "kind": "pool_exit", "gen": eng.gen,
-                       "detail": f"kv pool server 0 exited ({dead0 + k + 1} deaths)",
+                       "detail": f"a kv pool server exited ({dead0 + k + 1} deaths)",
                        "fault": fault,
                        "detect_s": (now - cause.fired_at) if cause else None})  # fmt: skip
             if k < restarts - up0:

@@ -477,6 +477,8 @@ class Master(MasterOut):
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
         poller.register(self.bell.fileno(), zmq.POLLIN)
+        if self.pool is not None:  # its peer sockets (several hosts) join this poll
+            self.pool.poller = poller
         self.send("ready", {"group": self.spec.group})
         while not self.stopped:
             busy = self.sched.has_work() or bool(self.in_flight) or self.deltas or self.done
@@ -492,6 +494,8 @@ class Master(MasterOut):
                     except zmq.Again:
                         break
                     self.on_message(frame)
+            if self.pool is not None and self.pool.peers:
+                self.pool.poll_peers(events)
             self.stats_dirty = True
             t0 = time.perf_counter_ns()
             n = self.counters["results"]

@@ -27,6 +27,13 @@ A load not complete within `timeout_s` (or whose server the shell reports dead) 
 the request is queued without it (its prefix recomputed) and the blocks stay quarantined until
 the late completion arrives or the server is gone (a stopped server may still write them).
 
+Several hosts (`--hosts`: one pool server per host). A master maps only its own host's DRAM
+tier (`home`); a hit's blocks held by another host's server are fetched over TCP from that
+server's peer socket (`runtime.engine.pool_peer`: `fetch` on a DEALER, the reply carries the
+bytes) and written into the die's blocks here, home blocks copied directly as above; the load
+lands when every fetch answered. Nothing writes the die's blocks but this master, so a fetch
+that fails or times out frees them at once (no quarantine).
+
 Write path. After every result, `offer` looks at each running request's newly registered
 prompt blocks (hashes it has not offered or loaded lately), holds them under `("put", id, k)`
 (hashed blocks are never rewritten, so the copy reads stable bytes) and reports them to the
@@ -52,9 +59,10 @@ from comm.alltoall.state import kernels
 from memory import layout as L
 from memory import pool_layout as P
 from memory.errors import ProtocolError, ShmError
+from runtime.engine.pool_peer import unpack_fetched
 from runtime.engine.pool_server import pack as pool_frame
 from runtime.engine.pool_shell import segment_inode
-from runtime.engine.wire import master_socket
+from runtime.engine.wire import WireError, master_socket
 from sched import Request
 from sched.kv import KVFull
 from sched.pool import chain as pool_chain
@@ -81,6 +89,8 @@ class _Load:
     since: float = field(default_factory=time.monotonic)
     t_ns: int = field(default_factory=time.perf_counter_ns)  # the trace's clock
     aborted: bool = False
+    pending: dict[int, list[int]] | None = None  # fetched: server -> its blocks (indices)
+    nbytes: int = 0
 
 
 class PoolSide:
@@ -104,6 +114,9 @@ class PoolSide:
             sock.connect(addr)
             self.to_server[int(s)] = sock
         self.reply_to = master_socket(master.spec.run_dir, master.spec.group)
+        self.home = int(pool.get("home", 0))  # this die's host's server
+        self.peers: dict[int, tuple[str, zmq.Socket]] = {}  # server -> (endpoint, DEALER)
+        self.poller: zmq.Poller | None = None  # the master's (set by its loop)
         self.pod = pool.get("pod")  # the servers' DRAM tiers are /xpod.<pod>.pool<s>
         self.load_by = pool.get("load_by", "master") if self.pod else "server"
         self.prefaulted = False
@@ -120,7 +133,9 @@ class PoolSide:
                          "pool_load_fallbacks": 0, "pool_crc_mismatches": 0,
                          "pool_load_bytes": 0, "pool_load_ns": 0, "pool_local_covered": 0,
                          "pool_put_blocks": 0, "pool_quarantined_blocks": 0,
-                         "pool_kv_full": 0, "pool_direct_loads": 0}  # fmt: skip
+                         "pool_kv_full": 0, "pool_direct_loads": 0, "pool_fetches": 0,
+                         "pool_fetch_bytes": 0, "pool_fetch_failed": 0,
+                         "pool_remote_loads": 0, "pool_remote_hit_tokens": 0}  # fmt: skip
 
     # -- read path -------------------------------------------------------------------------
 
@@ -143,8 +158,13 @@ class PoolSide:
             return False
         todo = blocks[len(local) : hit]
         server = int(todo[0][1])
+        remote = any(int(b[1]) != self.home for b in todo)
+        if remote:  # fetched over TCP: a block to promote (a home one) ends the load there
+            cut = next((i for i, b in enumerate(todo) if len(b) > 4 and b[4]), len(todo))
+            todo, hit, server = todo[:cut], len(local) + cut, self.home
         pool_off = m.words[m.region.layout.serve_word(L.SV_KV_POOL)]
-        if any(int(b[1]) != server for b in todo) or server not in self.to_server or not pool_off:
+        if not todo or (not remote and any(int(b[1]) != server for b in todo)) or \
+                server not in self.to_server or not pool_off:  # fmt: skip
             self._unpin(lease, unrun=_unrun(blocks))
             return False
         try:
@@ -161,6 +181,8 @@ class PoolSide:
         offs = [pool_off + (layer * nb + b) * stride
                 for layer in range(self.n_layers) for b in new]  # fmt: skip
         ld = _Load(req, lease, server, todo, len(local), offs)
+        if remote:
+            return self._fetch(ld, hint)
         if self.load_by == "master" and not any(len(b) > 4 and b[4] for b in todo):
             self.counters["pool_loads"] += 1
             nbytes = self._direct(ld, hint.get("pid"))
@@ -183,14 +205,16 @@ class PoolSide:
         self.counters["pool_loads"] += 1
         return True
 
-    def _direct(self, ld: _Load, pid: int | None) -> int | None:
-        """Copy the load's slots from its server's DRAM tier into the die's blocks here (the
-        leased slots cannot change under the lease): bytes copied, or None when the tier
-        mapped is not that of the server the hint came from (`pid`)."""
+    def _direct(self, ld: _Load, pid: int | None, idx: list[int] | None = None) -> int | None:
+        """Copy the load's slots (its blocks `idx`, default all) from its server's DRAM tier
+        into the die's blocks here (the leased slots cannot change under the lease): bytes
+        copied, or None when the tier mapped is not that of the server the hint came from
+        (`pid`)."""
         seg = self._segment(ld.server, pid)
         if seg is None:
             return None
-        slots = [int(b[2]) for b in ld.blocks]
+        idx = list(range(len(ld.blocks))) if idx is None else idx
+        slots = [int(ld.blocks[i][2]) for i in idx]
         if any(not 0 <= s < seg.n_slots for s in slots):
             raise ProtocolError(f"pool hint: slots {slots} outside server {ld.server}'s"
                                 f" {seg.n_slots}")  # fmt: skip
@@ -199,10 +223,123 @@ class PoolSide:
         stride = self.m.spec.block_size * self.row_bytes
         src = np.arange(self.n_layers, dtype=np.int64)[:, None] * seg.n_slots
         src = P.HEADER_BYTES + (src + np.asarray(slots, np.int64)[None, :]) * stride
-        spans = np.empty((len(ld.offs), 3), np.int64)
-        spans[:, 0], spans[:, 1], spans[:, 2] = src.ravel(), ld.offs, stride
-        n = kernels().scatter_copy(seg.array.ctypes.data, self.m.region.array.ctypes.data, spans)
+        return self._scatter(seg.array, src.ravel(), ld, idx)
+
+    def _scatter(self, src_buf: np.ndarray, src: np.ndarray, ld: _Load, idx: list[int]) -> int:
+        """Copy spans of `src_buf` at `src` (per (layer, block of idx), layer-major) to the
+        die's blocks idx of the load."""
+        n, stride = len(ld.blocks), self.m.spec.block_size * self.row_bytes
+        dst = [ld.offs[layer * n + i] for layer in range(self.n_layers) for i in idx]
+        spans = np.empty((len(dst), 3), np.int64)
+        spans[:, 0], spans[:, 1], spans[:, 2] = src, dst, stride
+        n = kernels().scatter_copy(src_buf.ctypes.data, self.m.region.array.ctypes.data, spans)
         return int(n)
+
+    # -- several hosts: fetches from other hosts' servers ---------------------------------------
+
+    def _fetch(self, ld: _Load, hint: dict) -> bool:
+        """Load ld over hosts (module docstring): home blocks copied now (load_by master),
+        the others fetched from their servers; False (the caller queues the request to
+        recompute) when a server has no peer socket known yet or its tier is not mapped."""
+        rid, kv = ld.req.request_id, self.m.kv
+        info = {int(x[0]): (x[1], x[2]) for x in hint.get("servers") or ()}
+        pending: dict[int, list[int]] = {}
+        home = []
+        for i, b in enumerate(ld.blocks):
+            s = int(b[1])
+            if s == self.home and self.load_by == "master":
+                home.append(i)
+            else:
+                pending.setdefault(s, []).append(i)
+        socks = {s: self._peer(s, info.get(s, (None, None))[1]) for s in pending}
+        nbytes = self._direct(ld, hint.get("pid"), home) if home else 0
+        if nbytes is None or any(v is None for v in socks.values()):
+            kv.free(("pool", rid))
+            self._unpin(ld.lease)
+            self.counters["pool_load_fallbacks"] += 1
+            return False
+        self.counters["pool_loads"] += 1
+        self.counters["pool_remote_loads"] += 1
+        ld.pending, ld.nbytes = pending, nbytes
+        self.loads[rid] = ld
+        for s, idx in pending.items():
+            socks[s].send(
+                pool_frame(
+                    "fetch",
+                    {"id": rid, "epoch": info[s][0], "slots": [int(ld.blocks[i][2]) for i in idx]},
+                )
+            )
+            self.counters["pool_fetches"] += 1
+        return True
+
+    def _peer(self, s: int, endpoint: str | None) -> zmq.Socket | None:
+        """The DEALER to server s's peer socket at `endpoint` (a new one when it moved)."""
+        have = self.peers.get(s)
+        if have is not None and have[0] == endpoint:
+            return have[1]
+        self._drop_peer(s)
+        if not isinstance(endpoint, str):
+            return None
+        sock = self.m.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        self.peers[s] = (endpoint, sock)
+        if self.poller is not None:
+            self.poller.register(sock, zmq.POLLIN)
+        return sock
+
+    def _drop_peer(self, s: int) -> None:
+        have = self.peers.pop(s, None)
+        if have is not None:
+            if self.poller is not None:
+                self.poller.unregister(have[1])
+            have[1].close(linger=0)
+
+    def poll_peers(self, events: dict) -> None:
+        """Every `fetched` waiting on a peer socket the master's poll saw readable."""
+        for s, (_, sock) in list(self.peers.items()):
+            if sock not in events:
+                continue
+            while self.peers.get(s, (None, None))[1] is sock:
+                try:
+                    frame = sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    body = unpack_fetched(frame)
+                except WireError as e:
+                    log.warning("master %d: a bad reply from pool server %d: %s",
+                                self.m.spec.group, s, e)  # fmt: skip
+                    continue
+                self.on_fetched(s, body)
+
+    def on_fetched(self, s: int, body: dict) -> None:
+        """Server s's bytes for a load: written into its blocks; the load lands when every
+        server it fetches from answered."""
+        ld = self.loads.get(body.get("id"))
+        if ld is None or ld.pending is None or s not in ld.pending:
+            return  # a late reply of a load fallen back (its blocks are free already)
+        idx = ld.pending.pop(s)
+        stride = self.m.spec.block_size * self.row_bytes
+        data = body.get("data")
+        want = self.n_layers * len(idx) * stride
+        if body.get("status") != 0 or not isinstance(data, bytes) or len(data) != want:
+            self.counters["pool_fetch_failed"] += 1
+            why = body.get("error") or f"{len(data or b'')} bytes, not {want}"
+            self._fallback(ld, f"fetch from server {s} failed: {why}")
+            return
+        if not ld.aborted:
+            buf = np.frombuffer(data, np.uint8)
+            ld.nbytes += self._scatter(buf, np.arange(len(idx) * self.n_layers) * stride, ld, idx)
+            self.counters["pool_fetch_bytes"] += len(data)
+        if ld.pending:
+            return
+        del self.loads[ld.req.request_id]
+        if ld.aborted:
+            self.m.kv.free(("pool", ld.req.request_id))
+            self._unpin(ld.lease)
+            return
+        self._land(ld, True, ld.nbytes, [])
 
     def _segment(self, server: int, pid: int | None) -> P.PoolSegment | None:
         """Server `server`'s DRAM tier, mapped once per incarnation (its creator's pid)."""
@@ -275,6 +412,8 @@ class PoolSide:
         if self.m.spec.trace:  # the master's "kv pool" track
             self.m.spans.append([ld.t_ns, time.perf_counter_ns() - ld.t_ns, "kv pool load", ok])
         self.counters["pool_hit_tokens"] += ok * bs
+        if ld.pending is not None:  # over hosts: fetched (in part) from another host's server
+            self.counters["pool_remote_hit_tokens"] += ok * bs
         self.counters["pool_load_bytes"] += nbytes
         self.counters["pool_load_ns"] += int(dt * 1e9)
         self.events.append(["landed", rid, ld.lease, ok, len(ld.blocks), nbytes,
@@ -286,7 +425,10 @@ class PoolSide:
         write them) until the completion comes or the server is gone."""
         rid = ld.req.request_id
         self.loads.pop(rid, None)
-        self.quarantine[rid] = (("pool", rid), ld.server)
+        if ld.pending is not None:  # fetched: only this master writes its blocks
+            self.m.kv.free(("pool", rid))
+        else:
+            self.quarantine[rid] = (("pool", rid), ld.server)
         self.counters["pool_load_fallbacks"] += 1
         self.counters["pool_quarantined_blocks"] += len(ld.blocks)
         self.events.append(["failed", rid, ld.lease, why])
@@ -318,14 +460,17 @@ class PoolSide:
         elif kind == "pool_dead":
             self.server_dead(body.get("server"))
         elif kind == "pool_up":
-            self.server_up(body.get("server"), body.get("pid"))
+            self.server_up(body.get("server"), body.get("pid"), body.get("peer"))
 
-    def server_up(self, server: int, pid: int | None) -> None:
+    def server_up(self, server: int, pid: int | None, peer: str | None = None) -> None:
         """Server `server` (re)started and re-indexed: its DRAM tier mapped now (off a hit's
         critical path), and every block offered again (those offered while it was down were
         refused: a later prompt's blocks would otherwise never reach the pool)."""
         self.known.clear()
         self.offered.clear()
+        if isinstance(server, int) and server != self.home:  # another host's: its peer socket
+            self._peer(server, peer)  # connected now, off a hit's critical path
+            return
         if self.load_by == "master" and isinstance(server, int) and isinstance(pid, int):
             self._segment(server, pid)
             # this process's page tables of its die's KV pool, filled once: else the first
@@ -344,7 +489,12 @@ class PoolSide:
         seg = self.segs.pop(server, None)
         if seg is not None:
             seg.close()
-        for ld in [x for x in self.loads.values() if x.server == server]:
+        self._drop_peer(server)
+        for ld in [
+            x
+            for x in self.loads.values()
+            if (x.server == server and x.pending is None) or server in (x.pending or ())
+        ]:
             self._fallback(ld, f"lost its server {server}")
         for rid, (holder, s) in list(self.quarantine.items()):
             if s == server:
@@ -451,6 +601,8 @@ class PoolSide:
         self.segs.clear()
         for s in self.to_server.values():
             s.close(linger=0)
+        for s in list(self.peers):
+            self._drop_peer(s)
 
 
 __all__ = ["PoolSide"]

@@ -32,6 +32,8 @@ is 0, `n_tokens` all rows):
   (crc checked) into the slot.
 - `delete {h, ns | path}` -> `deleted {server, h, ok, error}`; `drop {slot}` -> `dropped
   {server, slot, ok}`; `probe {id}` -> `echo {server, id}`; `stop {}`: exit.
+Several hosts: a server also binds a peer socket (`peer`, TCP), where other hosts' masters
+fetch its slots (runtime.engine.pool_peer); its endpoint goes out in the inventory (`peer`).
 A failed order gets its own reply kind with `status` ERROR (1) / `ok` false and `error`; a frame
 that is not an order (unknown kind, other version, not msgpack) gets `error {server, id, error}`.
 On start: `inventory {server, pid, n_slots, slot_bytes, entries: [[h, ns, parent, tokens, crc,
@@ -60,6 +62,7 @@ from comm.alltoall.state import kernels
 from comm.kvlink import KVGeometry, segments
 from memory import pool_layout as P
 from memory.errors import ConfigError, ProtocolError, ShmError
+from runtime.engine.pool_peer import bind_peer, serve_peer
 from runtime.engine.pool_wire import (
     ERROR,
     OK,
@@ -70,6 +73,15 @@ from runtime.engine.pool_wire import (
     order_socket,
     pack,
     unpack,
+)
+from runtime.engine.pool_wire import (
+    field_int as _int,
+)
+from runtime.engine.pool_wire import (
+    field_ints as _ints,
+)
+from runtime.engine.pool_wire import (
+    field_ns as _ns,
 )
 from runtime.engine.wire import WireError
 from runtime.pod.proc import batch_scheduling, follow_parent
@@ -112,6 +124,8 @@ class PoolServerConfig:
     pin_cpu: int = -1
     epoch: int = 0  # the shell's count of this server's (re)starts: a load or store of another
     # (sent to a predecessor, queued here) is refused, never executed
+    peer: str | None = None  # where to bind the peer socket (`tcp://HOST:*`): other hosts'
+    # masters read its slots there (runtime.engine.pool_peer); None: one host, no peer socket
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -192,28 +206,6 @@ class _DieMap:
 
 
 # -- the server --------------------------------------------------------------------------------
-
-
-def _int(b: dict, key: str, default: int | None = None) -> int:
-    v = b.get(key, default)
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise ProtocolError(f"order field {key!r} must be an int, got {v!r}")
-    return v
-
-
-def _ints(b: dict, key: str) -> list[int]:
-    v = b.get(key)
-    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool)
-                                          for x in v):  # fmt: skip
-        raise ProtocolError(f"order field {key!r} must be a list of ints, got {str(v)[:60]}")
-    return v
-
-
-def _ns(b: dict) -> str | None:
-    ns = b.get("ns")
-    if ns is not None and not isinstance(ns, str):
-        raise ProtocolError(f"order field 'ns' must be a string or nil, got {ns!r}")
-    return ns
 
 
 class PoolServer:
@@ -449,13 +441,23 @@ def _serve(server: PoolServer, cfg: PoolServerConfig, parent_pid: int) -> None:
             log.warning("pool %d: %s reply to %s dropped (nobody reads)", cfg.server, kind,
                         where or cfg.results)  # fmt: skip
 
+    peer = None
+    poller = zmq.Poller()
+    poller.register(orders, zmq.POLLIN)
     try:
         orders.bind(cfg.orders)
         results.connect(cfg.results)
-        send(None, "inventory", server.inventory())
+        inventory = server.inventory()
+        if cfg.peer is not None:
+            peer, inventory["peer"] = bind_peer(ctx, cfg.peer)
+            poller.register(peer, zmq.POLLIN)
+        send(None, "inventory", inventory)
         while True:
-            if not orders.poll(POLL_MS):
-                if os.getppid() != parent_pid:
+            ready = dict(poller.poll(POLL_MS))
+            if peer is not None and peer in ready:
+                serve_peer(peer, cfg.server, cfg.epoch, server.seg)
+            if orders not in ready:
+                if not ready and os.getppid() != parent_pid:
                     log.warning("pool %d: the engine is gone, exiting", cfg.server)
                     return
                 continue
@@ -470,6 +472,8 @@ def _serve(server: PoolServer, cfg: PoolServerConfig, parent_pid: int) -> None:
                 return
             send(*server.handle(kind, body))
     finally:
+        if peer is not None:
+            peer.close(linger=0)
         for s in (orders, *replies.values()):
             s.close(linger=0 if s is orders else 1000)
         results.close(linger=1000)

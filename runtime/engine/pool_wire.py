@@ -10,6 +10,7 @@ from typing import Any
 
 import msgpack
 
+from memory.errors import ProtocolError
 from runtime.engine import wire
 from runtime.engine.wire import WireError
 
@@ -17,6 +18,8 @@ OK, ERROR = 0, 1
 ORDER_KINDS = frozenset({"store", "load", "demote", "promote", "delete", "drop", "probe", "stop"})
 REPLY_KINDS = frozenset({"inventory", "stored", "loaded", "demoted", "promoted", "deleted",
                          "dropped", "echo", "error"})  # fmt: skip
+# a server's peer socket (cross-host reads of its DRAM tier, runtime.engine.pool_peer)
+PEER_KINDS = frozenset({"fetch", "fetched"})
 REPLY_OF = {"store": "stored", "load": "loaded", "demote": "demoted", "promote": "promoted",
             "delete": "deleted", "drop": "dropped", "probe": "echo"}  # fmt: skip
 
@@ -26,7 +29,7 @@ REPLY_OF = {"store": "stored", "load": "loaded", "demote": "demoted", "promote":
 
 def pack(kind: str, body: dict | None = None) -> bytes:
     """A pool frame: `wire`'s format, with the pool's kinds."""
-    if kind not in ORDER_KINDS | REPLY_KINDS:
+    if kind not in ORDER_KINDS | REPLY_KINDS | PEER_KINDS:
         raise WireError(f"pack: unknown pool message kind {kind!r}")
     return msgpack.packb([wire.MARKER, kind, wire.WIRE_VERSION, body or {}], use_bin_type=True)
 
@@ -60,10 +63,35 @@ def frame_id(frame: bytes) -> Any:
     return None
 
 
+# -- order fields (ProtocolError naming the field) ----------------------------------------------
+
+
+def field_int(b: dict, key: str, default: int | None = None) -> int:
+    v = b.get(key, default)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ProtocolError(f"order field {key!r} must be an int, got {v!r}")
+    return v
+
+
+def field_ints(b: dict, key: str) -> list[int]:
+    v = b.get(key)
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool)
+                                          for x in v):  # fmt: skip
+        raise ProtocolError(f"order field {key!r} must be a list of ints, got {str(v)[:60]}")
+    return v
+
+
+def field_ns(b: dict) -> str | None:
+    ns = b.get("ns")
+    if ns is not None and not isinstance(ns, str):
+        raise ProtocolError(f"order field 'ns' must be a string or nil, got {ns!r}")
+    return ns
+
+
 def order_socket(run_dir: str, server: int) -> str:
     """The PULL socket of pool server `server` (in the pod's run directory)."""
     return f"ipc://{os.path.join(run_dir, f'pool{server}.sock')}"
 
 
-__all__ = ["ERROR", "OK", "ORDER_KINDS", "REPLY_KINDS", "REPLY_OF", "frame_id", "order_socket",
-           "pack", "unpack"]  # fmt: skip
+__all__ = ["ERROR", "OK", "ORDER_KINDS", "PEER_KINDS", "REPLY_KINDS", "REPLY_OF", "field_int",
+           "field_ints", "field_ns", "frame_id", "order_socket", "pack", "unpack"]  # fmt: skip

@@ -148,13 +148,13 @@ class Supervisor(FaultWatch):
                     os.read(self.wake_r, 4096)
                 continue
             sentinels = eng.sentinels()
-            pool_s = eng.pool.sentinel() if eng.pool is not None else None
+            pool_s = eng.pool.sentinels() if eng.pool is not None else []
             # idle: the progress words need no sampling (exits still wake the wait at once);
             # a tick every 20 ms was ~2 % of a core for an idle server
             pending = self.plan is not None and (self.plan.armed or self.plan.die_side)
             tick = TICK_S if pending or self.recovering or eng.busy() else PING_EVERY_S
             try:
-                waits = [*sentinels, self.wake_r, *([pool_s] if pool_s is not None else [])]
+                waits = [*sentinels, self.wake_r, *pool_s]
                 ready = mp_wait(waits, tick)
             except OSError:  # a sentinel closed under us (a restart): look again
                 ready = []

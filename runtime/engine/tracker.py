@@ -185,7 +185,8 @@ class RequestTracker:
                 body["transcript"] = t.transcript
             if t.ns is not None:
                 body["ns"] = t.ns
-            hint = self.pool.hint(body["prompt"], t.ns) if self.pool is not None else None
+            to = t.prefill_group if t.prefill_group >= 0 else t.group  # the die that loads
+            hint = self.pool.hint(body["prompt"], t.ns, to) if self.pool is not None else None
             if self.prompts is not None:
                 self.prompts[t.id] = body["prompt"]
                 if t.ns is not None:

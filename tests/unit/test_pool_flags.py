@@ -90,11 +90,27 @@ def test_a_pool_flag_without_kv_pool_is_refused(flag, value):
     assert refused(flag, value) == f"argument {flag}: needs --kv-pool"
 
 
-def test_kv_pool_refused_on_pods_it_does_not_serve():
-    hosts = refused("--kv-pool", "--hosts", "1,1")
-    assert hosts.startswith("argument --kv-pool") and "--hosts" in hosts and "not built" in hosts
+def test_kv_pool_refused_without_the_prefix_cache():
     nocache = refused("--kv-pool", "--no-prefix-cache")
     assert nocache.startswith("argument --kv-pool") and "--no-prefix-cache" in nocache
+
+
+def test_kv_pool_over_hosts_has_one_server_per_host():
+    cfg = serve_config("--kv-pool", "--hosts", "1,1")
+    assert cfg.kv_pool is not None and cfg.pool_servers == 2
+    cfg = serve_config("--kv-pool", "--dies", "4", "--hosts", "3,1")
+    assert cfg.pool_servers == 2
+    assert serve_config("--kv-pool").pool_servers == 1
+
+
+def test_the_hosts_dram_tiers_must_fit_together(monkeypatch):
+    from memory import pool_layout
+
+    # /dev/shm with room for one 64 MiB tier but not two (the emulated hosts' servers)
+    monkeypatch.setattr(pool_layout, "shm_free_bytes", lambda: 100 << 20)
+    assert serve_config("--kv-pool", "--pool-dram-mib", "64").kv_pool is not None
+    msg = refused("--kv-pool", "--pool-dram-mib", "64", "--hosts", "1,1")
+    assert msg.startswith("argument --pool-dram-mib") and "2 hosts' DRAM tiers" in msg
 
 
 def test_kv_pool_on_a_pd_pod_is_accepted():

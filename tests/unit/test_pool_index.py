@@ -907,3 +907,24 @@ def test_pool_index_matches_the_reference_on_a_seeded_trace(admit):
     assert min(stats[k] for k in ("demotions", "drops", "removals", "puts_reclaimed")) > 0, stats
     assert stats["admissions_dropped" if admit == "second_hit" else "ssd_deletes"] > 0, stats
     pool.check()
+
+
+def test_strict_placement_evicts_its_own_server_only():
+    """A pod over hosts stores a die's blocks on its host's server only (`strict`): a full
+    server evicts its own LRU leaf though another has free slots; non-strict spills over; a
+    down server refuses a strict put (Dropped "full")."""
+    pool = PoolIndex(BS, {0: 2, 1: 2})
+    store(pool, toks(2, 0), server=0)
+    old = [h for h, _, _ in chain(toks(2, 0), BS)]
+    assert [pool.entry(h).server for h in old] == [0, 0]
+    b = chain(toks(1, 100), BS)
+    (st_,) = pool.put_start(b, None, 0, strict=True)
+    assert isinstance(st_, Granted) and st_.server == 0
+    assert old[1] not in pool and old[0] in pool  # its own leaf went; server 1 untouched
+    assert pool.stats()["dram_used"] == {0: 2, 1: 0}
+    (spill,) = pool.put_start(chain(toks(1, 200), BS), None, 0)  # preferred, not strict
+    assert isinstance(spill, Granted) and spill.server == 1
+    pool.server_dead(1)
+    (down,) = pool.put_start(chain(toks(1, 300), BS), None, 1, strict=True)
+    assert down == Dropped("full")
+    pool.check()
