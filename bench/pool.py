@@ -63,6 +63,7 @@ from bench.pool_overhead import overhead
 from bench.pool_requests import ask, prime, ttft
 from memory.errors import ConfigError
 from runtime.cli.argtypes import int_range, output_file, positive_float, positive_int
+from runtime.cli.hosts import hosts_spec
 from runtime.engine import Engine, EngineConfig
 from runtime.engine.pool_shell import PoolConfig
 from runtime.model import PRESETS
@@ -125,6 +126,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
         " (bench.pool_overhead; default 4: 8 pairs; 0: none)")  # fmt: skip
     add("--seed", type=int, default=0, help="prompts (default 0)")
     add("--json", type=output_file, default=None, help="write the figures to FILE (one object)")
+    add("--hosts", type=hosts_spec, default=None, metavar="SPEC",
+        help="emulated hosts (e.g. 2,2): a hit on the die's host's pool server against one on"
+        " another host's, fetched over TCP (bench.pool_hosts; --dies is the sum)")  # fmt: skip
+    add("--fabric", choices=("mpi", "mpi-rma", "mirror"), default=None,
+        help="with --hosts: how dies reach other hosts (default mpi)")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -143,13 +149,26 @@ class Options:
     seed: int
     json: str | None
     overhead: int = 0
+    fabric: str | None = None
+    hosts: tuple | None = None  # (spec, host of each die): bench.pool_hosts
 
 
 def parse_options(args: argparse.Namespace) -> Options:
+    if getattr(args, "hosts", None):
+        from bench.pool_hosts import dies_of
+
+        dies_of(args.hosts[1])  # refused before anything starts
+        n = len(args.hosts[1])
+        if args.dies not in (4, n):
+            raise ConfigError(f"argument --dies: {args.dies}: --hosts {args.hosts[0]} makes {n}")
+        args.dies = n
+    elif getattr(args, "fabric", None):
+        raise ConfigError("argument --fabric: only with --hosts")
     o = Options(args.dies, args.model, args.max_seq_len, args.prompt_len, tuple(args.reuse),
                 args.prompts, args.concurrency, args.block_size,
                 args.max_num_batched_tokens or args.prompt_len, args.pool_dram_mib,
-                args.timeout, args.seed, args.json, args.overhead)  # fmt: skip
+                args.timeout, args.seed, args.json, args.overhead,
+                getattr(args, "fabric", None), getattr(args, "hosts", None))  # fmt: skip
     if o.prompt_len + WARM_TOKENS > o.max_seq_len:
         raise ConfigError(f"argument --prompt-len: {o.prompt_len} tokens + {WARM_TOKENS}"
                           f" generated exceed the model's context of {o.max_seq_len}"
@@ -425,6 +444,10 @@ def noise(rows: list[dict], load0: tuple, load1: tuple) -> dict:
 
 def run(opts: Options) -> int:
     o = opts
+    if o.hosts:
+        from bench.pool_hosts import run as run_hosts
+
+        return run_hosts(o, o.hosts[1], o.hosts[0])
     bs, L = o.block_size, o.prompt_len
     progress(f"xpod bench pool: {o.dies} dies, model {o.model} (context {o.max_seq_len}), prompt"
              f" {L} tokens, block {bs}, r = {', '.join(f'{r:g}' for r in o.reuse)}, {o.prompts}"
