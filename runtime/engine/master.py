@@ -144,6 +144,7 @@ class Master(MasterOut):
         self.started: set[int] = set()  # streamed requests whose first tokens went out
         self.first: dict[int, float] = {}  # request -> time of its first token
         self.sched_at: dict[int, float] = {}  # request -> time it was first planned
+        self.peer_outputs: dict[int, zmq.Socket] = {}  # a PD prefill's: decode output procs
         self.cached: list[list[int]] = []  # [id, prompt tokens not computed] of the admitted
         self.pings: list[int] = []  # heartbeats asked of the die, not echoed yet
         self.step_new: list[float] = []  # step times (ms) since the last stats message
@@ -412,6 +413,7 @@ class Master(MasterOut):
                 if r.request_id not in self.sched_at:  # admitted: its prefix hit is known
                     req = self.sched.get(r.request_id)
                     self.cached.append([r.request_id, req.num_cached if req else 0])
+                    self._cached_to_peer(r.request_id, req.num_cached if req else 0)
                 self.sched_at.setdefault(r.request_id, now)
         owed = w[self.promised] > self.cmds.published()
         if owed and not self.sched.has_work() and self.cmds.can_put():
@@ -525,7 +527,26 @@ class Master(MasterOut):
         self.send("stats", {**self.stats(), "final": True, "step_ms": self.step_ms,
                             "bubble_ms": self.bubble_ms})  # fmt: skip
 
+    def _cached_to_peer(self, rid: int, n: int) -> None:
+        """A PD prefill master's admission: the prompt tokens it did not compute go to the
+        output process of the request's decode group, which renders its usage (its own
+        master admits the request with every prompt token transferred). Sent now, before the
+        prefill's step runs: the decode side's tokens come after the KV transfer."""
+        if not self.spec.output_proc or not isinstance(self.pd, PrefillSide):
+            return
+        peer = self.pd.peer.get(rid)
+        if peer is None:
+            return
+        sock = self.peer_outputs.get(peer)
+        if sock is None:
+            sock = self.peer_outputs[peer] = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(output_socket(self.spec.run_dir, peer))
+        sock.send(wire.pack("cached", {"id": rid, "n": int(n)}))
+
     def close(self) -> None:
+        for s in self.peer_outputs.values():
+            s.close(linger=0)
         if self.pd is not None:
             self.pd.close()
         if self.pool is not None:

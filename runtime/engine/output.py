@@ -36,6 +36,7 @@ from runtime.engine.wire import engine_socket, master_socket, output_socket
 from runtime.pod.proc import batch_scheduling, default_sigterm, follow_parent
 
 log = logging.getLogger(__name__)
+EARLY_MAX = 4096  # cached counts kept for requests not opened yet
 
 
 class OutputHandler:
@@ -45,13 +46,28 @@ class OutputHandler:
         self.renderers: dict[int, Renderer] = {}
         self.fed: dict[int, int] = {}  # rendered request -> tokens fed (output index of the next)
         self.replayed = 0  # tokens dropped because a renderer had them already
+        self.early: dict[int, int] = {}  # a PD request's cached tokens come before its open
+
+    def cached_of(self, rid: object, n: object) -> None:
+        """A PD prefill master's count of request rid's prompt tokens not computed."""
+        if not isinstance(rid, int) or not isinstance(n, int):
+            return
+        r = self.renderers.get(rid)
+        if r is not None:
+            r.cached = max(r.cached, n)
+            return
+        self.early[rid] = max(self.early.get(rid, 0), n)
+        while len(self.early) > EARLY_MAX:  # a request never opened here (refused, aborted)
+            self.early.pop(next(iter(self.early)))
 
     def open(self, rid: int, spec: dict | None, n_prompt: int, replay: list[int] = ()) -> None:
         """Render request `rid`; `replay`: the tokens its client already has (a request resumed
         after a restart): fed to the new renderer with its bytes dropped, so that it goes on in
         the state the lost one was in (rendering is a function of the tokens)."""
+        early = self.early.pop(rid, 0)
         if spec:
             r = self.renderers[rid] = Renderer(spec, n_prompt)
+            r.cached = early
             if replay:
                 r.feed(list(replay), last=False)
                 r.take_count()
@@ -64,7 +80,7 @@ class OutputHandler:
         ending = {rec[0] for rec in done if not rec[4]}  # their last chunk carries the text
         for rid, n in body.get("cached") or ():  # admitted: prompt tokens not computed
             if rid in self.renderers:
-                self.renderers[rid].cached = int(n)
+                self.renderers[rid].cached = max(self.renderers[rid].cached, int(n))
         for rid, start, toks in body.get("deltas", ()):
             r = self.renderers.get(rid)
             if r is None:
@@ -128,8 +144,10 @@ def output_main(spec: OutputSpec, engine_pid: int) -> None:
     handler = OutputHandler()
     try:
         while True:
-            kind, body = wire.unpack(inbox.recv(), {"open", "out", "eof", "shutdown"})
-            if kind == "open":
+            kind, body = wire.unpack(inbox.recv(), {"open", "cached", "out", "eof", "shutdown"})
+            if kind == "cached":  # a PD request's prefill master: its prompt tokens not computed
+                handler.cached_of(body.get("id"), body.get("n", 0))
+            elif kind == "open":
                 handler.open(body["id"], body.get("render"), body.get("n_prompt", 0),
                              body.get("replay") or [])  # fmt: skip
             elif kind == "out":

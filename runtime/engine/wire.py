@@ -39,7 +39,7 @@ MARKER = "xpod"
 WIRE_VERSION = 1
 KINDS = frozenset(
     {"add", "abort", "shutdown", "ping", "ready", "out", "stats", "pong", "log", "step", "stop",
-     "result", "open", "eof", "kv_dst", "kv_done", "kv_cancel", "xfer", "probe",
+     "result", "open", "cached", "eof", "kv_dst", "kv_done", "kv_cancel", "xfer", "probe",
      # the KV pool (runtime.engine.pool_server's replies; the shell's to a master)
      "inventory", "stored", "loaded", "demoted", "promoted", "deleted", "dropped", "echo",
      "error", "pool_release", "pool_dead", "pool_up"}

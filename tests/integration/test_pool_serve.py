@@ -63,3 +63,25 @@ def test_second_die_loads_the_prompt_from_the_pool():
         assert metric(m, "xpod_pool_server_up") == 1
     finally:
         s.stop()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("output_procs", [False, True])
+def test_pd_usage_counts_the_prefill_dies_cached_tokens(output_procs):
+    """A PD pod: the prefill die's prefix hit (the second time, its cache holds the prompt) is
+    the usage's `cached_tokens`, also when the decode group's output process renders it (its
+    own master admits the request with every prompt token transferred)."""
+    n_prompt = len(encode(PROMPT))
+    extra = ("--output-procs",) if output_procs else ()
+    s = ServerProc("--prefill-dies", "1", "--decode-dies", "1", "--kv-pool", "--pool-dram-mib",
+                   "16", "--block-size", str(BLOCK), *extra)  # fmt: skip
+    try:
+        settle(s)
+        first = complete(s)
+        second = complete(s)
+        full = (n_prompt - 1) // BLOCK
+        details = [u["prompt_tokens_details"] for u in (first["usage"], second["usage"])]
+        assert details == [{"cached_tokens": 0}, {"cached_tokens": full * BLOCK}]
+        assert first["choices"][0]["token_ids"] == second["choices"][0]["token_ids"]
+    finally:
+        s.stop()
