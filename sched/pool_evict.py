@@ -16,8 +16,9 @@ class Eviction:
     def _alloc(self, ns: str | None, hint: int | None, only: int | None = None):
         """A free DRAM slot (server, slot), evicting if needed; else "quota" or "full"."""
         up = [s for s in self.servers if s not in self._down]
-        quota = self.quotas.get(ns) if ns is not None else None
-        if quota is not None and self._ns_used.get(ns, 0) >= quota and not self._evict(up, ns):
+        quota = self.quotas.get(ns)  # (the key None: the default namespace's)
+        if quota is not None and self._ns_used.get(ns, 0) >= quota and \
+                not self._evict(up, ns, by_ns=True):  # fmt: skip
             return "quota"
         if only is not None:
             if not self._free[only] and not self._evict([only], None):
@@ -31,9 +32,9 @@ class Eviction:
             s = max(up, key=lambda s: (len(self._free[s]), -s))
         return s, heapq.heappop(self._free[s])
 
-    def _evict(self, servers: list[int], ns: str | None) -> bool:
-        """Evict the least recently used DRAM victim of servers (of ns if given)."""
-        found = [v for v in (self._victim(s, ns) for s in servers) if v is not None]
+    def _evict(self, servers: list[int], ns: str | None = None, by_ns: bool = False) -> bool:
+        """Evict the least recently used DRAM victim of servers (of namespace ns if by_ns)."""
+        found = [v for v in (self._victim(s, ns, by_ns) for s in servers) if v is not None]
         if not found:
             return False
         e = min(found, key=lambda v: v.tick)
@@ -56,14 +57,14 @@ class Eviction:
         self._c["evictions"] += 1
         return True
 
-    def _victim(self, s: int, ns: str | None) -> Entry | None:
-        """The least recently used evictable DRAM entry of s (of ns if given)."""
+    def _victim(self, s: int, ns: str | None = None, by_ns: bool = False) -> Entry | None:
+        """The least recently used evictable DRAM entry of s (of namespace ns if by_ns)."""
         room: list[bool] = []  # computed once, if needed: can s's SSD tier take a demotion?
 
         def ok(e: Entry) -> bool:
             if e.state != COMPLETE or e.promoting or e.pins or self._dram_kids.get(e.h):
                 return False
-            if ns is not None and e.ns != ns:
+            if by_ns and e.ns != ns:
                 return False
             if e.on_ssd or not self._kids.get(e.h):
                 return True  # a drop, or a demotion / removal

@@ -224,14 +224,16 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="NS=MIB",
         help="at most MIB of the DRAM tier for the blocks of namespace NS (the requests whose"
-        " cache_salt is NS): a block past it is not stored; repeatable (default: none)",
+        " cache_salt is NS; an empty NS, `=MIB`: the requests without one): a block past it is"
+        " not stored; repeatable (default: none)",
     )
 
 
 def quota_arg(text: str) -> tuple[str, float]:
-    """An argparse type: `NS=MIB` (a non-empty namespace, a finite number of MiB > 0)."""
+    """An argparse type: `NS=MIB` (a namespace, empty for the default one: `=MIB`; a finite
+    number of MiB > 0)."""
     ns, eq, mib = text.rpartition("=")
-    if not eq or not ns:
+    if not eq:
         raise argparse.ArgumentTypeError(f"{text!r} is not NS=MIB (a namespace and its MiB)")
     return ns, positive_float(mib)
 

@@ -29,7 +29,8 @@ class PoolConfig:
         copies it on a `load` order (hits on the SSD tier always go that way: promoted first).
     quotas: namespace (a request's cache salt) -> the most MiB of the DRAM tier its blocks may
         hold (a block past it is not stored: counted, never an error; the shell refuses a
-        quota under one block at start). The default namespace (no salt) has no quota.
+        quota under one block at start). The namespace "" is the default one (the requests
+        without a cache salt, which is never empty: 1 to 256 characters).
     """
 
     dram_mib: float = 256.0
@@ -60,8 +61,9 @@ class PoolConfig:
         if not isinstance(self.quotas, dict):
             raise ConfigError(f"kv_pool.quotas: {self.quotas!r} must map namespaces to MiB")
         for ns, mib in self.quotas.items():
-            if not isinstance(ns, str) or not ns:
-                raise ConfigError(f"kv_pool.quotas: namespace {ns!r} must be a non-empty string")
+            if not isinstance(ns, str):
+                raise ConfigError(f"kv_pool.quotas: namespace {ns!r} must be a string ('': the"
+                                  " default namespace)")  # fmt: skip
             if isinstance(mib, bool) or not isinstance(mib, int | float) or not 0 < mib < math.inf:
                 raise ConfigError(f"kv_pool.quotas: {ns}={mib!r} must be a finite number of MiB"
                                   " > 0")  # fmt: skip
@@ -71,16 +73,17 @@ class PoolConfig:
                 raise ConfigError(f"kv_pool.{name}: {v!r} must be an int >= 0")
 
 
-def quota_blocks(quotas: dict[str, float], slot_bytes: int) -> dict[str, int]:
-    """`PoolConfig.quotas` (MiB per namespace) in blocks of slot_bytes; ConfigError naming the
-    flag for a quota smaller than one block."""
+def quota_blocks(quotas: dict[str, float], slot_bytes: int) -> dict[str | None, int]:
+    """`PoolConfig.quotas` (MiB per namespace) in blocks of slot_bytes, keyed as the index keys
+    namespaces (None: the default one, ""); ConfigError naming the flag for a quota smaller
+    than one block."""
     out = {}
     for ns, mib in quotas.items():
         n = int(mib * (1 << 20)) // slot_bytes
         if n < 1:
             raise ConfigError(f"argument --pool-quota {ns}={mib:g}: smaller than one block of"
                               f" {slot_bytes} B")  # fmt: skip
-        out[ns] = n
+        out[ns or None] = n
     return out
 
 

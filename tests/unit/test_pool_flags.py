@@ -186,16 +186,19 @@ def test_pool_quota_flags():
     assert twice == "argument --pool-quota: namespace 'a' given twice"
     small = refused("--kv-pool", "--pool-quota", "a=0.00001")
     assert small.startswith("argument --pool-quota a=1e-05: smaller than one block"), small
+    dflt = serve_config("--kv-pool", "--pool-quota", "=2", "--pool-quota", "a=1")
+    assert dflt.kv_pool.quotas == {"": 2.0, "a": 1.0}  # "": the default namespace
+    assert quota_blocks(dflt.kv_pool.quotas, 1 << 20) == {None: 2, "a": 1}
 
 
-@pytest.mark.parametrize("value", ["a", "=1", "a=", "a=0", "a=-1", "a=nan", "a=inf", "a=x"])
+@pytest.mark.parametrize("value", ["a", "=", "a=", "a=0", "a=-1", "a=nan", "a=inf", "a=x"])
 def test_a_bad_pool_quota_is_one_line_with_status_2(value, capsys):
     assert run_cli(["generate", "--prompt", "x", "--kv-pool", "--pool-quota", value]) == 2
     err = capsys.readouterr().err
     assert "error: argument --pool-quota:" in err and len(err.strip().splitlines()) == 1, err
 
 
-@pytest.mark.parametrize("quotas", [{"": 1.0}, {1: 1.0}, {"a": 0}, {"a": -1.0}, {"a": True},
+@pytest.mark.parametrize("quotas", [{None: 1.0}, {1: 1.0}, {"a": 0}, {"a": -1.0}, {"a": True},
                                     {"a": float("nan")}, {"a": float("inf")}, {"a": "1"},
                                     [("a", 1.0)]])  # fmt: skip
 def test_pool_config_refuses_bad_quotas(quotas):

@@ -928,3 +928,19 @@ def test_strict_placement_evicts_its_own_server_only():
     (down,) = pool.put_start(chain(toks(1, 300), BS), None, 1, strict=True)
     assert down == Dropped("full")
     pool.check()
+
+
+def test_a_quota_for_the_default_namespace_bounds_it_alone():
+    """quotas key None: the requests without a cache salt; evictions for it take its own LRU
+    blocks only, a salted namespace beside it is not touched and has no bound."""
+    pool = PoolIndex(BS, {0: 8}, quotas={None: 2})
+    salted = toks(3, 500)
+    assert all(isinstance(s_, Granted) for s_ in store(pool, salted, ns="a"))
+    assert all(isinstance(s_, Granted) for s_ in store(pool, toks(2, 0)))
+    hs = [h for h, _, _ in chain(toks(2, 0), BS)]
+    b = toks(1, 100)
+    assert store(pool, b) == [Granted(0, 4)]  # its own leaf evicted for it (slot 4 reused)
+    assert hs[1] not in pool and hs[0] in pool
+    assert all(h in pool for h, _, _ in chain(salted, BS, "a"))
+    assert pool.stats()["quota_dropped"] == 0
+    pool.check()
