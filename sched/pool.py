@@ -103,11 +103,19 @@ class PoolIndex(Eviction):
     # ---- read path ------------------------------------------------------------------------
 
     def lookup(
-        self, tokens: Sequence[int], ns: str | None = None, max_blocks: int | None = None
+        self,
+        tokens: Sequence[int],
+        ns: str | None = None,
+        max_blocks: int | None = None,
+        count: bool = True,
+        promote: bool = True,
     ) -> Hit:
         """The longest complete chain of tokens' full blocks, at most (len - 1) // block_size
         (the last token is recomputed), pinned under a lease. SSD-only entries get a DRAM slot
-        here (`promote_slot`, a `promote` order queued); the hit stops where none is free."""
+        here (`promote_slot`, a `promote` order queued); the hit stops where none is free.
+        `promote` False: the hit stops at the first block not loadable from DRAM now (SSD only
+        or being promoted). `count` False: a second lookup of a prompt already looked up (a PD
+        decode die's): no counters, recency, hit counts or admission ghosts change."""
         now = self._expire()
         bs, c = self.block_size, self._c
         n = max(0, (len(tokens) - 1) // bs)
@@ -121,6 +129,8 @@ class PoolIndex(Eviction):
             if e is None or e.state != COMPLETE or e.server in self._down:
                 break
             if e.tokens != chunk or e.parent != parent or e.ns != ns:
+                break
+            if not promote and (e.dram_slot is None or e.promoting):
                 break
             found.append(e)
             parent = h
@@ -144,6 +154,8 @@ class PoolIndex(Eviction):
         for e in found[len(blocks) :]:
             e.pins -= 1
         found = found[: len(blocks)]
+        if not count:
+            return self._lease(found, blocks, now)
         for e in reversed(found):
             self._touch(e, now)
             e.hits += 1
@@ -158,12 +170,15 @@ class PoolIndex(Eviction):
                 self._ghost.move_to_end(h)
             while len(self._ghost) > self.ghost_capacity:
                 self._ghost.popitem(last=False)
+        return self._lease(found, blocks, now)
+
+    def _lease(self, found: list[Entry], blocks: list[HitBlock], now: float) -> Hit:
         if not found:
             return Hit(0, [], 0)
         lease = self._next_lease
         self._next_lease += 1
         self._leases[lease] = (now + self.lease_s, [(e, e.epoch) for e in found])
-        return Hit(lease, blocks, len(found) * bs)
+        return Hit(lease, blocks, len(found) * self.block_size)
 
     def release(self, lease: int) -> None:
         """Unpin a lookup's entries. Unknown or expired lease: no-op."""

@@ -12,7 +12,8 @@
   `xpod_pool_crc_mismatches`, `xpod_pool_load_kv_full` (no room to load into),
   `xpod_pool_load_bytes`, `xpod_pool_load_seconds`, `xpod_pool_offered_blocks` (new prompt
   blocks offered for storing), over hosts `xpod_pool_remote_hits` (tokens of loads that
-  fetched from another host's server), `xpod_pool_fetch_bytes`, `xpod_pool_fetch_failures`;
+  fetched from another host's server), `xpod_pool_fetch_bytes`, `xpod_pool_fetch_failures`,
+  on a PD decode die `xpod_pool_decode_hits` and `xpod_pool_decode_load_bytes`;
   gauges `xpod_pool_requests_waiting` (for a load),
   `xpod_pool_quarantined` (fallen-back loads whose blocks a server may still write),
   `xpod_pool_store_holds`.
@@ -57,6 +58,10 @@ MASTER_COUNTERS = {
                               "pool_fetch_bytes", 1),
     "xpod_pool_fetch_failures": ("Fetches from another host's pool server refused or"
                                  " malformed (the prefix recomputed).", "pool_fetch_failed", 1),
+    "xpod_pool_decode_hits": ("A PD decode die's prompt tokens copied from the KV pool by its"
+                              " master (the KV link carries the rest).", "pool_decode_tokens", 1),
+    "xpod_pool_decode_load_bytes": ("Bytes a PD decode die's master copied from the KV pool.",
+                                    "pool_decode_bytes", 1),
 }  # fmt: skip
 MASTER_GAUGES = {
     "xpod_pool_requests_waiting": ("Requests waiting for a KV pool load.", "pool_waiting"),

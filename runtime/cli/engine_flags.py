@@ -85,6 +85,7 @@ ENGINE_FLAGS = {
     "kv_pool.load_timeout_s": "--pool-load-timeout",
     "kv_pool.load_by": "--pool-load-by",
     "kv_pool.quotas": "--pool-quota",
+    "kv_pool.decode_load": "--pool-decode-load",
 }
 # The KV pool's flags (None: not given) -> their PoolConfig field and default
 POOL_FLAGS = {
@@ -97,6 +98,7 @@ POOL_FLAGS = {
     "--pool-load-timeout": ("load_timeout_s", 2.0),
     "--pool-load-by": ("load_by", "master"),
     "--pool-quota": ("quotas", None),  # [(ns, MiB)] -> {ns: MiB}
+    "--pool-decode-load": ("decode_load", "on"),  # on | off -> bool
 }
 
 
@@ -217,6 +219,10 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
         help="who copies a DRAM hit into a die's blocks: its master, from the mapped tier"
         " (default: no message on the critical path), or the pool server on an order"
         " (hits on the SSD tier always: promoted first)")  # fmt: skip
+    add("--pool-decode-load", default=None, choices=("on", "off"),
+        help="a PD pod: the decode die takes the prompt's prefix from its own cache and the"
+        " pool itself, and the KV link carries the rest (on, default), or the link carries"
+        " every prompt token (off)")  # fmt: skip
     add(
         "--pool-quota",
         type=quota_arg,
@@ -261,6 +267,7 @@ def pool_of(args: argparse.Namespace) -> PoolConfig | None:
             raise ConfigError(f"argument --pool-quota: namespace {ns!r} given twice")
         quotas[ns] = mib
     fields["quotas"] = quotas
+    fields["decode_load"] = fields["decode_load"] == "on"
     if fields["pool_dir"] is not None:  # the pool server may run from another directory
         fields["pool_dir"] = os.path.abspath(fields["pool_dir"])
     return PoolConfig(**fields)

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from comm.kvlink import OK, KVLinkRx, checksum, scatter_spans
+from comm.kvlink import OK, KVGeometry, KVLinkRx, checksum, scatter_spans
 from memory import layout as L
+from memory import pool_layout as P
 from memory.region import Region, RegionHandle, region_name
 from runtime.engine import wire
 from runtime.engine.wire import kv_socket, master_socket
@@ -57,7 +58,8 @@ class PrefillSide:
         self.kv_out.setsockopt(zmq.LINGER, 0)
         self.kv_out.connect(kv_socket(master.spec.run_dir, master.spec.group))
         self.counters = {"pd_prefilled": 0, "pd_orders": 0, "pd_failed_orders": 0,
-                         "pd_leases_freed": 0, "pd_leases_expired": 0}  # fmt: skip
+                         "pd_leases_freed": 0, "pd_leases_expired": 0, "pd_skipped_blocks": 0,
+                         "pd_skip_refused": 0}  # fmt: skip
 
     def add(self, rid: int, peer: int) -> None:
         self.peer[rid] = peer
@@ -157,11 +159,38 @@ class PrefillSide:
             return
         r, d = self.ready[rid], self.dst.pop(rid)
         self.events.append([rid, "ordered", time.monotonic()])
+        start = self._start(r, d)
+        bs, n_layers, offs = self.m.spec.block_size, int(self.pd["n_layers"]), d["offs"]
+        nb = -(-r["n_tokens"] // bs)
+        if start and isinstance(offs, list) and len(offs) == n_layers * nb:
+            offs = [offs[layer * nb + b] for layer in range(n_layers) for b in range(start, nb)]
+        else:
+            start = 0
         self.kv_out.send(wire.pack("xfer", {
-            "id": rid, "dst": d["die"], "dst_offs": d["offs"], "n_tokens": r["n_tokens"],
-            "src_blocks": r["src_blocks"], "first": r["first"], "drafts": r["drafts"],
+            "id": rid, "dst": d["die"], "dst_offs": offs, "n_tokens": r["n_tokens"] - start * bs,
+            "src_blocks": r["src_blocks"][start:], "first": r["first"], "drafts": r["drafts"],
             "ok": True}))  # fmt: skip
         self.counters["pd_orders"] += 1
+        self.counters["pd_skipped_blocks"] += start
+
+    def _start(self, r: dict, d: dict) -> int:
+        """The block to send from: the decode die's `skip` when this die's blocks have the
+        crcs it sent for them (the same bytes: it loaded the same pool blocks, or this die
+        computed and stored them), else 0 (the whole prompt, as without `skip`)."""
+        skip, crcs, bs = d.get("skip", 0), d.get("crcs"), self.m.spec.block_size
+        src = r["src_blocks"]
+        if not (isinstance(skip, int) and skip > 0 and skip * bs < r["n_tokens"]
+                and isinstance(crcs, list) and len(crcs) == skip and len(src) >= skip):  # fmt: skip
+            return 0
+        m = self.m
+        pool_off = m.words[m.region.layout.serve_word(L.SV_KV_POOL)]
+        geo = KVGeometry(int(pool_off), int(self.pd["n_layers"]), m.spec.num_blocks, bs,
+                         int(self.pd["row_floats"]))  # fmt: skip
+        for b, crc in zip(src[:skip], crcs, strict=True):
+            if P.block_crc(m.region.array, geo, b) != crc:
+                self.counters["pd_skip_refused"] += 1
+                return 0
+        return skip
 
     def _send_failed(self, d: dict) -> None:
         self.kv_out.send(wire.pack("xfer", {"id": d["id"], "dst": d["die"], "ok": False}))
@@ -192,6 +221,8 @@ class _PDReq:
     offs: list[int] = field(default_factory=list)
     aborted: bool = False
     ns: str | None = None  # its cache salt (the decode die's cache registers its blocks so)
+    hint: dict | None = None  # its own lease of the pooled prefix (`decode_load`)
+    skip: int = 0  # leading prompt blocks the decode die holds already (its cache, the pool)
 
 
 class DecodeSide:
@@ -229,7 +260,8 @@ class DecodeSide:
             master.region.prefault(cfg_layout.app_off, cfg_layout.app_bytes, write=False)
         self.counters = {"pd_success": 0, "pd_failed": 0, "pd_checksum_mismatches": 0,
                          "pd_quarantined_blocks": 0, "pd_probes": 0,
-                         "pd_deferred": 0}  # fmt: skip
+                         "pd_deferred": 0, "pd_skip_offered_blocks": 0,
+                         "pd_skipped_blocks": 0}  # fmt: skip
 
     # -- requests --------------------------------------------------------------------------
 
@@ -238,8 +270,9 @@ class DecodeSide:
         src = body["pd"].get("peer")
         if src not in self.regions:
             raise ValueError(f"pd.peer {src!r} is not a prefill die of this pod")
+        hint = body.get("pool") if isinstance(body.get("pool"), dict) else None
         self.reqs[rid] = _PDReq(rid, src, list(prompt), params, base, body.get("stream", True),
-                                ns=body.get("ns"))  # fmt: skip
+                                ns=body.get("ns"), hint=hint)  # fmt: skip
 
     def busy(self) -> bool:
         return bool(self.reqs or self.events or self.quarantine)
@@ -249,6 +282,9 @@ class DecodeSide:
         r = self.reqs.get(rid)
         if r is None or r.aborted:
             return False
+        if r.hint is not None and self.m.pool is not None:  # its pool lease, unused: back
+            self.m.pool.copy_hit(r.hint, [], 0, 0)
+            r.hint = None
         self._end(r, "abort", "")
         if r.state == "Bootstrapping":
             del self.reqs[rid]
@@ -300,7 +336,29 @@ class DecodeSide:
             r.state, r.since = "WaitingForInput", now
             holding += 1
             body = {"id": r.rid, "die": self.g, "offs": r.offs, "n_tokens": len(r.prompt)}
+            body.update(self._skip(r, blocks))
             self.to_master[r.src].send(wire.pack("kv_dst", body))
+
+    def _skip(self, r: _PDReq, blocks: list[int]) -> dict:
+        """`skip` and `crcs` of the scatter list (the KV pool's `decode_load`): the prompt's
+        pooled prefix, copied now by this master into the request's own new blocks, and their
+        crcs. The prefill side sends from block `skip` when its own blocks have those crcs
+        (the same bytes), else from 0 (overwriting them: the blocks are the request's alone):
+        the decode die's KV is the prefill die's either way, a replay's too."""
+        r.skip = 0
+        if r.hint is None or self.m.pool is None:
+            return {}
+        bs = self.m.spec.block_size
+        hit = min(len(r.hint.get("blocks", ())), (len(r.prompt) - 1) // bs)
+        r.skip = self.m.pool.copy_hit(r.hint, blocks, 0, max(0, hit))  # (its lease goes back)
+        r.hint = None
+        if not r.skip:
+            return {}
+        geo = KVGeometry(r.offs[0] - blocks[0] * bs * self.row_bytes, self.n_layers,
+                         self.m.spec.num_blocks, bs, self.row_bytes // 4)  # fmt: skip
+        crcs = [P.block_crc(self.m.region.array, geo, b) for b in blocks[: r.skip]]
+        self.counters["pd_skip_offered_blocks"] += r.skip
+        return {"skip": r.skip, "crcs": crcs}
 
     def _deferred(self, reqs: list) -> None:
         """These wait for room (backpressure): each counted once in `pd_deferred`."""
@@ -326,12 +384,19 @@ class DecodeSide:
             return
         ok = rec.status == OK
         t0 = time.perf_counter_ns()
+        start = self._start_of(r, rec.nbytes) if ok else 0
+        if ok and start is None:  # not a size the prefill side could have sent
+            self.counters["pd_checksum_mismatches"] += 1
+            ok = False
         if ok and self.verify:
-            spans = scatter_spans(r.offs, len(r.prompt), self.m.spec.block_size,
-                                  self.row_bytes, self.n_layers)  # fmt: skip
+            offs, n = self._rest(r, start)
+            spans = scatter_spans(offs, n, self.m.spec.block_size, self.row_bytes,
+                                  self.n_layers)  # fmt: skip
             if checksum(self.m.region.array, spans, 1) != rec.crc:
                 self.counters["pd_checksum_mismatches"] += 1
                 ok = False
+        if ok:
+            self.counters["pd_skipped_blocks"] += start
         self.link_crc_ns[p] += rec.crc_ns + time.perf_counter_ns() - t0
         self.rx.ack(p, rec.k)
         self.link_bytes[p] += rec.nbytes
@@ -349,6 +414,21 @@ class DecodeSide:
         self.counters["pd_success"] += 1
         self.events.append([r.rid, "landed", now, rec.nbytes, rec.ns])
         self._start(r, rec.first, list(rec.drafts))
+
+    def _start_of(self, r: _PDReq, nbytes: int) -> int | None:
+        """The block the prefill side sent from, `skip` or 0, known by the bytes that landed
+        (every layer's rows of the prompt from there); None: neither."""
+        row = self.n_layers * self.row_bytes
+        for start in {r.skip, 0}:
+            if nbytes == (len(r.prompt) - start * self.m.spec.block_size) * row:
+                return start
+        return None
+
+    def _rest(self, r: _PDReq, start: int) -> tuple[list[int], int]:
+        """The scatter list of the prompt's blocks from `start`, and their tokens."""
+        nb = len(r.offs) // self.n_layers
+        offs = [r.offs[layer * nb + b] for layer in range(self.n_layers) for b in range(start, nb)]
+        return offs, len(r.prompt) - start * self.m.spec.block_size
 
     def _start(self, r: _PDReq, first: int, drafts: list[int]) -> None:
         """Success: the request joins the batch at position len(prompt), fed its first token

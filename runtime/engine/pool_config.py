@@ -31,6 +31,9 @@ class PoolConfig:
         hold (a block past it is not stored: counted, never an error; the shell refuses a
         quota under one block at start). The namespace "" is the default one (the requests
         without a cache salt, which is never empty: 1 to 256 characters).
+    decode_load: a PD pod's decode die takes the prompt's prefix from its own prefix cache and
+        the pool (copied by its master) and the KV link carries the rest; False: the link
+        carries every prompt token (the prefill die still loads the hit to compute the rest).
     """
 
     dram_mib: float = 256.0
@@ -44,6 +47,7 @@ class PoolConfig:
     restarts: int = 3
     load_by: str = "master"
     quotas: dict[str, float] = field(default_factory=dict)
+    decode_load: bool = True
 
     def __post_init__(self) -> None:
         for name in ("dram_mib", "ssd_mib", "load_timeout_s", "lease_s"):
@@ -67,6 +71,8 @@ class PoolConfig:
             if isinstance(mib, bool) or not isinstance(mib, int | float) or not 0 < mib < math.inf:
                 raise ConfigError(f"kv_pool.quotas: {ns}={mib!r} must be a finite number of MiB"
                                   " > 0")  # fmt: skip
+        if not isinstance(self.decode_load, bool):
+            raise ConfigError(f"kv_pool.decode_load: {self.decode_load!r} must be a bool")
         for name in ("min_hit_blocks", "restarts"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:

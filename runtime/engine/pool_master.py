@@ -50,19 +50,17 @@ import logging
 import mmap
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
 
-from comm.alltoall.state import kernels
 from memory import layout as L
 from memory import pool_layout as P
 from memory.errors import ProtocolError, ShmError
-from runtime.engine.pool_peer import unpack_fetched
+from runtime.engine.pool_fetch import Fetches, Load
 from runtime.engine.pool_server import pack as pool_frame
 from runtime.engine.pool_shell import segment_inode
-from runtime.engine.wire import WireError, master_socket
+from runtime.engine.wire import master_socket
 from sched import Request
 from sched.kv import KVFull
 from sched.pool import chain as pool_chain
@@ -78,22 +76,7 @@ def _unrun(blocks: list[list]) -> list[list[int]]:
     return [[int(b[0]), int(b[2])] for b in blocks if len(b) > 4 and b[4]]
 
 
-@dataclass(eq=False)
-class _Load:
-    req: Request
-    lease: int
-    server: int
-    blocks: list[list]  # [hash, server, slot, crc, promote] of the loaded blocks (past the hit)
-    local: int  # blocks the die-local cache had
-    offs: list[int]  # the scatter list: per (layer, loaded block), layer-major
-    since: float = field(default_factory=time.monotonic)
-    t_ns: int = field(default_factory=time.perf_counter_ns)  # the trace's clock
-    aborted: bool = False
-    pending: dict[int, list[int]] | None = None  # fetched: server -> its blocks (indices)
-    nbytes: int = 0
-
-
-class PoolSide:
+class PoolSide(Fetches):
     """One master's pool client (module docstring). `pool`: the MasterSpec's `pool` dict:
     `servers` {id: order address}, `n_layers`, `row_floats`, `timeout_s`, `store`."""
 
@@ -122,7 +105,7 @@ class PoolSide:
         self.prefaulted = False
         self.segs: dict[int, P.PoolSegment] = {}  # server -> its DRAM tier, mapped (load_by)
         self.seg = segment_inode(master.region.name)  # this incarnation's die segment
-        self.loads: dict[int, _Load] = {}
+        self.loads: dict[int, Load] = {}
         self.quarantine: dict[int, tuple[object, int]] = {}  # request -> (holder, server)
         self.offered: dict[int, int] = {}  # request -> prompt blocks offered (or skipped)
         self.holds: dict[int, object] = {}  # put hold id -> holder key
@@ -135,7 +118,9 @@ class PoolSide:
                          "pool_put_blocks": 0, "pool_quarantined_blocks": 0,
                          "pool_kv_full": 0, "pool_direct_loads": 0, "pool_fetches": 0,
                          "pool_fetch_bytes": 0, "pool_fetch_failed": 0,
-                         "pool_remote_loads": 0, "pool_remote_hit_tokens": 0}  # fmt: skip
+                         "pool_remote_loads": 0, "pool_remote_hit_tokens": 0,
+                         "pool_decode_loads": 0, "pool_decode_tokens": 0,
+                         "pool_decode_bytes": 0, "pool_decode_ns": 0}  # fmt: skip
 
     # -- read path -------------------------------------------------------------------------
 
@@ -180,7 +165,7 @@ class PoolSide:
         new = table[len(local) :]
         offs = [pool_off + (layer * nb + b) * stride
                 for layer in range(self.n_layers) for b in new]  # fmt: skip
-        ld = _Load(req, lease, server, todo, len(local), offs)
+        ld = Load(req, lease, server, todo, len(local), offs)
         if remote:
             return self._fetch(ld, hint)
         if self.load_by == "master" and not any(len(b) > 4 and b[4] for b in todo):
@@ -205,7 +190,7 @@ class PoolSide:
         self.counters["pool_loads"] += 1
         return True
 
-    def _direct(self, ld: _Load, pid: int | None, idx: list[int] | None = None) -> int | None:
+    def _direct(self, ld: Load, pid: int | None, idx: list[int] | None = None) -> int | None:
         """Copy the load's slots (its blocks `idx`, default all) from its server's DRAM tier
         into the die's blocks here (the leased slots cannot change under the lease): bytes
         copied, or None when the tier mapped is not that of the server the hint came from
@@ -224,122 +209,6 @@ class PoolSide:
         src = np.arange(self.n_layers, dtype=np.int64)[:, None] * seg.n_slots
         src = P.HEADER_BYTES + (src + np.asarray(slots, np.int64)[None, :]) * stride
         return self._scatter(seg.array, src.ravel(), ld, idx)
-
-    def _scatter(self, src_buf: np.ndarray, src: np.ndarray, ld: _Load, idx: list[int]) -> int:
-        """Copy spans of `src_buf` at `src` (per (layer, block of idx), layer-major) to the
-        die's blocks idx of the load."""
-        n, stride = len(ld.blocks), self.m.spec.block_size * self.row_bytes
-        dst = [ld.offs[layer * n + i] for layer in range(self.n_layers) for i in idx]
-        spans = np.empty((len(dst), 3), np.int64)
-        spans[:, 0], spans[:, 1], spans[:, 2] = src, dst, stride
-        n = kernels().scatter_copy(src_buf.ctypes.data, self.m.region.array.ctypes.data, spans)
-        return int(n)
-
-    # -- several hosts: fetches from other hosts' servers ---------------------------------------
-
-    def _fetch(self, ld: _Load, hint: dict) -> bool:
-        """Load ld over hosts (module docstring): home blocks copied now (load_by master),
-        the others fetched from their servers; False (the caller queues the request to
-        recompute) when a server has no peer socket known yet or its tier is not mapped."""
-        rid, kv = ld.req.request_id, self.m.kv
-        info = {int(x[0]): (x[1], x[2]) for x in hint.get("servers") or ()}
-        pending: dict[int, list[int]] = {}
-        home = []
-        for i, b in enumerate(ld.blocks):
-            s = int(b[1])
-            if s == self.home and self.load_by == "master":
-                home.append(i)
-            else:
-                pending.setdefault(s, []).append(i)
-        socks = {s: self._peer(s, info.get(s, (None, None))[1]) for s in pending}
-        nbytes = self._direct(ld, hint.get("pid"), home) if home else 0
-        if nbytes is None or any(v is None for v in socks.values()):
-            kv.free(("pool", rid))
-            self._unpin(ld.lease)
-            self.counters["pool_load_fallbacks"] += 1
-            return False
-        self.counters["pool_loads"] += 1
-        self.counters["pool_remote_loads"] += 1
-        ld.pending, ld.nbytes = pending, nbytes
-        self.loads[rid] = ld
-        for s, idx in pending.items():
-            socks[s].send(
-                pool_frame(
-                    "fetch",
-                    {"id": rid, "epoch": info[s][0], "slots": [int(ld.blocks[i][2]) for i in idx]},
-                )
-            )
-            self.counters["pool_fetches"] += 1
-        return True
-
-    def _peer(self, s: int, endpoint: str | None) -> zmq.Socket | None:
-        """The DEALER to server s's peer socket at `endpoint` (a new one when it moved)."""
-        have = self.peers.get(s)
-        if have is not None and have[0] == endpoint:
-            return have[1]
-        self._drop_peer(s)
-        if not isinstance(endpoint, str):
-            return None
-        sock = self.m.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)
-        self.peers[s] = (endpoint, sock)
-        if self.poller is not None:
-            self.poller.register(sock, zmq.POLLIN)
-        return sock
-
-    def _drop_peer(self, s: int) -> None:
-        have = self.peers.pop(s, None)
-        if have is not None:
-            if self.poller is not None:
-                self.poller.unregister(have[1])
-            have[1].close(linger=0)
-
-    def poll_peers(self, events: dict) -> None:
-        """Every `fetched` waiting on a peer socket the master's poll saw readable."""
-        for s, (_, sock) in list(self.peers.items()):
-            if sock not in events:
-                continue
-            while self.peers.get(s, (None, None))[1] is sock:
-                try:
-                    frame = sock.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                try:
-                    body = unpack_fetched(frame)
-                except WireError as e:
-                    log.warning("master %d: a bad reply from pool server %d: %s",
-                                self.m.spec.group, s, e)  # fmt: skip
-                    continue
-                self.on_fetched(s, body)
-
-    def on_fetched(self, s: int, body: dict) -> None:
-        """Server s's bytes for a load: written into its blocks; the load lands when every
-        server it fetches from answered."""
-        ld = self.loads.get(body.get("id"))
-        if ld is None or ld.pending is None or s not in ld.pending:
-            return  # a late reply of a load fallen back (its blocks are free already)
-        idx = ld.pending.pop(s)
-        stride = self.m.spec.block_size * self.row_bytes
-        data = body.get("data")
-        want = self.n_layers * len(idx) * stride
-        if body.get("status") != 0 or not isinstance(data, bytes) or len(data) != want:
-            self.counters["pool_fetch_failed"] += 1
-            why = body.get("error") or f"{len(data or b'')} bytes, not {want}"
-            self._fallback(ld, f"fetch from server {s} failed: {why}")
-            return
-        if not ld.aborted:
-            buf = np.frombuffer(data, np.uint8)
-            ld.nbytes += self._scatter(buf, np.arange(len(idx) * self.n_layers) * stride, ld, idx)
-            self.counters["pool_fetch_bytes"] += len(data)
-        if ld.pending:
-            return
-        del self.loads[ld.req.request_id]
-        if ld.aborted:
-            self.m.kv.free(("pool", ld.req.request_id))
-            self._unpin(ld.lease)
-            return
-        self._land(ld, True, ld.nbytes, [])
 
     def _segment(self, server: int, pid: int | None) -> P.PoolSegment | None:
         """Server `server`'s DRAM tier, mapped once per incarnation (its creator's pid)."""
@@ -381,24 +250,12 @@ class PoolSide:
         self._land(ld, body.get("status") == 0, int(body.get("bytes", 0)),
                    body.get("promoted") or [])  # fmt: skip
 
-    def _land(self, ld: _Load, ok_status: bool, nbytes: int, promoted: list) -> None:
+    def _land(self, ld: Load, ok_status: bool, nbytes: int, promoted: list) -> None:
         """The load's data is in the die's blocks: check each block's crc, register the good
         ones in the die-local prefix cache, queue the request, report `landed`."""
         rid = ld.req.request_id
         bs = self.m.spec.block_size
-        ok = 0
-        if ok_status:  # `block_crc` of each landed block: its layer spans, in layer order
-            mv, n, stride = memoryview(self.m.region.array), len(ld.blocks), bs * self.row_bytes
-            for i, b in enumerate(ld.blocks):
-                crc = 0
-                for layer in range(self.n_layers):
-                    off = ld.offs[layer * n + i]
-                    crc = P.pool_crc(mv[off : off + stride], crc)
-                if crc != int(b[3]):
-                    self.counters["pool_crc_mismatches"] += 1
-                    self.events.append(["bad", int(b[0])])
-                    break
-                ok += 1
+        ok = self._check(ld) if ok_status else 0
         req, kv = ld.req, self.m.kv
         if ok:
             kv.cache_blocks(("pool", rid), req.prompt, (ld.local + ok) * bs, ns_root(req.ns))
@@ -420,7 +277,50 @@ class PoolSide:
                             round(dt * 1e3, 4), promoted])  # fmt: skip
         self.m.sched.add(req)
 
-    def _fallback(self, ld: _Load, why: str) -> None:
+    def _check(self, ld: Load) -> int:
+        """How many of the load's blocks landed with the crc they were stored with (the first
+        that did not ends the count, reported `bad`): `block_crc` of each landed block, its
+        layer spans in layer order."""
+        mv, n = memoryview(self.m.region.array), len(ld.blocks)
+        stride = self.m.spec.block_size * self.row_bytes
+        for i, b in enumerate(ld.blocks):
+            crc = 0
+            for layer in range(self.n_layers):
+                off = ld.offs[layer * n + i]
+                crc = P.pool_crc(mv[off : off + stride], crc)
+            if crc != int(b[3]):
+                self.counters["pool_crc_mismatches"] += 1
+                self.events.append(["bad", int(b[0])])
+                return i
+        return n
+
+    def copy_hit(self, hint: dict, table: list[int], start: int, n: int) -> int:
+        """A PD decode die's load (the shell's `decode_hint`): the hint's blocks [start, n)
+        copied now, by this master, from its host's mapped DRAM tier into the blocks
+        `table[start:n]` (the caller's allocation), each crc checked; how many landed good
+        (from `start`, up to the first bad one). The lease goes back whatever happens."""
+        lease, m = int(hint.get("lease", 0)), self.m
+        blocks = [list(b) for b in hint.get("blocks", ())][start:n]
+        good = 0
+        pool_off = m.words[m.region.layout.serve_word(L.SV_KV_POOL)]
+        home = all(int(b[1]) == self.home and not (len(b) > 4 and b[4]) for b in blocks)
+        if blocks and pool_off and self.pod and home:
+            nb, stride = m.spec.num_blocks, m.spec.block_size * self.row_bytes
+            offs = [pool_off + (layer * nb + b) * stride
+                    for layer in range(self.n_layers) for b in table[start:n]]  # fmt: skip
+            t0 = time.perf_counter_ns()
+            ld = Load(None, lease, self.home, blocks, start, offs)  # type: ignore[arg-type]
+            nbytes = self._direct(ld, hint.get("pid"))
+            if nbytes is not None:
+                good = self._check(ld)
+                self.counters["pool_decode_loads"] += 1
+                self.counters["pool_decode_tokens"] += good * m.spec.block_size
+                self.counters["pool_decode_bytes"] += nbytes
+                self.counters["pool_decode_ns"] += time.perf_counter_ns() - t0
+        self._unpin(lease)
+        return good
+
+    def _fallback(self, ld: Load, why: str) -> None:
         """Queue the request without its load; its blocks quarantined (the server may still
         write them) until the completion comes or the server is gone."""
         rid = ld.req.request_id

@@ -155,7 +155,8 @@ class PoolShell:
                          "pool_inventory_blocks": 0, "pool_inventories": 0, "pool_demote_failed": 0,
                          "pool_load_ms_sum": 0.0, "pool_load_bytes": 0,
                          "pool_quota_refused_blocks": 0, "pool_remote_hint_blocks": 0,
-                         "pool_remote_cut_blocks": 0}  # fmt: skip
+                         "pool_remote_cut_blocks": 0, "pool_decode_hints": 0,
+                         "pool_decode_hint_blocks": 0}  # fmt: skip
 
     # -- the servers' state (the fault watch and the supervisor read these) -------------------
 
@@ -346,6 +347,29 @@ class PoolShell:
         else:
             self._send_orders(rest)
         return hint
+
+    def decode_hint(self, tokens: list[int], ns: str | None, group: int) -> dict | None:
+        """A PD decode die's own lease of the prompt's pooled prefix (`PoolConfig.decode_load`),
+        after its prefill die's hint: the blocks its master can copy now (in DRAM on its host's
+        server: no promotion, no fetch), a second lookup that changes no counter, recency or
+        admission. None: nothing to load (the KV link carries the whole prompt)."""
+        if self.down or not self.cfg.decode_load:
+            return None
+        home = self.home[group] if 0 <= group < len(self.home) else 0
+        hit = self.index.lookup(tokens, ns, count=False, promote=False)
+        blocks = []
+        for b in hit.blocks:
+            if b.server != home:
+                break
+            blocks.append([b.h, b.server, b.slot, b.crc, False])
+        if len(blocks) < max(1, self.cfg.min_hit_blocks):
+            self.index.release(hit.lease)
+            return None
+        sv = self.servers[home]
+        self.counters["pool_decode_hints"] += 1
+        self.counters["pool_decode_hint_blocks"] += len(blocks)
+        return {"lease": hit.lease, "ns": ns, "blocks": blocks, "epoch": sv.epoch,
+                "pid": sv.handle.pid if sv.handle is not None else None}  # fmt: skip
 
     def _undo(self, hit, promote: set) -> None:
         for b in hit.blocks:

@@ -203,6 +203,10 @@ class RequestTracker:
                 self.send(t.prefill_group, "add", {**body, "stream": False, "render": None,
                                                    "pd": {"peer": t.group}, **pool})  # fmt: skip
                 body["pd"] = {"peer": t.prefill_group}
+                if self.pool is not None:  # the decode die's own lease of the pooled prefix
+                    dh = self.pool.decode_hint(body["prompt"], t.ns, t.group)
+                    if dh is not None:
+                        body["pool"] = dh
             self.send(t.group, "add", body)
 
     def abort(self, request_id: int) -> None:

@@ -85,6 +85,7 @@ def test_relative_pool_dir_is_made_absolute(tmp_path, monkeypatch):
     ("--pool-dram-mib", "16"), ("--pool-ssd-mib", "4"), ("--pool-dir", "/tmp"),
     ("--pool-admit", "second_hit"), ("--pool-store", "off"), ("--pool-min-hit-blocks", "2"),
     ("--pool-load-timeout", "1"), ("--pool-quota", "a=1"), ("--pool-load-by", "server"),
+    ("--pool-decode-load", "off"),
 ])  # fmt: skip
 def test_a_pool_flag_without_kv_pool_is_refused(flag, value):
     assert refused(flag, value) == f"argument {flag}: needs --kv-pool"
@@ -384,3 +385,8 @@ def test_bench_serve_figures_by_source():
     assert f["hit_rate"] == pytest.approx(116 / 220)
     assert f["pool_loads"] == 2 and f["pool_load_gbps"] == pytest.approx(1.0)
     assert scrape.cache_figures(lambda name, **labels: 0.0) == {}
+
+
+def test_pool_decode_load_flag():
+    assert serve_config("--kv-pool").kv_pool.decode_load is True
+    assert serve_config("--kv-pool", "--pool-decode-load", "off").kv_pool.decode_load is False

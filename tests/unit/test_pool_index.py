@@ -944,3 +944,32 @@ def test_a_quota_for_the_default_namespace_bounds_it_alone():
     assert all(h in pool for h, _, _ in chain(salted, BS, "a"))
     assert pool.stats()["quota_dropped"] == 0
     pool.check()
+
+
+def test_a_second_lookup_counts_nothing_and_stops_before_ssd_blocks():
+    """count=False (a PD decode die's lookup after its prefill die's): a lease like any, but no
+    counter, recency, hit count or admission ghost changes; promote=False: the hit stops at the
+    first block not in DRAM (no promotion ordered)."""
+    pool = PoolIndex(BS, {0: 4}, {0: 8})
+    t = toks(3, 0)
+    store(pool, t)
+    store(pool, toks(1, 100))
+    store(pool, toks(1, 200))  # evicts t's leaf a2 (LRU): demoted to the SSD tier
+    hs = [h for h, _, _ in chain(t, BS)]
+    assert [pool.entry(h).dram_slot is not None for h in hs] == [True, True, False]
+    pool.take_orders()
+    before = (pool.stats(), {h: (e.hits, e.tick) for h, e in pool._e.items()})
+    hit = pool.lookup(t, count=False, promote=False)
+    after = (pool.stats(), {h: (e.hits, e.tick) for h, e in pool._e.items()})
+    assert [b.h for b in hit.blocks] == hs[:2] and all(b.promote_slot is None for b in hit.blocks)
+    assert pool.take_orders() == [] and before[1] == after[1]
+    assert {k: v for k, v in before[0].items() if k not in ("pinned", "leases")} == \
+        {k: v for k, v in after[0].items() if k not in ("pinned", "leases")}  # fmt: skip
+    assert after[0]["pinned"] == 2
+    pool.release(hit.lease)
+    assert len(pool.lookup(t).blocks) == 3  # a counted lookup promotes a2
+    pool.check()
+    gate = PoolIndex(BS, {0: 4}, admit="second_hit")
+    for _ in range(2):
+        gate.lookup(t, count=False)  # no ghost: still never seen
+    assert store(gate, t)[0] == Dropped("admission")
