@@ -84,6 +84,14 @@ DIE_A, DIE_B = 0, 1
 LOAD_TIMEOUT_S = 30.0
 
 
+def pd_pair(text: str) -> tuple[int, int]:
+    """An argparse type: `P,D` (prefill and decode dies, each >= 1)."""
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not P,D (prefill and decode dies >= 1)")
+    return int(parts[0]), int(parts[1])
+
+
 def reuse_list(text: str) -> list[float]:
     """An argparse type: a non-empty comma list of reuse rates in [0, 1), sorted, no repeats."""
     items = [v.strip() for v in text.split(",") if v.strip()]
@@ -131,6 +139,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
         " another host's, fetched over TCP (bench.pool_hosts; --dies is the sum)")  # fmt: skip
     add("--fabric", choices=("mpi", "mpi-rma", "mirror"), default=None,
         help="with --hosts: how dies reach other hosts (default mpi)")  # fmt: skip
+    add("--pd", type=pd_pair, default=None, metavar="P,D",
+        help="a PD pod of P prefill and D decode dies: the decode die loading the pooled prefix"
+        " (the KV link carries the rest) against the link carrying it all (bench.pool_pd)")
 
 
 @dataclass(frozen=True)
@@ -151,6 +162,7 @@ class Options:
     overhead: int = 0
     fabric: str | None = None
     hosts: tuple | None = None  # (spec, host of each die): bench.pool_hosts
+    pd: tuple[int, int] | None = None  # (prefill, decode dies): bench.pool_pd
 
 
 def parse_options(args: argparse.Namespace) -> Options:
@@ -168,7 +180,10 @@ def parse_options(args: argparse.Namespace) -> Options:
                 args.prompts, args.concurrency, args.block_size,
                 args.max_num_batched_tokens or args.prompt_len, args.pool_dram_mib,
                 args.timeout, args.seed, args.json, args.overhead,
-                getattr(args, "fabric", None), getattr(args, "hosts", None))  # fmt: skip
+                getattr(args, "fabric", None), getattr(args, "hosts", None),
+                getattr(args, "pd", None))  # fmt: skip
+    if o.pd and o.hosts:
+        raise ConfigError("argument --pd: not with --hosts (a PD pod runs on one host)")
     if o.prompt_len + WARM_TOKENS > o.max_seq_len:
         raise ConfigError(f"argument --prompt-len: {o.prompt_len} tokens + {WARM_TOKENS}"
                           f" generated exceed the model's context of {o.max_seq_len}"
@@ -448,6 +463,10 @@ def run(opts: Options) -> int:
         from bench.pool_hosts import run as run_hosts
 
         return run_hosts(o, o.hosts[1], o.hosts[0])
+    if o.pd:
+        from bench.pool_pd import run as run_pd
+
+        return run_pd(o, o.pd)
     bs, L = o.block_size, o.prompt_len
     progress(f"xpod bench pool: {o.dies} dies, model {o.model} (context {o.max_seq_len}), prompt"
              f" {L} tokens, block {bs}, r = {', '.join(f'{r:g}' for r in o.reuse)}, {o.prompts}"

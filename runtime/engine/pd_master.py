@@ -222,7 +222,8 @@ class _PDReq:
     aborted: bool = False
     ns: str | None = None  # its cache salt (the decode die's cache registers its blocks so)
     hint: dict | None = None  # its own lease of the pooled prefix (`decode_load`)
-    skip: int = 0  # leading prompt blocks the decode die holds already (its cache, the pool)
+    skip: int = 0  # leading prompt blocks the decode die copies from the pool itself
+    short: bool = False  # its pool copy did not check (fewer good blocks than `skip`)
 
 
 class DecodeSide:
@@ -261,7 +262,7 @@ class DecodeSide:
         self.counters = {"pd_success": 0, "pd_failed": 0, "pd_checksum_mismatches": 0,
                          "pd_quarantined_blocks": 0, "pd_probes": 0,
                          "pd_deferred": 0, "pd_skip_offered_blocks": 0,
-                         "pd_skipped_blocks": 0}  # fmt: skip
+                         "pd_skipped_blocks": 0, "pd_pool_copy_bad": 0}  # fmt: skip
 
     # -- requests --------------------------------------------------------------------------
 
@@ -336,29 +337,28 @@ class DecodeSide:
             r.state, r.since = "WaitingForInput", now
             holding += 1
             body = {"id": r.rid, "die": self.g, "offs": r.offs, "n_tokens": len(r.prompt)}
-            body.update(self._skip(r, blocks))
+            hint, r.hint = r.hint, None
+            if hint is not None:
+                body.update(self._skip(r, hint))
             self.to_master[r.src].send(wire.pack("kv_dst", body))
+            if hint is not None:  # the copy, after the scatter list is on its way
+                r.short = self.m.pool.copy_hit(hint, blocks, 0, r.skip) < r.skip
 
-    def _skip(self, r: _PDReq, blocks: list[int]) -> dict:
+    def _skip(self, r: _PDReq, hint: dict) -> dict:
         """`skip` and `crcs` of the scatter list (the KV pool's `decode_load`): the prompt's
-        pooled prefix, copied now by this master into the request's own new blocks, and their
-        crcs. The prefill side sends from block `skip` when its own blocks have those crcs
-        (the same bytes), else from 0 (overwriting them: the blocks are the request's alone):
-        the decode die's KV is the prefill die's either way, a replay's too."""
-        r.skip = 0
-        if r.hint is None or self.m.pool is None:
-            return {}
+        pooled prefix this master can copy into the request's own new blocks (it does, right
+        after sending the list) and the crcs it was stored with. The prefill side sends from
+        block `skip` when its own blocks have those crcs (the same bytes), else from 0
+        (overwriting them: the blocks are the request's alone): the decode die's KV is the
+        prefill die's either way, a replay's too. A copy that does not check fails the request
+        (sent again) if the prefill side skipped it."""
         bs = self.m.spec.block_size
-        hit = min(len(r.hint.get("blocks", ())), (len(r.prompt) - 1) // bs)
-        r.skip = self.m.pool.copy_hit(r.hint, blocks, 0, max(0, hit))  # (its lease goes back)
-        r.hint = None
+        hit = min(len(hint.get("blocks", ())), (len(r.prompt) - 1) // bs)
+        r.skip = self.m.pool.copyable(hint, max(0, hit)) if self.m.pool is not None else 0
         if not r.skip:
             return {}
-        geo = KVGeometry(r.offs[0] - blocks[0] * bs * self.row_bytes, self.n_layers,
-                         self.m.spec.num_blocks, bs, self.row_bytes // 4)  # fmt: skip
-        crcs = [P.block_crc(self.m.region.array, geo, b) for b in blocks[: r.skip]]
         self.counters["pd_skip_offered_blocks"] += r.skip
-        return {"skip": r.skip, "crcs": crcs}
+        return {"skip": r.skip, "crcs": [int(b[3]) for b in hint["blocks"][: r.skip]]}
 
     def _deferred(self, reqs: list) -> None:
         """These wait for room (backpressure): each counted once in `pd_deferred`."""
@@ -388,6 +388,9 @@ class DecodeSide:
         if ok and start is None:  # not a size the prefill side could have sent
             self.counters["pd_checksum_mismatches"] += 1
             ok = False
+        if ok and start and r.short:  # it skipped blocks this die's pool copy got wrong
+            self.counters["pd_pool_copy_bad"] += 1
+            ok = False
         if ok and self.verify:
             offs, n = self._rest(r, start)
             spans = scatter_spans(offs, n, self.m.spec.block_size, self.row_bytes,
@@ -407,7 +410,13 @@ class DecodeSide:
             kv.free(r.rid)
             self.to_master[p].send(wire.pack("kv_done", {"id": r.rid}))
             if not r.aborted:
-                why = "checksum mismatch" if rec.status == OK else "the prefill side had no KV"
+                why = (
+                    "the prefill side had no KV"
+                    if rec.status != OK
+                    else (
+                        "its pool copy did not check" if r.short and start else "checksum mismatch"
+                    )
+                )
                 self._fail(r, why)
             return
         self.to_master[p].send(wire.pack("kv_done", {"id": r.rid}))

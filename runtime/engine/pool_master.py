@@ -294,6 +294,18 @@ class PoolSide(Fetches):
                 return i
         return n
 
+    def copyable(self, hint: dict, n: int) -> int:
+        """How many of the hint's first n blocks `copy_hit` can copy: on this host's server,
+        in DRAM (no promotion), its tier mapped (the hint's incarnation)."""
+        m, k = self.m, 0
+        if not self.pod or not m.words[m.region.layout.serve_word(L.SV_KV_POOL)]:
+            return 0
+        for b in list(hint.get("blocks", ()))[:n]:
+            if int(b[1]) != self.home or (len(b) > 4 and b[4]):
+                break
+            k += 1
+        return k if k and self._segment(self.home, hint.get("pid")) is not None else 0
+
     def copy_hit(self, hint: dict, table: list[int], start: int, n: int) -> int:
         """A PD decode die's load (the shell's `decode_hint`): the hint's blocks [start, n)
         copied now, by this master, from its host's mapped DRAM tier into the blocks

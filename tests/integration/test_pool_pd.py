@@ -45,8 +45,15 @@ def run_pd(eng: Engine, prompts: list[list[int]]) -> list:
     return ts
 
 
-def link_bytes(eng: Engine) -> int:
-    return sum(x["bytes"] for x in eng.stats.get(1, {}).get("pd_links", {}).values())
+def link(eng: Engine, n: int) -> int:
+    """The KV link's bytes once the decode master's stats count n transfers (they only grow:
+    its stats come after the transfer, now or with its next message)."""
+
+    def links() -> list[dict]:
+        return list(eng.stats.get(1, {}).get("pd_links", {}).values())
+
+    wait_for(lambda: sum(x["transfers"] for x in links()) >= n, what=f"{n} KV transfers")
+    return sum(x["bytes"] for x in links())
 
 
 def stat(eng: Engine, g: int, key: str) -> int:
@@ -65,14 +72,14 @@ def two_turns(decode_load: bool, poison: bool = False) -> tuple[Engine, list, li
     try:
         (a,) = run_pd(eng, [p])
         wait_in_pool(eng, p)
-        before = {"link": link_bytes(eng)}
+        first = link(eng, 1)
         if poison:
             poison_first_block(eng, p)
         (b,) = run_pd(eng, [q])
-        wait_for(lambda: link_bytes(eng) > before["link"], what="the second transfer's bytes")
+        second = link(eng, 2)
     finally:
         eng.close()
-    return eng, [a, b], [before["link"], link_bytes(eng)]
+    return eng, [a, b], [first, second]
 
 
 def poison_first_block(eng: Engine, prompt: list[int]) -> None:
@@ -128,3 +135,38 @@ def test_a_prefill_copy_that_differs_from_the_pool_is_sent_whole():
     assert stat(eng, 0, "pd_skip_refused") == 1 and stat(eng, 0, "pd_skipped_blocks") == 0
     assert stat(eng, 1, "pool_decode_tokens") == 8 * BS  # it had loaded them: overwritten
     assert stat(eng, 1, "pd_checksum_mismatches") == 0
+
+
+def test_a_pool_copy_that_does_not_check_sends_the_request_again():
+    """The pool's slot of P's first block corrupted after it was stored: the decode die's copy
+    fails its crc (the block leaves the index), the prefill die, whose own copy has the stored
+    crc, skips it all the same; the decode side fails the transfer, the request is sent again
+    (no pool block to load now: the whole prompt over the link) and finishes with the tokens of
+    an engine without the pool's decode load."""
+    p = prompt_of(71, 8 * BS + 5)
+    q = p[: 8 * BS] + prompt_of(72, 5)
+    outs = []
+    for poison in (True, False):
+        eng = Engine.launch(**PD, kv_pool=PoolConfig(dram_mib=16, decode_load=poison, **SLOW_OK))
+        try:
+            (a,) = run_pd(eng, [p])
+            wait_in_pool(eng, p)
+            if poison:
+                h = chain(p, BS)[0][0]
+                with eng.lock:
+                    slot = eng.pool.index.entry(h).dram_slot
+                seg = P.attach_pool(eng.pod_id, 0, eng.pool.fp)
+                try:
+                    seg.slots()[0, slot, 0, 0] += 1.0
+                finally:
+                    seg.close()
+            (b,) = run_pd(eng, [q])
+            outs.append(ok([a, b]))
+        finally:
+            eng.close()
+        if poison:
+            assert stat(eng, 1, "pd_pool_copy_bad") == 1
+            assert stat(eng, 1, "pool_crc_mismatches") == 1
+            with eng.lock:
+                assert eng.pool.index.entry(chain(p, BS)[0][0]) is None  # dropped
+    assert outs[0] == outs[1]
