@@ -171,3 +171,41 @@ def _wait_slow(words, idx, target, policy, ctx, peer, field, probe=None, every=1
                     f"die {ctx.die_id}: aborted by the launcher while waiting for die {peer}"
                     f" {field} >= {target} (seen {v})"
                 )
+
+
+class Doze:
+    """The sleeps of a parked loop (one that sleeps on a doorbell between looks at its own
+    words: the serving loop's park, a split pod's expert die waiting for attention dies).
+
+    On one host a peer's store is in the parked die's region when the peer rings, so every
+    sleep is `poll_s` (which only bounds how late the launcher's abort is seen). A die with
+    peers on another host (`progress`: the fabric's, `WaitContext.progress`) sees their stores
+    only once its own `progress()` has applied them (MULTIHOST §0 "target progress"): `look`
+    then drives the fabric before every look at the words, and since a peer rings after its
+    store left but not after it landed, the sleeps after the park starts or the bell rings
+    begin at `first_s` and double up to `poll_s` (a store in flight is applied within about
+    twice its delay, and an idle die soon sleeps `poll_s` again: idle CPU stays ~0).
+
+    Use: `doze = Doze(ctx.progress, poll_s)`; loop: drain the bell, `doze.look()`, check the
+    words, `doze.sleep(bell.wait)`.
+    """
+
+    __slots__ = ("progress", "poll_s", "first_s", "next_s")
+
+    def __init__(self, progress, poll_s: float, first_s: float = 0.0002):
+        self.progress = progress
+        self.poll_s = poll_s
+        self.first_s = min(first_s, poll_s)
+        self.next_s = self.first_s if progress is not None else poll_s
+
+    def look(self) -> None:
+        """Before a look at the words: let the fabric land the remote peers' stores."""
+        if self.progress is not None:
+            self.progress()
+
+    def sleep(self, wait) -> bool:
+        """`wait(timeout_s)` (a doorbell's: True if it rang) for the next sleep; its result."""
+        rang = wait(self.next_s)
+        if self.progress is not None:
+            self.next_s = self.first_s if rang else min(2 * self.next_s, self.poll_s)
+        return rang

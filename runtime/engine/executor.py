@@ -15,6 +15,8 @@ Serving loop of die g, global step s = 1, 2, ... (the same numbers on every die)
      `select` on the bell (no spinning, idle CPU ~0). A die that leaves the park for its own
      work votes s+1 first and then rings every peer's bell, so no die sleeps through a step
      that others vote for (a byte that arrives before the sleep makes it return at once);
+     over hosts a peer's vote lands only through this die's fabric progress, which the park
+     drives before each look, sleeping short after a ring (`comm.wait.Doze`);
    - else run step s: every die, a group without rows with an empty batch (a dummy step: every
      MoE layer is a pod-wide dispatch / combine, so nobody may skip a step).
 4. result: sampled tokens (and the token fed to each decode row, the step, timings, logits if
@@ -49,6 +51,7 @@ import numpy as np
 from comm.alltoall import Split
 from comm.group import group_view
 from comm.trace import STEP_NAMES, TRACK_NAMES
+from comm.wait import Doze
 from memory import layout as L
 from memory.errors import LinkError, PeerTimeout, PodAborted, ProtocolError
 from runtime.engine import wire
@@ -301,9 +304,12 @@ class _Loop:
         abort = self.die.ctx.abort
         if self.split is not None:  # the expert dies may sleep once every attention die does
             notify_parked(self.die, self.split, s, True)
+        # a voter on another host: its vote lands only through this die's fabric progress
+        doze = Doze(self.die.ctx.progress, PARK_POLL_S)
         try:
             while True:
                 self.bell.drain()
+                doze.look()
                 if self.heartbeat():
                     self.master_bell.ring()
                 if (
@@ -315,7 +321,7 @@ class _Loop:
                     return False
                 if abort is not None and abort[0][abort[1]] != abort[2]:
                     raise PodAborted(f"die {self.me}: aborted by the launcher while parked")
-                self.bell.wait(PARK_POLL_S)
+                doze.sleep(self.bell.wait)
         finally:
             if self.split is not None:  # running again: before this die rings its peers
                 notify_parked(self.die, self.split, s + 1, False)

@@ -25,6 +25,7 @@ import comm
 from comm.alltoall import G_SEQ, Split
 from comm.alltoall.state import a2a_state
 from comm.routing import Placement
+from comm.wait import Doze
 from memory import layout as L
 from memory.errors import PodAborted, ProtocolError
 from runtime.engine.fault_hook import fault_hook
@@ -127,14 +128,16 @@ class ExpertServer:
         abort = self.die.ctx.abort
         w = self.w
         t0 = time.perf_counter_ns()
+        doze = Doze(self.die.ctx.progress, PARK_POLL_S)  # attention dies on another host
         while True:
             self.bell.drain()  # before the checks: a ring after them wakes the wait below
+            doze.look()  # their parked words and A2E input land only through it
             if w[idx] >= op or not self._all_parked():
                 self.die.ctx.waited_ns += time.perf_counter_ns() - t0  # parked is waiting
                 return
             if abort is not None and abort[0][abort[1]] != abort[2]:
                 raise PodAborted(f"die {self.die.die_id}: aborted by the launcher while parked")
-            self.bell.wait(PARK_POLL_S)
+            doze.sleep(self.bell.wait)
 
     def run(self) -> dict:
         sp, quant = self.split, self.spec.quant
