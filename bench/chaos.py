@@ -57,6 +57,7 @@ from bench.common import print_table, progress, run_info, write_jsonl
 from bench.serve.scrape import parse_prometheus
 from bench.serve.server import LaunchedServer
 from runtime.cli.argtypes import choice_list, output_file, positive_float, positive_int
+from runtime.cli.hosts import hosts_spec
 
 KINDS = ("kill-die", "stop-die", "kill-master", "stop-master", "kvfault-die", "err-die",
          "drop-die", "delay-die", "kill-output", "kill-pool", "stop-pool")  # fmt: skip
@@ -94,6 +95,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="both servers in batch-invariant mode: every complete stream must then equal the"
         " baseline's bit for bit (streams_differing 0)")  # fmt: skip
     add("--json", type=output_file, default=None, help="write the summary (and faults) as JSON")
+    add("--hosts", type=hosts_spec, default=None, metavar="SPEC",
+        help="serve over emulated hosts (e.g. 2,2; --dies is the sum): with --kv-pool one pool"
+        " server per host, each a fault target pool=S")  # fmt: skip
     chaos_pool.add_args(p)
 
 
@@ -117,6 +121,14 @@ class Options:
     batch_invariant: bool
     json: str | None
     pool: chaos_pool.PoolOptions = chaos_pool.OFF
+    hosts: tuple | None = None  # (spec, host of each die)
+
+    @property
+    def pool_servers(self) -> int:
+        """The servers' pool servers: one per host with --kv-pool (one host: one)."""
+        if not self.pool.kv_pool:
+            return 0
+        return len(set(self.hosts[1])) if self.hosts else 1
 
 
 def parse_options(args: argparse.Namespace) -> Options:
@@ -125,14 +137,20 @@ def parse_options(args: argparse.Namespace) -> Options:
 
     pool = chaos_pool.parse_options(args, args.max_concurrency, args.max_tokens,
                                     ModelConfig.preset(args.model).max_seq_len)  # fmt: skip
+    hosts = getattr(args, "hosts", None)
+    if hosts is not None:
+        if args.dies not in (4, len(hosts[1])):
+            raise ValueError(f"argument --dies: {args.dies}: --hosts {hosts[0]} makes"
+                             f" {len(hosts[1])}")  # fmt: skip
+        args.dies = len(hosts[1])
     o = Options(args.dies, args.model, args.duration, args.fault_every, tuple(args.kinds),
                 args.request_rate, args.max_concurrency, args.max_tokens, args.input_len,
                 args.seed, args.repeat, args.stall_timeout, args.op_timeout,
                 args.abort_fraction, args.hog,
-                args.batch_invariant, args.json, pool)  # fmt: skip
+                args.batch_invariant, args.json, pool, hosts)  # fmt: skip
     for k in range(o.repeat):  # refused now, not by the server (FaultSpecError: a ValueError)
         plan = fault_plan(o, np.random.default_rng([o.seed, 2, k]))
-        parse_faults(plan, o.dies, _output_procs(o), o.dies, int(pool.kv_pool))
+        parse_faults(plan, o.dies, _output_procs(o), o.dies, o.pool_servers)
     return o
 
 
@@ -240,8 +258,9 @@ def fault_plan(o: Options, rng: np.random.Generator) -> str:
         kind, target = o.kinds[k % len(o.kinds)].split("-")
         extra = ",for=0.2s" if kind == "delay" else ""  # below the op deadline: no recovery
         index = int(rng.integers(0, o.dies))
-        if target == "pool":  # its one server; a stop longer than a load's timeout
-            index, extra = 0, f",for={POOL_STOP_S:g}s" if kind == "stop" else ""
+        if target == "pool":  # one of its servers; a stop longer than a load's timeout
+            index = int(rng.integers(0, o.pool_servers)) if o.pool_servers > 1 else 0
+            extra = f",for={POOL_STOP_S:g}s" if kind == "stop" else ""
         out.append(f"{kind}:{target}={index},at={t:g}s{extra}")
         k, t = k + 1, t + o.fault_every
     return "; ".join(out)
@@ -271,6 +290,8 @@ def one_run(o: Options, reqs: list[Req], plan: str) -> Run:
     if o.batch_invariant:
         argv.append("--batch-invariant")
     argv += chaos_pool.server_argv(o.pool)
+    if o.hosts:
+        argv += ["--hosts", o.hosts[0]]
     if plan:  # the restart-storm guard must let the planned faults through
         path = log.name + ".plan"
         with open(path, "w") as fh:
@@ -505,6 +526,7 @@ def _run(o: Options) -> int:
              for kind, k in by_kind.items()}  # fmt: skip
     summary = {
         "bench": "chaos", **run_info(), "dies": o.dies, "model": o.model,
+        "hosts": o.hosts[0] if o.hosts else None,
         "duration_s": o.duration, "fault_every_s": o.fault_every, "kinds": list(o.kinds),
         "pairs": o.repeat, "requests": len(reqs) or sum(len(c.seen) for c, _ in pairs),
         "requests_sent": sum(len(c.seen) for c, _ in pairs),

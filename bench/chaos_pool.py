@@ -7,7 +7,8 @@ xpod bench chaos --dies 4 --kv-pool --pool-ssd-mib 256 --dataset multi-turn \\
 
 Both servers serve with the pod-wide KV pool (`--kv-pool` and its `--pool-*` flags, passed to
 `xpod serve`); the chaos run's plan may hit the pool server (`kill-pool`, `stop-pool` kinds, or
-an explicit `--inject` plan with `pool=0` targets: `runtime.engine.faults`).
+an explicit `--inject` plan with `pool=S` targets: `runtime.engine.faults`; one server per host
+with `--hosts`, S the host's index).
 
 `--dataset multi-turn`: `xpod bench serve`'s conversations (`bench.serve.multiturn`: one system
 prompt, each turn the previous turn's prompt and reply ids plus a new user message), so most of

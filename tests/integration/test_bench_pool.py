@@ -142,3 +142,50 @@ def test_pool_tiers_bad_flags_are_one_line_errors(flags, says, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("xpod bench tiers: error: "), err
     assert says in err, err
+
+
+TINY = ["bench", "pool", "--model", "small", "--max-seq-len", "256", "--prompt-len", "128",
+        "--reuse", "0.5", "--prompts", "2"]  # fmt: skip
+
+
+@pytest.mark.timeout(180)
+def test_hosts_mode_compares_a_same_host_hit_with_a_fetched_one(tmp_path):
+    """--hosts 2,2: a same-host hit (die 1) and a cross-host one (die 2, fetched over TCP) of
+    the same 4 blocks, every prompt's whole shared prefix landed, the fetches counted."""
+    out = tmp_path / "hosts.json"
+    assert cli.main([*TINY, "--hosts", "2,2", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    (row,) = res["reuse_sweep"]
+    assert (
+        row["cached_tokens_same"] == row["cached_tokens_cross"] == 64 == row["cached_tokens_local"]
+    )
+    assert row["load_bytes_same_host"] == row["load_bytes_cross_host"] > 0
+    assert row["load_ms_cross_host"] > 0 and row["cross_over_same_load"] > 0
+    fetch = res["master_fetch_counters"]
+    assert fetch["2"]["pool_fetches"] == 2 and fetch["2"]["pool_fetch_failed"] == 0
+    assert fetch["1"]["pool_fetches"] == 0  # die 1 is on the warm die's host: no fetch
+
+
+@pytest.mark.timeout(180)
+def test_pd_mode_halves_the_link_at_half_reuse(tmp_path):
+    out = tmp_path / "pd.json"
+    assert cli.main([*TINY, "--pd", "1,1", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["reuse_sweep"]
+    assert row["link_bytes_on"] * 2 == row["link_bytes_off"] > 0  # 4 of 8 blocks skipped
+    assert row["decode_load_ms_on"] > 0 and row["decode_load_ms_off"] == 0
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--hosts", "1,1"], "two dies on the first host"),
+    (["--hosts", "2,2", "--pd", "1,1"], "not with --hosts"),
+    (["--fabric", "mpi"], "only with --hosts"),
+    (["--pd", "1"], "is not P,D"),
+])  # fmt: skip
+def test_bad_hosts_and_pd_flags_are_refused(argv, match, capsys):
+    try:
+        status = cli.main([*TINY, *argv])
+    except SystemExit as e:  # argparse's own refusals
+        status = e.code
+    assert status == 2
+    err = capsys.readouterr().err
+    assert match in err and len(err.strip().splitlines()) == 1, err
