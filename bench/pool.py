@@ -139,9 +139,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
         " another host's, fetched over TCP (bench.pool_hosts; --dies is the sum)")  # fmt: skip
     add("--fabric", choices=("mpi", "mpi-rma", "mirror"), default=None,
         help="with --hosts: how dies reach other hosts (default mpi)")  # fmt: skip
-    add("--pd", type=pd_pair, default=None, metavar="P,D",
+    add(
+        "--pd",
+        type=pd_pair,
+        default=None,
+        metavar="P,D",
         help="a PD pod of P prefill and D decode dies: the decode die loading the pooled prefix"
-        " (the KV link carries the rest) against the link carrying it all (bench.pool_pd)")
+        " (the KV link carries the rest) against the link carrying it all (bench.pool_pd)",
+    )
 
 
 @dataclass(frozen=True)
@@ -578,7 +583,11 @@ def print_report(res: dict) -> None:
         print(f"the pool's cost at r = 0, {ov['pairs']} ABBA pairs: TTFT p50 pool"
               f" {ov['ttft_ms_pool_p50']:.0f} ms, nocache {ov['ttft_ms_nocache_p50']:.0f} ms;"
               f" paired median {ov['overhead_paired_median']:+.1%} (95 % CI {lo:+.1%} to"
-              f" {hi:+.1%})")  # fmt: skip
+              f" {hi:+.1%}); counted per pool request: servers' CPU"
+              f" {ov['server_cpu_ms_per_request']:.2f} ms (store copies"
+              f" {ov['server_store_copy_ms_per_request']:.2f} ms), shell"
+              f" {ov['shell_pool_ms_per_request']:.3f} ms ="
+              f" {ov['counted_share_of_ttft']:.2%} of its TTFT")  # fmt: skip
     print("bars:")
     for name, b in res["bars"].items():
         v, lim = b["value"], b["bar"]

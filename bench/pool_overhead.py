@@ -11,6 +11,14 @@ done (a store runs off a request's critical path, but here it must not fall on t
 request, which may be the other engine's). Every request on die B, `max_tokens` 1. The figure:
 the median over the 2N pairs of TTFT(pool) / TTFT(nocache) - 1, with a bootstrap 95 % interval
 of that median (seeded), beside the ratio of the p50s.
+
+Two engines are two pods, whose dies differ in speed by several percent on this machine (the
+sweep's die A against die B): the ratio can carry that, either sign. So the pool's own work at
+r = 0 is also counted directly, per measured pool request: the pool servers' CPU time (the
+stores of its blocks; psutil, in clock ticks, and the stores' copy time the servers report) and
+the shell's time in the pool (lookups, events, replies:
+timed here, the shell being this process), beside that request's TTFT. The masters' part (an
+offer: a hold and an event per new block) is not counted.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import random
 import time
 
 import numpy as np
+import psutil
 
 from bench.common import progress
 from bench.pool_requests import ask, prime, ttft
@@ -43,6 +52,11 @@ def overhead(o, pool: Engine, nocache: Engine, quads: int, die: int) -> dict:
     """ABBA pairs at r = 0 on `die` of each engine (module docstring); `o`: bench.pool's
     Options."""
     pairs: list[tuple[float, float]] = []
+    shell_ns = [0]
+    ps = pool.pool
+    for name in ("hint", "on_event", "on_server"):  # the shell's pool calls, timed
+        setattr(ps, name, _timed(getattr(ps, name), shell_ns))
+    cpu0, copy0 = _server_cpu(pool), ps.stats()["pool_store_copy_ns"]
     for q in range(quads):
         rng = random.Random(f"{o.seed}/overhead/{q}")
         prompts = [[rng.randrange(256) for _ in range(o.prompt_len)] for _ in range(2)]
@@ -57,6 +71,10 @@ def overhead(o, pool: Engine, nocache: Engine, quads: int, die: int) -> dict:
         progress(f"  overhead {q + 1}/{quads}: pool {got['pool', 0] * 1e3:.0f} /"
                  f" {got['pool', 1] * 1e3:.0f} ms, nocache {got['nocache', 0] * 1e3:.0f} /"
                  f" {got['nocache', 1] * 1e3:.0f} ms")  # fmt: skip
+    server_ms = (_server_cpu(pool) - cpu0) * 1e3  # in clock ticks (10 ms): summed, not per order
+    copy_ms = (ps.stats()["pool_store_copy_ns"] - copy0) / 1e6
+    for name in ("hint", "on_event", "on_server"):
+        delattr(ps, name)  # the class's methods again
     ratios = np.array([p / n - 1.0 for p, n in pairs])
     boot = np.random.default_rng(o.seed).choice(ratios, (2000, len(ratios)))
     lo, hi = np.percentile(np.median(boot, axis=1), [2.5, 97.5])
@@ -71,4 +89,31 @@ def overhead(o, pool: Engine, nocache: Engine, quads: int, die: int) -> dict:
             "overhead_paired_median": med, "overhead_ci95": [float(lo), float(hi)],
             "overhead_p50_ratio": float(np.median(ms_p) / np.median(ms_n) - 1.0),
             "samples_ms": {"pool": ms_p, "nocache": ms_n},
+            "server_cpu_ms_per_request": server_ms / len(pairs),
+            "server_store_copy_ms_per_request": copy_ms / len(pairs),
+            "shell_pool_ms_per_request": shell_ns[0] / 1e6 / len(pairs),
+            "counted_share_of_ttft": (max(server_ms, copy_ms) + shell_ns[0] / 1e6) / sum(ms_p),
             "bar": OVERHEAD_BAR, "ok": med <= OVERHEAD_BAR}  # fmt: skip
+
+
+def _timed(fn, acc: list[int]):
+    def call(*args, **kwargs):
+        t0 = time.perf_counter_ns()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            acc[0] += time.perf_counter_ns() - t0
+
+    return call
+
+
+def _server_cpu(eng: Engine) -> float:
+    """CPU seconds (user + system) of the engine's live pool servers."""
+    total = 0.0
+    for pid in [h.pid for h in (eng.pool.handle_of(s) for s in eng.pool.servers) if h]:
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total

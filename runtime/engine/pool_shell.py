@@ -156,7 +156,7 @@ class PoolShell:
                          "pool_load_ms_sum": 0.0, "pool_load_bytes": 0,
                          "pool_quota_refused_blocks": 0, "pool_remote_hint_blocks": 0,
                          "pool_remote_cut_blocks": 0, "pool_decode_hints": 0,
-                         "pool_decode_hint_blocks": 0}  # fmt: skip
+                         "pool_decode_hint_blocks": 0, "pool_store_copy_ns": 0}  # fmt: skip
 
     # -- the servers' state (the fault watch and the supervisor read these) -------------------
 
@@ -467,6 +467,7 @@ class PoolShell:
                 for h, crc in zip(hashes, body["crcs"], strict=True):
                     self.index.put_end(h, int(crc))
                 self.counters["pool_stored_blocks"] += len(hashes)
+                self.counters["pool_store_copy_ns"] += int(body.get("ns") or 0)
             else:
                 for h in hashes:
                     self.index.put_abort(h)
