@@ -123,8 +123,9 @@ def run(o, pd: tuple[int, int]) -> int:
                 for name, eng in [("on", on), ("off", off)][:: 1 if rep % 2 == 0 else -1]:
                     tails = [[rng.randrange(256) for _ in range(L - k * bs)] for _ in range(2)]
                     tails[0][0], tails[1][0] = 1, 2  # nothing shared past P
-                    x[name] = one(o, eng, decode, {"warm": shared + tails[0],
-                                                   "measured": shared + tails[1]})
+                    x[name] = one(
+                        o, eng, decode, {"warm": shared + tails[0], "measured": shared + tails[1]}
+                    )
                 reps.append(x)
                 if x["on"]["skipped_blocks"] != k:
                     bad.append((r, rep, x["on"]["skipped_blocks"]))
