@@ -293,6 +293,10 @@ class PoolIndex(Eviction):
 
     # ---- servers --------------------------------------------------------------------------
 
+    def is_down(self, s: int) -> bool:
+        """Server s died and has not sent its inventory since (its entries are not served)."""
+        return s in self._down
+
     def server_dead(self, s: int, ssd_survives: bool = True) -> dict:
         """Server s is gone (until `server_inventory`): its writing entries are aborted, its
         DRAM slots forgotten; entries only in its DRAM leave with their descendants; its SSD

@@ -111,6 +111,7 @@ class PoolSide(Fetches):
         self.holds: dict[int, object] = {}  # put hold id -> holder key
         self.next_hold = 0
         self.known: OrderedDict[int, None] = OrderedDict()
+        self.died: set[int] = set()  # servers seen dead and not up again (re-offer when they are)
         self.events: list[list] = []
         self.counters = {"pool_query_tokens": 0, "pool_hit_tokens": 0, "pool_loads": 0,
                          "pool_load_fallbacks": 0, "pool_crc_mismatches": 0,
@@ -372,14 +373,22 @@ class PoolSide(Fetches):
         elif kind == "pool_dead":
             self.server_dead(body.get("server"))
         elif kind == "pool_up":
-            self.server_up(body.get("server"), body.get("pid"), body.get("peer"))
+            self.server_up(body.get("server"), body.get("pid"), body.get("peer"),
+                           bool(body.get("reoffer")))  # fmt: skip
 
-    def server_up(self, server: int, pid: int | None, peer: str | None = None) -> None:
+    def server_up(
+        self, server: int, pid: int | None, peer: str | None = None, reoffer: bool = False
+    ) -> None:
         """Server `server` (re)started and re-indexed: its DRAM tier mapped now (off a hit's
-        critical path), and every block offered again (those offered while it was down were
-        refused: a later prompt's blocks would otherwise never reach the pool)."""
-        self.known.clear()
-        self.offered.clear()
+        critical path), and after a restart every block offered again (those offered while it
+        was down were refused: a later prompt's blocks would otherwise never reach the pool).
+        Its first start refused nothing (the orders waited on its socket): no re-offer. The
+        shell says which (`reoffer`: the index had it down); this master knows it too when it
+        saw the server's `pool_dead`."""
+        if reoffer or server in self.died:
+            self.died.discard(server)
+            self.known.clear()
+            self.offered.clear()
         if isinstance(server, int) and server != self.home:  # another host's: its peer socket
             self._peer(server, peer)  # connected now, off a hit's critical path
             return
@@ -398,6 +407,7 @@ class PoolSide(Fetches):
         blocks offered lately are offered again (its DRAM entries are gone: a later block whose
         parent is not re-offered would be an orphan, never stored)."""
         self.known.clear()
+        self.died.add(server)
         seg = self.segs.pop(server, None)
         if seg is not None:
             seg.close()

@@ -482,6 +482,7 @@ class PoolShell:
             for h, ns, *_ in ents:
                 if isinstance(ns, str):
                     self._note_ns(ns, [h])
+            reoffer = self.index.is_down(s)  # a restart: offers made meanwhile were refused
             self.index.server_inventory(s, ents)
             self.counters["pool_inventory_blocks"] += len(ents)
             self.counters["pool_inventories"] += 1
@@ -493,7 +494,7 @@ class PoolShell:
             pid = body.get("pid")
             for g in range(self.e.config.dies):
                 self.e._send(g, "pool_up", {"server": s, "pid": pid, "peer": sv.peer,
-                                            "epoch": sv.epoch})  # fmt: skip
+                                            "epoch": sv.epoch, "reoffer": reoffer})  # fmt: skip
         elif kind == "error":
             log.warning("kv pool: server %d refused an order: %s", s, body.get("error"))
         self._send_orders(self.index.take_orders())
