@@ -264,9 +264,10 @@ class PoolShell:
             self.counters["pool_server_restarts"] += 1
             try:
                 self._spawn(sv)
-            except Exception:
+            except Exception as e:  # noqa: BLE001 - costs this host's hits, never requests
                 sv.down = True
-                raise
+                log.error("kv pool: server %d's restart failed: %s: its host's blocks are not"
+                          " pooled any more", s, e)  # fmt: skip
         return died
 
     def close(self) -> None:

@@ -139,3 +139,34 @@ def test_a_killed_server_restarts_and_the_other_host_fetches_from_its_successor(
         wait_for(lambda: mstat(eng, 3, "pool_remote_hit_tokens") >= 4 * BS, what="die 3's hit")
         assert c.n_cached == 4 * BS and mstat(eng, 3, "pool_fetch_failed") == 0
         ok([a, b, c])
+
+
+def test_a_server_that_cannot_restart_costs_its_host_only(monkeypatch):
+    """Host 1's server killed and its restart failing: that server is off (its host's dies
+    store nothing), the pool stays on, and die 2 (host 1) still fetches host 0's blocks."""
+    from runtime.engine import pool_shell
+
+    p = prompt_of(81)
+    with Engine.launch(**BASE, **HOSTS, kv_pool=PoolConfig(dram_mib=16, **SLOW_OK)) as eng:
+        (a,) = run(eng, [p], 0)
+        wait_in_pool(eng, p)
+
+        def no_restart(cfg):
+            raise OSError("no room for another server")
+
+        monkeypatch.setattr(pool_shell, "start_pool_server", no_restart)
+        with eng.lock:
+            pid = eng.pool.handle_of(1).pid
+        os.kill(pid, signal.SIGKILL)
+
+        def off() -> bool:
+            with eng.lock:
+                return eng.pool.servers[1].down
+
+        wait_for(off, what="server 1 off after its failed restart")
+        with eng.lock:
+            assert not eng.pool.down and eng.pool.handle_of(0) is not None
+        (b,) = run(eng, [p[: 4 * BS] + prompt_of(82, 5)], 2)
+        wait_for(lambda: mstat(eng, 2, "pool_remote_hit_tokens") >= 4 * BS, what="die 2's hit")
+        assert b.n_cached == 4 * BS
+        ok([a, b])
