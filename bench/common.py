@@ -127,6 +127,18 @@ def write_jsonl(path: str, rows: Iterable[dict], append: bool = False) -> None:
             f.write(json.dumps(r, sort_keys=False) + "\n")
 
 
+def pct(xs: Sequence[float], q: float) -> float | None:
+    """The q-th percentile of xs (None: no samples)."""
+    return float(np.percentile(xs, q)) if len(xs) else None
+
+
+def write_json(path: str, obj: dict) -> None:
+    """One JSON object to `path` (indented), and a progress line saying so."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+    progress(f"  wrote {path}")
+
+
 def write_outputs(rows: list[dict], json_path: str | None, plot_path: str | None) -> None:
     """The --json and --plot outputs every bench offers."""
     if json_path:

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import random
 import time
@@ -58,7 +57,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bench.common import print_table, progress, run_info
+from bench.common import pct, print_table, progress, run_info, write_json
 from bench.pool_overhead import overhead
 from bench.pool_requests import ask, prime, ttft
 from memory.errors import ConfigError
@@ -325,10 +324,6 @@ def batch(o: Options, pool: Engine, nocache: Engine, point: int, k: int) -> dict
     return out
 
 
-def pct(xs: list[float], q: float) -> float | None:
-    return float(np.percentile(xs, q)) if xs else None
-
-
 def summarize(o: Options, r: float, k: int, reps: list[dict], thr: dict, ctr: dict) -> dict:
     ms = {w: [x[w] * 1e3 for x in reps] for w in ("nocache", "pool", "local", "local_die_a")}
     p50 = {w: pct(v, 50) for w, v in ms.items()}
@@ -537,9 +532,7 @@ def run(opts: Options) -> int:
                                                    over["bar"], over["ok"])  # fmt: skip
     print_report(res)
     if o.json:
-        with open(o.json, "w", encoding="utf-8") as f:
-            json.dump(res, f, indent=1)
-        progress(f"  wrote {o.json}")
+        write_json(o.json, res)
     bad = [r["reuse"] for r in rows if (r["reuse_blocks"] == 0) != (r["pool_hit_tokens"] == 0)]
     if bad:
         progress(f"  pool hits where none were expected, or none where k > 0: r = {bad}")

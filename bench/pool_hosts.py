@@ -25,14 +25,13 @@ path, the cross-host / same-host ratio of the same run, GB/s, TTFTs, and the mac
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import time
 
 import numpy as np
 
-from bench.common import print_table, progress, run_info
+from bench.common import pct, print_table, progress, run_info, write_json
 from bench.pool_requests import ask, prime, ttft
 from memory.errors import ConfigError
 from runtime.engine import Engine, EngineConfig
@@ -110,10 +109,6 @@ def one_rep(o, eng: Engine, dies: tuple[int, int, int], point: int, rep: int, k:
         out[f"{name}_load_ms"] = c1[0] - c0[0]
         out[f"{name}_load_bytes"] = c1[1] - c0[1]
     return out
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    return float(np.percentile(xs, q)) if xs else None
 
 
 def summarize(r: float, k: int, reps: list[dict], block_size: int) -> dict:
@@ -200,9 +195,7 @@ def run(o, hosts: list[int], spec: str) -> int:
           f" load average {n['loadavg_start'][0]:.2f} -> {n['loadavg_end'][0]:.2f} on"
           f" {n['host_cores']} cores")  # fmt: skip
     if o.json:
-        with open(o.json, "w", encoding="utf-8") as f:
-            json.dump(res, f, indent=1)
-        progress(f"  wrote {o.json}")
+        write_json(o.json, res)
     if bad:
         progress(f"  hits short of the shared prefix (r, rep, same, cross): {bad}")
     return 1 if bad else 0

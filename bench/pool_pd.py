@@ -19,14 +19,13 @@ the transfer). Figures: p50 / p99 per engine, on / off ratios of the same run.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import time
 
 import numpy as np
 
-from bench.common import print_table, progress, run_info
+from bench.common import pct, print_table, progress, run_info, write_json
 from runtime.engine import Engine, EngineConfig, EngineError, SamplingParams
 from runtime.engine.pool_shell import PoolConfig
 
@@ -98,10 +97,6 @@ def one(o, eng: Engine, decode: list[int], ps: dict) -> dict:
             "decode_load_ms": d["decode_ns"] / 1e6, "skipped_blocks": d["skipped"]}  # fmt: skip
 
 
-def pct(xs, q):
-    return float(np.percentile(xs, q)) if len(xs) else None
-
-
 def run(o, pd: tuple[int, int]) -> int:
     bs, L = o.block_size, o.prompt_len
     reuse = [r for r in o.reuse if r > 0] or [0.5, 0.9]
@@ -154,9 +149,7 @@ def run(o, pd: tuple[int, int]) -> int:
           " prompts per r (one run; compare within it)")  # fmt: skip
     print_table(rows, COLUMNS)
     if o.json:
-        with open(o.json, "w", encoding="utf-8") as f:
-            json.dump(res, f, indent=1)
-        progress(f"  wrote {o.json}")
+        write_json(o.json, res)
     if bad:
         progress(f"  decode loads short of the shared prefix (r, rep, blocks): {bad}")
     return 1 if bad else 0
