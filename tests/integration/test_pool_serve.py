@@ -44,6 +44,15 @@ def test_second_die_loads_the_prompt_from_the_pool():
         wait_for(lambda: metric(s.metrics(), "xpod_pool_stored_blocks_total") >= full,
                  what="the first prompt's blocks stored in the pool")  # fmt: skip
         second = complete(s)
+        # the masters' stats reach /metrics after the response: wait on the counter (it only
+        # grows), else an idle group's stats from before the request read as settled
+        wait_for(
+            lambda: (
+                sum(metric(s.metrics(), "xpod_pool_hits_total", group=g) for g in (0, 1))
+                >= full * BLOCK
+            ),
+            what="the pool hit in /metrics",
+        )
         m = settle(s)
         a, b = first["choices"][0], second["choices"][0]
         assert a["token_ids"] == b["token_ids"] and a["text"] == b["text"]
